@@ -1,0 +1,115 @@
+//! Connecting to Postgres: create the database if missing, apply the embedded migrations.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgPool};
+
+/// The migrations under `migrations/`, embedded in the binary.
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// The database URL used when neither `DATABASE_URL` nor a flag gives one.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/idem";
+
+/// Why the database could not be prepared.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DbError {
+    /// The URL does not parse as a Postgres URL.
+    #[error("invalid database URL")]
+    InvalidUrl(#[source] sqlx::Error),
+    /// Postgres did not accept a connection.
+    #[error("cannot reach Postgres at {target}")]
+    Connect {
+        /// `host:port/database`, without credentials.
+        target: String,
+        /// What the driver said.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// `CREATE DATABASE` failed.
+    #[error("cannot create database {database}")]
+    CreateDatabase {
+        /// The database name.
+        database: String,
+        /// What Postgres said.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A migration failed to apply.
+    #[error("cannot apply migrations")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Where a connection goes, for error messages: never includes the password.
+fn target(options: &PgConnectOptions) -> String {
+    format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("postgres")
+    )
+}
+
+/// Creates the database named in `url` if it does not exist yet.
+///
+/// Connects to the server's `postgres` database to issue `CREATE DATABASE`; a database
+/// created concurrently by another process counts as success.
+pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
+    let options = PgConnectOptions::from_str(url).map_err(DbError::InvalidUrl)?;
+    let Some(database) = options.get_database().map(str::to_owned) else {
+        return Ok(());
+    };
+    let admin = options.clone().database("postgres");
+    let mut conn = admin.connect().await.map_err(|source| DbError::Connect {
+        target: target(&admin),
+        source,
+    })?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&database)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|source| DbError::Connect {
+                target: target(&admin),
+                source,
+            })?;
+    if !exists {
+        let create = format!("CREATE DATABASE \"{}\"", database.replace('"', "\"\""));
+        if let Err(source) = sqlx::query(&create).execute(&mut conn).await {
+            // 42P04 duplicate_database: another process won the race, which is fine.
+            let raced = source
+                .as_database_error()
+                .and_then(|e| e.code())
+                .is_some_and(|code| code == "42P04");
+            if !raced {
+                return Err(DbError::CreateDatabase { database, source });
+            }
+        }
+    }
+    let _ = conn.close().await;
+    Ok(())
+}
+
+/// Creates the database if missing, opens a pool of at most `max_connections` and
+/// applies the migrations. Applying them again is harmless.
+pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
+    create_database_if_missing(url).await?;
+    let options = PgConnectOptions::from_str(url).map_err(DbError::InvalidUrl)?;
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        // A ping before every acquire would double the round trips of every claim;
+        // a dead connection surfaces as an error on first use instead.
+        .test_before_acquire(false)
+        .connect_with(options.clone())
+        .await
+        .map_err(|source| DbError::Connect {
+            target: target(&options),
+            source,
+        })?;
+    MIGRATOR.run(&pool).await?;
+    Ok(pool)
+}

@@ -1,0 +1,214 @@
+//! The payload fingerprint: SHA-256 of canonical JSON, volatile fields left out.
+//!
+//! Same key with the same fingerprint is a redelivery; same key with another
+//! fingerprint is a conflict (a changed payload is a new intent and needs a new key).
+
+use std::fmt::{self, Write as _};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// SHA-256 of a payload's canonical JSON, as 64 lowercase hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Fingerprint(String);
+
+impl Fingerprint {
+    /// Fingerprints `payload` with the `volatile` fields removed.
+    ///
+    /// A volatile field is named by a dotted path through objects: `sent_at` removes a
+    /// top-level field, `meta.trace_id` a nested one. Paths that do not exist are
+    /// ignored. Object keys are sorted at every depth and no whitespace is written, so
+    /// producers that reorder keys or pretty-print produce the same fingerprint.
+    pub fn of(payload: &Value, volatile: &[&str]) -> Self {
+        let mut digest = Sha256::new();
+        if volatile.is_empty() {
+            digest.update(canonical_json(payload));
+        } else {
+            let mut stripped = payload.clone();
+            for path in volatile {
+                remove_path(&mut stripped, path);
+            }
+            digest.update(canonical_json(&stripped));
+        }
+        Self(hex::encode(digest.finalize()))
+    }
+
+    /// Wraps a hex digest read back from the database.
+    pub fn from_hex(hex: String) -> Self {
+        Self(hex)
+    }
+
+    /// The digest as 64 lowercase hex digits.
+    pub fn as_hex(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Writes `value` as canonical JSON: object keys sorted (by their UTF-8 bytes) at every
+/// depth, no insignificant whitespace, numbers and strings as serde_json writes them.
+///
+/// Sorting is done here rather than relied on from `serde_json::Map`, whose order
+/// depends on whether any crate in the build enables `preserve_order`.
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => {
+            let _ = write!(out, "{n}");
+        }
+        Value::String(s) => write_string(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push('{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_string(k, out);
+                out.push(':');
+                write_canonical(v, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn write_string(s: &str, out: &mut String) {
+    // serde_json's string escaping cannot fail for a &str.
+    out.push_str(&Value::String(s.to_owned()).to_string());
+}
+
+fn remove_path(value: &mut Value, path: &str) {
+    let mut parts = path.split('.').peekable();
+    let mut current = value;
+    while let Some(part) = parts.next() {
+        let Value::Object(map) = current else { return };
+        if parts.peek().is_none() {
+            map.remove(part);
+            return;
+        }
+        match map.get_mut(part) {
+            Some(next) => current = next,
+            None => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn sorts_keys_at_every_depth_without_whitespace() {
+        let v: Value =
+            serde_json::from_str(r#"{ "b": 1, "a": { "z": [ {"y":2, "x":1} ], "c": null } }"#)
+                .unwrap();
+        assert_eq!(
+            canonical_json(&v),
+            r#"{"a":{"c":null,"z":[{"x":1,"y":2}]},"b":1}"#
+        );
+    }
+
+    #[test]
+    fn reordered_keys_give_the_same_fingerprint() {
+        let a = json!({"event_id": "e1", "amount": 10, "meta": {"x": 1, "y": [1, 2]}});
+        let b: Value =
+            serde_json::from_str(r#"{"meta":{"y":[1,2],"x":1},"amount":10,"event_id":"e1"}"#)
+                .unwrap();
+        assert_eq!(Fingerprint::of(&a, &[]), Fingerprint::of(&b, &[]));
+    }
+
+    #[test]
+    fn array_order_and_values_matter() {
+        let a = json!({"items": [1, 2]});
+        let b = json!({"items": [2, 1]});
+        let c = json!({"items": [1, 2], "n": 1});
+        let d = json!({"items": [1, 2], "n": 2});
+        assert_ne!(Fingerprint::of(&a, &[]), Fingerprint::of(&b, &[]));
+        assert_ne!(Fingerprint::of(&c, &[]), Fingerprint::of(&d, &[]));
+    }
+
+    #[test]
+    fn unicode_is_kept_and_escapes_are_normalised() {
+        // The same string written with a \u escape and as a literal reads the same.
+        let escaped: Value = serde_json::from_str(
+            r#"{"name":"Gr\u00fc\u00dfe \u043f\u0440\u0438\u0432\u0456\u0442"}"#,
+        )
+        .unwrap();
+        let literal = json!({"name": "Grüße привіт"});
+        assert_eq!(canonical_json(&escaped), r#"{"name":"Grüße привіт"}"#);
+        assert_eq!(
+            Fingerprint::of(&escaped, &[]),
+            Fingerprint::of(&literal, &[])
+        );
+        // Keys sort by bytes: "Z" < "a" < "é".
+        let v = json!({"é": 1, "a": 2, "Z": 3});
+        assert_eq!(canonical_json(&v), r#"{"Z":3,"a":2,"é":1}"#);
+        // Control characters and quotes are escaped as JSON requires.
+        assert_eq!(canonical_json(&json!("a\"b\n")), r#""a\"b\n""#);
+    }
+
+    #[test]
+    fn volatile_fields_are_removed_top_level_and_dotted() {
+        let a = json!({"id": 1, "sent_at": "10:00", "meta": {"trace": "t1", "kept": true}});
+        let b = json!({"id": 1, "sent_at": "11:00", "meta": {"trace": "t2", "kept": true}});
+        let volatile = ["sent_at", "meta.trace"];
+        assert_eq!(
+            Fingerprint::of(&a, &volatile),
+            Fingerprint::of(&b, &volatile)
+        );
+        assert_ne!(
+            Fingerprint::of(&a, &["sent_at"]),
+            Fingerprint::of(&b, &["sent_at"])
+        );
+        // A non-volatile nested change is still seen.
+        let c = json!({"id": 1, "sent_at": "10:00", "meta": {"trace": "t1", "kept": false}});
+        assert_ne!(
+            Fingerprint::of(&a, &volatile),
+            Fingerprint::of(&c, &volatile)
+        );
+        // Absent paths and paths through non-objects are ignored.
+        let d = json!({"id": 1, "meta": 5});
+        assert_eq!(
+            Fingerprint::of(&d, &["meta.trace", "nope", "x.y.z"]),
+            Fingerprint::of(&d, &[])
+        );
+    }
+
+    #[test]
+    fn digest_is_sha256_of_canonical_form() {
+        let v = json!({"b": 2, "a": 1});
+        let expected = hex::encode(Sha256::digest(br#"{"a":1,"b":2}"#));
+        assert_eq!(Fingerprint::of(&v, &[]).as_hex(), expected);
+    }
+
+    #[test]
+    fn numbers_are_written_as_serde_json_reads_them() {
+        let v: Value = serde_json::from_str(r#"{"a": 1.50, "b": -0, "c": 10}"#).unwrap();
+        assert_eq!(canonical_json(&v), r#"{"a":1.5,"b":-0.0,"c":10}"#);
+    }
+}

@@ -1,0 +1,516 @@
+//! The Postgres idempotency store: claims, fences and finishes each operation's record.
+//!
+//! Every call is one short statement (one round trip, autocommit) except where the
+//! caller passes its own transaction. Time always comes from the database clock
+//! (`now()`), so workers with skewed clocks agree on when a lease expires.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::{PgExecutor, PgPool};
+
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+
+/// What the store failed at.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The caller no longer holds the lease: another worker took the operation over (or
+    /// an operator released it). Its outcome was not written; in atomic mode its
+    /// transaction must be rolled back.
+    #[error("lease lost: lease token {token} no longer owns the record")]
+    LeaseLost {
+        /// The stale token.
+        token: i64,
+    },
+    /// The claim kept racing with concurrent inserts and deletes and did not settle.
+    #[error("claim did not settle after {0} tries (concurrent writers on the same key)")]
+    Contention(u32),
+    /// A row holds a value this version does not know (e.g. a status added later).
+    #[error("unexpected record: {0}")]
+    Unexpected(String),
+    /// Postgres failed or could not be reached.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// A record's status (DESIGN.md, "The record").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// A worker holds a lease and runs the handler.
+    Processing,
+    /// The handler succeeded; `result` is stored for replay.
+    Completed,
+    /// The handler failed; `retryable` says whether a later delivery may run it again.
+    Failed,
+    /// The external outcome is uncertain; reconcile with `external_ref`, never re-run blindly.
+    Pending,
+}
+
+impl Status {
+    /// The value stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Processing => "processing",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Pending => "pending",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, StoreError> {
+        Ok(match s {
+            "processing" => Status::Processing,
+            "completed" => Status::Completed,
+            "failed" => Status::Failed,
+            "pending" => Status::Pending,
+            other => return Err(StoreError::Unexpected(format!("status {other:?}"))),
+        })
+    }
+}
+
+/// One row of `processed_operations`, as loaded by [`Store::get`].
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[allow(missing_docs)]
+pub struct Record {
+    pub id: i64,
+    pub scope: String,
+    pub operation: String,
+    pub idempotency_key: String,
+    pub payload_sha256: String,
+    #[sqlx(try_from = "String")]
+    pub status: StatusColumn,
+    pub retryable: bool,
+    pub attempts: i32,
+    pub lease_token: i64,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub owner: Option<String>,
+    pub result: Option<Value>,
+    pub error: Option<Value>,
+    pub external_ref: Option<String>,
+    pub correlation_id: Option<String>,
+    pub message_id: Option<String>,
+    pub replay_count: i32,
+    pub last_replayed_at: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub completed_at: Option<DateTime<Utc>>,
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+/// The `status` column decoded; a separate type so [`Record`] can derive `FromRow`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct StatusColumn(pub Status);
+
+impl TryFrom<String> for StatusColumn {
+    type Error = StoreError;
+    fn try_from(s: String) -> Result<Self, StoreError> {
+        Status::parse(&s).map(StatusColumn)
+    }
+}
+
+/// Proof that the caller owns an operation until `expires_at`: pass it to every write.
+///
+/// `token` is the fencing token. It is new on every claim or takeover and only grows,
+/// and every outcome write checks it, so a worker whose lease was taken over can no
+/// longer write an outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The record's primary key.
+    pub id: i64,
+    /// The fencing token.
+    pub token: i64,
+    /// Which claim of this key this is, from 1.
+    pub attempt: i32,
+    /// True when the previous owner's lease expired while it was `processing`: it may
+    /// have crashed half-way, so effects must be idempotent by the key.
+    pub takeover: bool,
+    /// When the lease lapses unless extended (database clock).
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What a claim found, deciding what the worker does with a delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// The caller owns the operation (new, taken over after an expired lease, or a
+    /// retryable failure re-claimed): run the handler.
+    Claimed(Lease),
+    /// Already done with this payload: do not run; the stored result is replayable.
+    Completed {
+        /// The stored result.
+        result: Option<Value>,
+    },
+    /// Another worker holds a live lease: do not run, retry later.
+    InProgress {
+        /// When that lease lapses, if known.
+        lease_expires_at: Option<DateTime<Utc>>,
+    },
+    /// The key was used with another payload: never run, never retry.
+    Conflict {
+        /// The fingerprint stored with the key.
+        stored: Fingerprint,
+    },
+    /// Failed and not retryable: do not run.
+    FailedForGood {
+        /// The stored error.
+        error: Option<Value>,
+        /// How many claims the key had.
+        attempts: i32,
+    },
+    /// The outcome is uncertain. The caller now holds a lease for reconciling it (call
+    /// the handler's `reconcile` with `external_ref`); it must not re-run the handler
+    /// unless reconcile says the effect was not applied.
+    Pending {
+        /// The lease for reconciling.
+        lease: Lease,
+        /// The provider's reference stored when the operation became pending.
+        external_ref: Option<String>,
+    },
+}
+
+/// Delivery details kept on a new record for inspection.
+#[derive(Debug, Clone, Default)]
+pub struct Origin<'a> {
+    /// The broker message id of the first delivery.
+    pub message_id: Option<&'a str>,
+    /// The correlation id, if the producer set one.
+    pub correlation_id: Option<&'a str>,
+}
+
+/// Store settings.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Worker id written to `owner` on claims.
+    pub owner: String,
+    /// How long a claim is owned without a heartbeat.
+    pub lease: Duration,
+    /// How long a completed record is kept (DESIGN.md: default 7 days). It must exceed
+    /// the longest redelivery and replay horizon, or a late duplicate runs again.
+    pub retention: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            owner: format!("pid-{}", std::process::id()),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// The idempotency store on Postgres.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+    config: StoreConfig,
+}
+
+/// How often a claim may find the key inserted or deleted between its snapshot and its
+/// write before giving up (each retry is one more statement with a fresh snapshot).
+const CLAIM_TRIES: u32 = 8;
+
+/// One statement decides the claim: insert a new record, or take over an expired /
+/// retryable / pending one, or report the existing one. Each CTE runs on the same
+/// snapshot; the `UPDATE` re-checks its conditions on the newest row version, so of
+/// concurrent takers exactly one wins. Two races make the snapshot stale, and the
+/// caller then runs the statement again with a fresh one: the key was committed by
+/// another transaction after our snapshot began (the `INSERT` conflicts but `cur` cannot
+/// see the row: no row comes back), or the row was claimable in our snapshot but
+/// another transaction changed it first (`existing` with `claimable`).
+const CLAIM_SQL: &str = r#"
+WITH ins AS (
+    INSERT INTO processed_operations
+        (scope, operation, idempotency_key, payload_sha256, status, attempts,
+         lease_token, lease_expires_at, owner, message_id, correlation_id)
+    VALUES ($1, $2, $3, $4, 'processing', 1,
+            nextval('processed_operations_lease_token_seq'),
+            now() + $5::bigint * interval '1 millisecond', $6, $7, $8)
+    ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
+    RETURNING id, status, attempts, lease_token, lease_expires_at
+),
+cur AS (
+    SELECT *,
+           payload_sha256 = $4
+           AND (   (status = 'processing' AND lease_expires_at <= now())
+                OR (status = 'failed' AND retryable)
+                OR (status = 'pending'
+                    AND (lease_expires_at IS NULL OR lease_expires_at <= now())))
+           AS claimable
+    FROM processed_operations
+    WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+      AND NOT EXISTS (SELECT 1 FROM ins)
+),
+upd AS (
+    UPDATE processed_operations p
+    SET status = CASE WHEN p.status = 'pending' THEN 'pending' ELSE 'processing' END,
+        attempts = p.attempts + 1,
+        lease_token = nextval('processed_operations_lease_token_seq'),
+        lease_expires_at = now() + $5::bigint * interval '1 millisecond',
+        owner = $6,
+        retryable = false,
+        updated_at = now()
+    FROM cur
+    WHERE p.id = cur.id
+      AND p.payload_sha256 = $4
+      AND (   (p.status = 'processing' AND p.lease_expires_at <= now())
+           OR (p.status = 'failed' AND p.retryable)
+           OR (p.status = 'pending'
+               AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))
+    RETURNING p.id, p.status, p.attempts, p.lease_token, p.lease_expires_at,
+              cur.status AS previous_status, p.external_ref
+)
+SELECT 'inserted' AS found, id, status, attempts, lease_token, lease_expires_at,
+       NULL::text AS previous_status, NULL::text AS external_ref,
+       NULL::text AS payload_sha256, NULL::jsonb AS result, NULL::jsonb AS error,
+       NULL::boolean AS claimable
+  FROM ins
+UNION ALL
+SELECT 'taken', id, status, attempts, lease_token, lease_expires_at,
+       previous_status, external_ref, NULL, NULL, NULL, NULL
+  FROM upd
+UNION ALL
+SELECT 'existing', id, status, attempts, lease_token, lease_expires_at,
+       NULL, external_ref, payload_sha256, result, error, claimable
+  FROM cur WHERE NOT EXISTS (SELECT 1 FROM upd)
+"#;
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    found: String,
+    id: i64,
+    status: String,
+    attempts: i32,
+    lease_token: i64,
+    lease_expires_at: Option<DateTime<Utc>>,
+    previous_status: Option<String>,
+    external_ref: Option<String>,
+    payload_sha256: Option<String>,
+    result: Option<Value>,
+    error: Option<Value>,
+    claimable: Option<bool>,
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Store {
+    /// A store on `pool` (already migrated, see [`crate::db::connect_and_migrate`]).
+    pub fn new(pool: PgPool, config: StoreConfig) -> Self {
+        Self { pool, config }
+    }
+
+    /// The pool, for callers that open their own transactions (atomic mode).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Claims `key` for a payload with `fingerprint`, deciding what to do with a delivery.
+    ///
+    /// One round trip in the common case; a retry only when a concurrent writer
+    /// committed the same key between this statement's snapshot and its insert.
+    pub async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        origin: &Origin<'_>,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..CLAIM_TRIES {
+            let row: Option<ClaimRow> = sqlx::query_as(CLAIM_SQL)
+                .bind(key.scope())
+                .bind(key.operation())
+                .bind(key.idempotency_key())
+                .bind(fingerprint.as_hex())
+                .bind(millis(self.config.lease))
+                .bind(&self.config.owner)
+                .bind(origin.message_id)
+                .bind(origin.correlation_id)
+                .fetch_optional(&self.pool)
+                .await?;
+            if let Some(row) = row
+                && let Some(claim) = decide(row, fingerprint)?
+            {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::Contention(CLAIM_TRIES))
+    }
+
+    /// Extends the lease by the configured lease time (heartbeat) while a handler runs.
+    /// Returns the new expiry, or [`StoreError::LeaseLost`] if another worker took over.
+    pub async fn heartbeat(&self, lease: &Lease) -> Result<DateTime<Utc>, StoreError> {
+        let expires: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "UPDATE processed_operations
+             SET lease_expires_at = now() + $3::bigint * interval '1 millisecond'
+             WHERE id = $1 AND lease_token = $2 AND status IN ('processing', 'pending')
+             RETURNING lease_expires_at",
+        )
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(millis(self.config.lease))
+        .fetch_optional(&self.pool)
+        .await?;
+        expires.ok_or(StoreError::LeaseLost { token: lease.token })
+    }
+
+    /// Records success with `result`, if `lease` still owns the record. The record
+    /// expires after the configured retention.
+    pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<(), StoreError> {
+        self.complete_in(&self.pool, lease, result).await
+    }
+
+    /// Records success inside the caller's transaction (or on any executor), so the
+    /// caller's own writes and the `completed` record commit or roll back together.
+    ///
+    /// On [`StoreError::LeaseLost`] the caller must roll its transaction back: another
+    /// worker owns the operation now. The row lock taken here is held until the caller
+    /// commits, so a concurrent takeover waits for the commit and then sees `completed`.
+    pub async fn complete_in<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        lease: &Lease,
+        result: &Value,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE processed_operations
+             SET status = 'completed', result = $3, error = NULL, retryable = false,
+                 lease_expires_at = NULL, completed_at = now(), updated_at = now(),
+                 expires_at = now() + $4::bigint * interval '1 millisecond'
+             WHERE id = $1 AND lease_token = $2 AND status IN ('processing', 'pending')",
+        )
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(result)
+        .bind(millis(self.config.retention))
+        .execute(executor)
+        .await?;
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Records a failure, if `lease` still owns the record. A `retryable` failure may be
+    /// claimed again by a later delivery; a failure for good never runs again.
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        retryable: bool,
+        error: &Value,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE processed_operations
+             SET status = 'failed', retryable = $3, error = $4,
+                 lease_expires_at = NULL, updated_at = now()
+             WHERE id = $1 AND lease_token = $2 AND status IN ('processing', 'pending')",
+        )
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(retryable)
+        .bind(error)
+        .execute(&self.pool)
+        .await?;
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Records an uncertain outcome with the provider's reference, if `lease` still owns
+    /// the record, and gives the lease up: the next delivery reconciles instead of
+    /// re-running.
+    pub async fn mark_pending(
+        &self,
+        lease: &Lease,
+        external_ref: Option<&str>,
+        error: &Value,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE processed_operations
+             SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
+                 retryable = false, lease_expires_at = NULL, updated_at = now()
+             WHERE id = $1 AND lease_token = $2 AND status IN ('processing', 'pending')",
+        )
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(external_ref)
+        .bind(error)
+        .execute(&self.pool)
+        .await?;
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Loads the record of `key`, if any.
+    pub async fn get(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT * FROM processed_operations
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+}
+
+fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LeaseLost { token: lease.token })
+    }
+}
+
+/// Turns the claim statement's row into a [`Claim`]; `None` when the snapshot was stale
+/// and the statement must run again.
+fn decide(row: ClaimRow, fingerprint: &Fingerprint) -> Result<Option<Claim>, StoreError> {
+    let status = Status::parse(&row.status)?;
+    let lease = |takeover| -> Result<Lease, StoreError> {
+        Ok(Lease {
+            id: row.id,
+            token: row.lease_token,
+            attempt: row.attempts,
+            takeover,
+            expires_at: row.lease_expires_at.ok_or_else(|| {
+                StoreError::Unexpected("claimed record without lease expiry".into())
+            })?,
+        })
+    };
+    let claim = match row.found.as_str() {
+        "inserted" => Claim::Claimed(lease(false)?),
+        "taken" if status == Status::Pending => Claim::Pending {
+            lease: lease(false)?,
+            external_ref: row.external_ref,
+        },
+        "taken" => Claim::Claimed(lease(row.previous_status.as_deref() == Some("processing"))?),
+        "existing" if row.claimable == Some(true) => return Ok(None),
+        "existing" => {
+            let stored = row.payload_sha256.unwrap_or_default();
+            if stored != fingerprint.as_hex() {
+                return Ok(Some(Claim::Conflict {
+                    stored: Fingerprint::from_hex(stored),
+                }));
+            }
+            match status {
+                Status::Completed => Claim::Completed { result: row.result },
+                Status::Failed => Claim::FailedForGood {
+                    error: row.error,
+                    attempts: row.attempts,
+                },
+                // Processing with a live lease, or pending while another worker holds
+                // the lease to reconcile it.
+                Status::Processing | Status::Pending => Claim::InProgress {
+                    lease_expires_at: row.lease_expires_at,
+                },
+            }
+        }
+        other => return Err(StoreError::Unexpected(format!("claim row kind {other:?}"))),
+    };
+    Ok(Some(claim))
+}

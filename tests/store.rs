@@ -1,0 +1,594 @@
+//! The Postgres store against a real Postgres, one fresh database per test.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem::{Claim, Fingerprint, Key, Lease, Origin, Status, Store, StoreConfig, StoreError};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::sync::Barrier;
+
+const VOLATILE: &[&str] = &["sent_at"];
+
+fn store(pool: &PgPool, lease: Duration) -> Store {
+    Store::new(
+        pool.clone(),
+        StoreConfig {
+            owner: "test-worker".into(),
+            lease,
+            ..StoreConfig::default()
+        },
+    )
+}
+
+fn key(id: &str) -> Key {
+    Key::new("tenant-a", "orders.create", id).unwrap()
+}
+
+fn fp(payload: &Value) -> Fingerprint {
+    Fingerprint::of(payload, VOLATILE)
+}
+
+fn origin() -> Origin<'static> {
+    Origin {
+        message_id: Some("msg-1"),
+        correlation_id: Some("corr-1"),
+    }
+}
+
+async fn claimed(store: &Store, key: &Key, payload: &Value) -> Lease {
+    match store.claim(key, &fp(payload), &origin()).await.unwrap() {
+        Claim::Claimed(lease) => lease,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+/// Waits, on the database clock, until the lease of `key` has lapsed.
+async fn wait_for_lease_expiry(pool: &PgPool, key: &Key) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lapsed: bool = sqlx::query_scalar(
+            "SELECT lease_expires_at <= clock_timestamp() FROM processed_operations
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if lapsed {
+            return;
+        }
+        assert!(Instant::now() < deadline, "lease did not lapse in time");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A pool whose `n` connections are all open before the race starts, so every claimer
+/// runs on its own connection.
+/// (Its own pool: one derived from the test's options may not exceed the test
+/// harness's 20 connections.)
+async fn warm_pool(connect: PgConnectOptions, n: u32) -> PgPool {
+    let pool = PgPoolOptions::new()
+        .max_connections(n)
+        .min_connections(n)
+        .test_before_acquire(false)
+        .connect_with(connect)
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..n {
+        held.push(pool.acquire().await.unwrap());
+    }
+    drop(held);
+    pool
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn first_claim_runs_then_completed_result_is_returned_unchanged(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let k = key("evt-1");
+    let payload = json!({"event_id": "evt-1", "amount": 10, "sent_at": "t1"});
+
+    let lease = claimed(&store, &k, &payload).await;
+    assert_eq!(lease.attempt, 1);
+    assert!(!lease.takeover);
+    let result = json!({"order": 42, "note": "ünïcode"});
+    store.complete(&lease, &result).await.unwrap();
+
+    let before = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(before.status.0, Status::Completed);
+    assert_eq!(before.message_id.as_deref(), Some("msg-1"));
+    assert_eq!(before.correlation_id.as_deref(), Some("corr-1"));
+    assert_eq!(before.owner.as_deref(), Some("test-worker"));
+    assert!(before.completed_at.is_some());
+    let retention = before.expires_at.unwrap() - before.completed_at.unwrap();
+    assert_eq!(retention.num_days(), 7);
+
+    for _ in 0..3 {
+        let again = store.claim(&k, &fp(&payload), &origin()).await.unwrap();
+        assert_eq!(
+            again,
+            Claim::Completed {
+                result: Some(result.clone())
+            }
+        );
+    }
+    let after = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(after.attempts, 1);
+    assert_eq!(after.updated_at, before.updated_at);
+    // A completed record can no longer be written with its old lease.
+    assert!(matches!(
+        store.complete(&lease, &json!("again")).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn fifty_concurrent_claimers_of_a_new_key_exactly_one_wins(
+    _options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    const CLAIMERS: usize = 50;
+    const ROUNDS: usize = 20;
+    let pool = warm_pool(connect, CLAIMERS as u32).await;
+    sqlx::migrate!("./migrations").run(&pool).await.unwrap();
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"event_id": "race", "amount": 1});
+
+    for round in 0..ROUNDS {
+        let k = key(&format!("race-{round}"));
+        let barrier = Arc::new(Barrier::new(CLAIMERS));
+        let mut tasks = Vec::new();
+        for _ in 0..CLAIMERS {
+            let (store, k, payload, barrier) =
+                (store.clone(), k.clone(), payload.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&k, &fp(&payload), &origin()).await.unwrap()
+            }));
+        }
+        let mut won = 0;
+        let mut in_progress = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                Claim::Claimed(lease) => {
+                    assert_eq!(lease.attempt, 1);
+                    won += 1;
+                }
+                Claim::InProgress { .. } => in_progress += 1,
+                other => panic!("unexpected claim {other:?}"),
+            }
+        }
+        assert_eq!((won, in_progress), (1, CLAIMERS - 1), "round {round}");
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_operations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, ROUNDS as i64);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn same_key_other_payload_is_a_conflict_and_changes_nothing(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let k = key("evt-c");
+    let original =
+        json!({"event_id": "evt-c", "amount": 10, "meta": {"a": 1, "b": 2}, "sent_at": "t1"});
+
+    // While processing, and after completion: a changed payload is always a conflict.
+    let lease = claimed(&store, &k, &original).await;
+    let changed =
+        json!({"event_id": "evt-c", "amount": 11, "meta": {"a": 1, "b": 2}, "sent_at": "t1"});
+    let conflict = store.claim(&k, &fp(&changed), &origin()).await.unwrap();
+    assert_eq!(
+        conflict,
+        Claim::Conflict {
+            stored: fp(&original)
+        }
+    );
+    store.complete(&lease, &json!({"ok": true})).await.unwrap();
+
+    let before = store.get(&k).await.unwrap().unwrap();
+    for _ in 0..3 {
+        assert!(matches!(
+            store.claim(&k, &fp(&changed), &origin()).await.unwrap(),
+            Claim::Conflict { .. }
+        ));
+    }
+    let after = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        serde_json::to_value(&before).unwrap(),
+        serde_json::to_value(&after).unwrap()
+    );
+
+    // Keys reordered and the volatile field changed: the same intent.
+    let resent: Value = serde_json::from_str(
+        r#"{"sent_at": "t2", "meta": {"b": 2, "a": 1}, "amount": 10, "event_id": "evt-c"}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        store.claim(&k, &fp(&resent), &origin()).await.unwrap(),
+        Claim::Completed {
+            result: Some(json!({"ok": true}))
+        }
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn identical_payloads_under_other_keys_are_independent_intents(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"amount": 100, "currency": "UAH"});
+    let keys = [
+        Key::new("tenant-a", "payments.charge", "evt-1").unwrap(),
+        Key::new("tenant-a", "payments.charge", "evt-2").unwrap(),
+        Key::new("tenant-b", "payments.charge", "evt-1").unwrap(),
+        Key::new("tenant-a", "payments.refund", "evt-1").unwrap(),
+    ];
+    let mut tokens = Vec::new();
+    for k in &keys {
+        let lease = claimed(&store, k, &payload).await;
+        tokens.push(lease.token);
+        store
+            .complete(&lease, &json!(k.short_hash()))
+            .await
+            .unwrap();
+    }
+    tokens.dedup();
+    assert_eq!(tokens.len(), keys.len());
+    for k in &keys {
+        let record = store.get(k).await.unwrap().unwrap();
+        assert_eq!(record.status.0, Status::Completed);
+        assert_eq!(record.result, Some(json!(k.short_hash())));
+    }
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn expired_lease_is_taken_over_by_exactly_one_and_the_old_token_is_fenced(
+    _options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    const TAKERS: usize = 20;
+    let pool = warm_pool(connect, TAKERS as u32).await;
+    sqlx::migrate!("./migrations").run(&pool).await.unwrap();
+    let short = store(&pool, Duration::from_millis(300));
+    let k = key("evt-lease");
+    let payload = json!({"event_id": "evt-lease"});
+
+    let old = claimed(&short, &k, &payload).await;
+    // Live lease: nobody else may take it.
+    assert!(matches!(
+        short.claim(&k, &fp(&payload), &origin()).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    wait_for_lease_expiry(&pool, &k).await;
+
+    let long = store(&pool, Duration::from_secs(30));
+    let barrier = Arc::new(Barrier::new(TAKERS));
+    let mut tasks = Vec::new();
+    for _ in 0..TAKERS {
+        let (store, k, payload, barrier) =
+            (long.clone(), k.clone(), payload.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.claim(&k, &fp(&payload), &origin()).await.unwrap()
+        }));
+    }
+    let mut winners = Vec::new();
+    for task in tasks {
+        match task.await.unwrap() {
+            Claim::Claimed(lease) => winners.push(lease),
+            Claim::InProgress { .. } => {}
+            other => panic!("unexpected claim {other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one takeover");
+    let new = &winners[0];
+    assert!(new.takeover);
+    assert_eq!(new.attempt, 2);
+    assert!(new.token > old.token, "fencing tokens only grow");
+
+    // The old owner is told, on every kind of write.
+    let lost = |r: Result<(), StoreError>| matches!(r, Err(StoreError::LeaseLost { token }) if token == old.token);
+    assert!(lost(short.complete(&old, &json!("zombie")).await));
+    assert!(lost(short.fail(&old, true, &json!("zombie")).await));
+    assert!(lost(
+        short
+            .mark_pending(&old, Some("ref"), &json!("zombie"))
+            .await
+    ));
+    assert!(matches!(
+        short.heartbeat(&old).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    let record = long.get(&k).await.unwrap().unwrap();
+    assert_eq!(record.status.0, Status::Processing);
+    assert_eq!(record.lease_token, new.token);
+    assert_eq!(record.attempts, 2);
+    assert_eq!(record.result, None);
+
+    // The new owner heartbeats and completes.
+    let extended = long.heartbeat(new).await.unwrap();
+    assert!(extended >= new.expires_at);
+    long.complete(new, &json!("done")).await.unwrap();
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn atomic_completion_commits_or_rolls_back_with_the_callers_writes(pool: PgPool) {
+    sqlx::query("CREATE TABLE ledger (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let ledger_rows = |event: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger WHERE event_id = $1")
+                .bind(event)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let store = store(&pool, Duration::from_secs(30));
+
+    // Committed: both visible.
+    let k = key("evt-ok");
+    let lease = claimed(&store, &k, &json!({})).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO ledger VALUES ('evt-ok')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    store
+        .complete_in(&mut *tx, &lease, &json!("ok"))
+        .await
+        .unwrap();
+    assert_eq!(ledger_rows("evt-ok").await, 0, "not visible before commit");
+    tx.commit().await.unwrap();
+    assert_eq!(ledger_rows("evt-ok").await, 1);
+    assert_eq!(
+        store.get(&k).await.unwrap().unwrap().status.0,
+        Status::Completed
+    );
+
+    // Completion written but the transaction rolled back: neither is visible.
+    let k = key("evt-rollback");
+    let lease = claimed(&store, &k, &json!({})).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO ledger VALUES ('evt-rollback')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    store
+        .complete_in(&mut *tx, &lease, &json!("ok"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(ledger_rows("evt-rollback").await, 0);
+    assert_eq!(
+        store.get(&k).await.unwrap().unwrap().status.0,
+        Status::Processing
+    );
+
+    // Stale token (another worker took over): completion refused, both roll back.
+    let short = self::store(&pool, Duration::from_millis(200));
+    let k = key("evt-stale");
+    let stale = claimed(&short, &k, &json!({})).await;
+    wait_for_lease_expiry(&pool, &k).await;
+    let fresh = claimed(&store, &k, &json!({})).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO ledger VALUES ('evt-stale')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let refused = short.complete_in(&mut *tx, &stale, &json!("zombie")).await;
+    assert!(matches!(refused, Err(StoreError::LeaseLost { .. })));
+    tx.rollback().await.unwrap();
+    assert_eq!(ledger_rows("evt-stale").await, 0);
+    let record = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (record.status.0, record.lease_token),
+        (Status::Processing, fresh.token)
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_takeover_waits_for_an_uncommitted_completion_and_then_sees_it(pool: PgPool) {
+    // A zombie's completion that is written but not yet committed holds the row: a
+    // takeover racing it must not run the handler a second time.
+    let short = store(&pool, Duration::from_millis(200));
+    let k = key("evt-zombie");
+    let lease = claimed(&short, &k, &json!({})).await;
+    wait_for_lease_expiry(&pool, &k).await;
+    let mut tx = pool.begin().await.unwrap();
+    short
+        .complete_in(&mut *tx, &lease, &json!("first"))
+        .await
+        .unwrap();
+    let taker = {
+        let store = store(&pool, Duration::from_secs(30));
+        let k = k.clone();
+        tokio::spawn(async move { store.claim(&k, &fp(&json!({})), &origin()).await })
+    };
+    // The taker is blocked on the row lock until we commit.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "taker never blocked on the row");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!taker.is_finished());
+    tx.commit().await.unwrap();
+    let seen = taker.await.unwrap().unwrap();
+    assert_eq!(
+        seen,
+        Claim::Completed {
+            result: Some(json!("first"))
+        }
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconciled(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"event_id": "e"});
+
+    // Retryable: a later delivery claims again, attempt 2, not a takeover.
+    let k = key("evt-retry");
+    let first = claimed(&store, &k, &payload).await;
+    store
+        .fail(&first, true, &json!({"error": "timeout"}))
+        .await
+        .unwrap();
+    let second = claimed(&store, &k, &payload).await;
+    assert_eq!(second.attempt, 2);
+    assert!(!second.takeover);
+    assert!(second.token > first.token);
+    assert!(matches!(
+        store.fail(&first, true, &json!("stale")).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    store.complete(&second, &json!("ok")).await.unwrap();
+
+    // Permanent: never claimed again.
+    let k = key("evt-permanent");
+    let lease = claimed(&store, &k, &payload).await;
+    store
+        .fail(&lease, false, &json!({"error": "invalid amount"}))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
+            Claim::FailedForGood {
+                error: Some(json!({"error": "invalid amount"})),
+                attempts: 1
+            }
+        );
+    }
+
+    // Pending: a claim is never a fresh run; it gets a lease to reconcile with the ref,
+    // and a concurrent claimer is told it is in progress.
+    let k = key("evt-pending");
+    let lease = claimed(&store, &k, &payload).await;
+    store
+        .mark_pending(
+            &lease,
+            Some("psp-123"),
+            &json!({"error": "timeout after send"}),
+        )
+        .await
+        .unwrap();
+    let reconcile = match store.claim(&k, &fp(&payload), &origin()).await.unwrap() {
+        Claim::Pending {
+            lease,
+            external_ref,
+        } => {
+            assert_eq!(external_ref.as_deref(), Some("psp-123"));
+            assert!(!lease.takeover);
+            lease
+        }
+        other => panic!("expected pending, got {other:?}"),
+    };
+    assert!(matches!(
+        store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert_eq!(
+        store.get(&k).await.unwrap().unwrap().status.0,
+        Status::Pending
+    );
+    // Still unknown: back to pending, reconciled again by the next delivery.
+    store
+        .mark_pending(&reconcile, None, &json!({"error": "still unknown"}))
+        .await
+        .unwrap();
+    let again = match store.claim(&k, &fp(&payload), &origin()).await.unwrap() {
+        Claim::Pending {
+            lease,
+            external_ref,
+        } => {
+            assert_eq!(external_ref.as_deref(), Some("psp-123"), "ref is kept");
+            lease
+        }
+        other => panic!("expected pending, got {other:?}"),
+    };
+    // Reconcile found it applied: completed with the provider's result.
+    store
+        .complete(&again, &json!({"charge": "psp-123"}))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
+        Claim::Completed { .. }
+    ));
+}
+
+/// Counts the statements sqlx sends (its `sqlx::query` log events) while `f` runs.
+mod round_trips {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tracing::Subscriber;
+    use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+    pub struct Counter(pub Arc<AtomicUsize>);
+
+    impl<S: Subscriber> Layer<S> for Counter {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            if event.metadata().target() == "sqlx::query" {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    pub fn subscriber(count: Arc<AtomicUsize>) -> impl Subscriber + Send + Sync {
+        tracing_subscriber::registry()
+            .with(tracing_subscriber::filter::LevelFilter::TRACE)
+            .with(Counter(count))
+    }
+
+    pub fn take(count: &AtomicUsize) -> usize {
+        count.swap(0, Ordering::SeqCst)
+    }
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn claim_and_completion_are_one_statement_each(pool: PgPool) {
+    use std::sync::atomic::AtomicUsize;
+    let count = Arc::new(AtomicUsize::new(0));
+    let _guard = tracing::subscriber::set_default(round_trips::subscriber(count.clone()));
+    let store = store(&pool, Duration::from_secs(30));
+    // Warm the pool so connection set-up statements are not counted.
+    sqlx::query("SELECT 1").execute(&pool).await.unwrap();
+    round_trips::take(&count);
+
+    let k = key("evt-rt");
+    let payload = json!({"event_id": "evt-rt"});
+    let lease = claimed(&store, &k, &payload).await;
+    take_and_assert(&count, 1, "new claim");
+    store.complete(&lease, &json!("ok")).await.unwrap();
+    take_and_assert(&count, 1, "completion");
+    let _ = store.claim(&k, &fp(&payload), &origin()).await.unwrap();
+    take_and_assert(&count, 1, "duplicate claim");
+    let k2 = key("evt-rt2");
+    let lease = claimed(&store, &k2, &payload).await;
+    take_and_assert(&count, 1, "second claim");
+    store.heartbeat(&lease).await.unwrap();
+    take_and_assert(&count, 1, "heartbeat");
+}
+
+fn take_and_assert(count: &std::sync::atomic::AtomicUsize, n: usize, what: &str) {
+    assert_eq!(round_trips::take(count), n, "{what}");
+}
