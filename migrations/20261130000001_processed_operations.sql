@@ -24,6 +24,9 @@ CREATE TABLE IF NOT EXISTS processed_operations (
     external_ref     text,
     correlation_id   text,
     message_id       text,
+    -- Set once the message was published to the DLQ (confirmed); the record is pinned
+    -- while its dead letter waits there.
+    dead_lettered_at timestamptz,
     replay_count     integer     NOT NULL DEFAULT 0,
     last_replayed_at timestamptz,
     created_at       timestamptz NOT NULL DEFAULT now(),

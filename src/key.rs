@@ -76,16 +76,24 @@ impl Key {
         &self.idempotency_key
     }
 
-    /// A short, stable hash of the whole key (12 hex digits) for logs and metrics, so
-    /// that keys, which may carry customer data, never appear in logs in clear.
-    pub fn short_hash(&self) -> String {
+    /// SHA-256 of the whole key as 64 hex digits: a stable identifier of the intent that
+    /// reveals none of its parts (see [`crate::Context::provider_key`]).
+    pub fn digest(&self) -> String {
         let mut hasher = Sha256::new();
         for part in [&self.scope, &self.operation, &self.idempotency_key] {
             // Length-prefix each part so ("ab","c") and ("a","bc") hash differently.
             hasher.update((part.len() as u64).to_be_bytes());
             hasher.update(part.as_bytes());
         }
-        hex::encode(&hasher.finalize()[..6])
+        hex::encode(hasher.finalize())
+    }
+
+    /// The first 12 hex digits of [`Key::digest`], for logs and metrics, so that keys,
+    /// which may carry customer data, never appear in logs in clear.
+    pub fn short_hash(&self) -> String {
+        let mut digest = self.digest();
+        digest.truncate(12);
+        digest
     }
 }
 

@@ -8,10 +8,19 @@
 #![warn(missing_docs)]
 
 pub mod db;
+pub mod dead_letter;
 pub mod fingerprint;
+pub mod handler;
 pub mod key;
+pub mod retry;
 pub mod store;
+pub mod topology;
+pub mod worker;
 
 pub use fingerprint::Fingerprint;
 pub use key::{Key, KeyError};
+pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
+pub use retry::RetryPolicy;
+pub use topology::{QueueType, Topology};
+pub use worker::{Outcome, Worker, WorkerConfig, WorkerError};
 pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};

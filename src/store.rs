@@ -94,6 +94,7 @@ pub struct Record {
     pub external_ref: Option<String>,
     pub correlation_id: Option<String>,
     pub message_id: Option<String>,
+    pub dead_lettered_at: Option<DateTime<Utc>>,
     pub replay_count: i32,
     pub last_replayed_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
@@ -157,10 +158,15 @@ pub enum Claim {
     },
     /// Failed and not retryable: do not run.
     FailedForGood {
+        /// The record's primary key (for [`Store::mark_dead_lettered`]).
+        id: i64,
         /// The stored error.
         error: Option<Value>,
         /// How many claims the key had.
         attempts: i32,
+        /// Whether its dead letter was published. A worker that died between recording
+        /// the failure and publishing leaves this false: publish it then.
+        dead_lettered: bool,
     },
     /// The outcome is uncertain. The caller now holds a lease for reconciling it (call
     /// the handler's `reconcile` with `external_ref`); it must not re-run the handler
@@ -268,15 +274,16 @@ upd AS (
 SELECT 'inserted' AS found, id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, NULL::text AS external_ref,
        NULL::text AS payload_sha256, NULL::jsonb AS result, NULL::jsonb AS error,
-       NULL::boolean AS claimable
+       NULL::boolean AS claimable, NULL::boolean AS dead_lettered
   FROM ins
 UNION ALL
 SELECT 'taken', id, status, attempts, lease_token, lease_expires_at,
-       previous_status, external_ref, NULL, NULL, NULL, NULL
+       previous_status, external_ref, NULL, NULL, NULL, NULL, NULL
   FROM upd
 UNION ALL
 SELECT 'existing', id, status, attempts, lease_token, lease_expires_at,
-       NULL, external_ref, payload_sha256, result, error, claimable
+       NULL, external_ref, payload_sha256, result, error, claimable,
+       dead_lettered_at IS NOT NULL
   FROM cur WHERE NOT EXISTS (SELECT 1 FROM upd)
 "#;
 
@@ -294,6 +301,7 @@ struct ClaimRow {
     result: Option<Value>,
     error: Option<Value>,
     claimable: Option<bool>,
+    dead_lettered: Option<bool>,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -445,6 +453,19 @@ impl Store {
         fenced(done.rows_affected(), lease)
     }
 
+    /// Notes that the operation's message now waits in the DLQ (published with a
+    /// confirm). Not fenced: it records where the message is, not an outcome.
+    pub async fn mark_dead_lettered(&self, id: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE processed_operations SET dead_lettered_at = now(), updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Loads the record of `key`, if any.
     pub async fn get(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(sqlx::query_as(
@@ -500,8 +521,10 @@ fn decide(row: ClaimRow, fingerprint: &Fingerprint) -> Result<Option<Claim>, Sto
             match status {
                 Status::Completed => Claim::Completed { result: row.result },
                 Status::Failed => Claim::FailedForGood {
+                    id: row.id,
                     error: row.error,
                     attempts: row.attempts,
+                    dead_lettered: row.dead_lettered == Some(true),
                 },
                 // Processing with a live lease, or pending while another worker holds
                 // the lease to reconcile it.

@@ -468,12 +468,15 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
         .fail(&lease, false, &json!({"error": "invalid amount"}))
         .await
         .unwrap();
+    store.mark_dead_lettered(lease.id).await.unwrap();
     for _ in 0..3 {
         assert_eq!(
             store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
             Claim::FailedForGood {
+                id: lease.id,
                 error: Some(json!({"error": "invalid amount"})),
-                attempts: 1
+                attempts: 1,
+                dead_lettered: true,
             }
         );
     }

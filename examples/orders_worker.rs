@@ -1,0 +1,282 @@
+//! A real idem worker for `orders.create`, and the reference for writing your own.
+//!
+//! Run with (Postgres and RabbitMQ on the default ports):
+//!
+//! ```sh
+//! cargo run --example orders_worker -- --queue orders
+//! ```
+//!
+//! It applies the migrations, creates its example tables, declares `orders`,
+//! `orders.retry.*` and `orders.dlq`, and consumes. Messages are JSON objects
+//! `{"event_id", "tenant", "order_id", "amount_cents", "sent_at"}`: the key is
+//! `event_id`, the scope `tenant`, and `sent_at` is left out of the fingerprint, so a
+//! producer may resend an order with another message id, another `sent_at` and its keys
+//! in another order: it is the same intent and books once. SIGTERM or Ctrl-C stops it
+//! gracefully.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use idem::{
+    Context, Handler, HandlerError, QueueType, ResultExt, RetryPolicy, Store, StoreConfig, Worker,
+    WorkerConfig,
+};
+use serde::{Deserialize, Deserializer};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// One order, as producers publish it.
+#[derive(Debug, Deserialize)]
+pub struct Order {
+    /// The business event ID: the idempotency key.
+    pub event_id: String,
+    /// The tenant: the scope.
+    pub tenant: String,
+    /// The order, a string or a number.
+    #[serde(deserialize_with = "string_or_number")]
+    pub order_id: String,
+    /// Negative amounts fail for good.
+    pub amount_cents: i64,
+}
+
+/// Books an order: one call to a (stand-in) payment provider carrying the idempotency
+/// key, then one ledger row written in the context's transaction.
+#[derive(Debug, Clone, Default)]
+pub struct Orders {
+    /// Orders of this tenant fail for good, to rehearse an outage.
+    pub fail_tenant: Option<String>,
+    /// Pause between the provider call and the ledger write (a slow provider).
+    pub provider_delay: Duration,
+}
+
+impl Handler for Orders {
+    type Message = Order;
+    type Output = Value;
+    const OPERATION: &'static str = "orders.create";
+
+    fn scope(&self, order: &Order) -> String {
+        order.tenant.clone()
+    }
+
+    fn idempotency_key(&self, order: &Order) -> String {
+        order.event_id.clone()
+    }
+
+    fn volatile_fields(&self) -> &'static [&'static str] {
+        &["sent_at"]
+    }
+
+    async fn handle(&self, order: Order, ctx: &mut Context) -> Result<Value, HandlerError> {
+        if self.fail_tenant.as_deref() == Some(order.tenant.as_str()) {
+            return Err(HandlerError::permanent(format!(
+                "tenant {} is failing (--fail-tenant)",
+                order.tenant
+            )));
+        }
+        if order.amount_cents < 0 {
+            return Err(HandlerError::permanent("invalid amount"));
+        }
+        // The external call. A real provider gets ctx.provider_key() as its own
+        // idempotency key, so a retry after a crash repeats this request, not a new one.
+        // Autocommit on purpose: like a real API call, it is not rolled back.
+        sqlx::query(
+            "INSERT INTO example_provider_calls (idempotency_key, event_id, called_at)
+             VALUES ($1, $2, now())",
+        )
+        .bind(ctx.provider_key())
+        .bind(&order.event_id)
+        .execute(ctx.pool())
+        .await
+        .transient()?;
+        if !self.provider_delay.is_zero() {
+            tokio::time::sleep(self.provider_delay).await;
+        }
+        // The database effect, committed atomically with the `completed` record.
+        sqlx::query(
+            "INSERT INTO example_ledger (event_id, tenant, order_id, amount_cents, created_at)
+             VALUES ($1, $2, $3, $4, now())",
+        )
+        .bind(&order.event_id)
+        .bind(&order.tenant)
+        .bind(&order.order_id)
+        .bind(order.amount_cents)
+        .execute(ctx.tx().await.transient()?)
+        .await
+        .transient()?;
+        Ok(json!({"order_id": order.order_id, "booked_cents": order.amount_cents}))
+    }
+}
+
+fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    match Value::deserialize(d)? {
+        Value::String(s) => Ok(s),
+        Value::Number(n) => Ok(n.to_string()),
+        other => Err(serde::de::Error::custom(format!(
+            "order_id must be a string or a number, not {other}"
+        ))),
+    }
+}
+
+/// The example's tables. Neither has a unique constraint: a duplicate effect must be
+/// visible, not absorbed.
+pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS example_provider_calls (
+             idempotency_key text NOT NULL,
+             event_id text NOT NULL,
+             called_at timestamptz NOT NULL
+         );
+         CREATE TABLE IF NOT EXISTS example_ledger (
+             event_id text NOT NULL,
+             tenant text NOT NULL,
+             order_id text NOT NULL,
+             amount_cents bigint NOT NULL,
+             created_at timestamptz NOT NULL
+         );",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "idem example worker: books orders exactly once")]
+struct Args {
+    /// The queue to consume (its retry queues and DLQ are declared beside it).
+    #[arg(long, default_value = "orders")]
+    queue: String,
+    /// Handlers running at once.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Unacked deliveries the broker sends ahead.
+    #[arg(long, default_value_t = 64)]
+    prefetch: u16,
+    /// Lease of a claim in seconds (heartbeats extend it while the handler runs).
+    #[arg(long, default_value_t = 30)]
+    lease_secs: u64,
+    /// Orders of this tenant fail for good (rehearse an outage and a replay).
+    #[arg(long)]
+    fail_tenant: Option<String>,
+    /// Prometheus metrics address (served once the metrics land; accepted now).
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// Classic or quorum queues.
+    #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
+    queue_type: String,
+    /// Delays of the retry queues in milliseconds, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [5_000u64, 30_000, 300_000])]
+    retry_delays_ms: Vec<u64>,
+    /// Immediate in-process retries of a transient failure.
+    #[arg(long, default_value_t = 2)]
+    immediate_retries: usize,
+    /// Pause after the provider call, in milliseconds (a slow provider).
+    #[arg(long, default_value_t = 0)]
+    provider_delay_ms: u64,
+    /// How long a shutdown waits for handlers in flight, in seconds.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout_secs: u64,
+    /// Postgres URL.
+    #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
+    amqp_url: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .init();
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("orders_worker: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let name = format!("orders_worker-{}", std::process::id());
+    let pool = idem::db::connect_and_migrate(&args.database_url, args.concurrency as u32 + 4)
+        .await
+        .context("prepare the database")?;
+    create_example_tables(&pool)
+        .await
+        .context("create the example tables")?;
+    let store = Store::new(
+        pool,
+        StoreConfig {
+            owner: name.clone(),
+            lease: Duration::from_secs(args.lease_secs),
+            ..StoreConfig::default()
+        },
+    );
+    let config = WorkerConfig {
+        amqp_url: args.amqp_url,
+        queue: args.queue,
+        queue_type: if args.queue_type == "quorum" {
+            QueueType::Quorum
+        } else {
+            QueueType::Classic
+        },
+        concurrency: args.concurrency,
+        prefetch: args.prefetch,
+        retry: RetryPolicy {
+            immediate: args.immediate_retries,
+            delays: args
+                .retry_delays_ms
+                .iter()
+                .map(|ms| Duration::from_millis(*ms))
+                .collect(),
+            ..RetryPolicy::default()
+        },
+        shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
+        name,
+        ..WorkerConfig::default()
+    };
+    if let Some(addr) = &args.metrics_addr {
+        tracing::warn!(%addr, "--metrics-addr is accepted but metrics are not served yet");
+    }
+    let handler = Orders {
+        fail_tenant: args.fail_tenant,
+        provider_delay: Duration::from_millis(args.provider_delay_ms),
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    Worker::new(handler, store, config)
+        .run(shutdown)
+        .await
+        .context("worker")?;
+    Ok(())
+}
+
+/// Cancels `shutdown` on SIGTERM or Ctrl-C.
+async fn stop_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("stop requested");
+    shutdown.cancel();
+}

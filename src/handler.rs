@@ -1,0 +1,236 @@
+//! The `Handler` trait users implement for a job type, and the context it runs in.
+
+use std::fmt::Display;
+use std::future::Future;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+
+use crate::key::Key;
+
+/// One job type: how to read its messages, name their intent, and run the effect.
+///
+/// The worker parses each message body as a JSON object, deserializes it into
+/// [`Handler::Message`] (a body that does not fit is dead-lettered as `malformed`),
+/// derives the key with [`Handler::scope`] and [`Handler::idempotency_key`], claims it
+/// and calls [`Handler::handle`] only when the store says this intent has not run yet.
+///
+/// ```no_run
+/// use idem::{Context, Handler, HandlerError};
+/// use serde::Deserialize;
+///
+/// #[derive(Deserialize)]
+/// struct Welcome { event_id: String, tenant: String, email: String }
+///
+/// struct SendWelcome;
+///
+/// impl Handler for SendWelcome {
+///     type Message = Welcome;
+///     type Output = serde_json::Value;
+///     const OPERATION: &'static str = "emails.welcome";
+///
+///     fn scope(&self, m: &Welcome) -> String { m.tenant.clone() }
+///     fn idempotency_key(&self, m: &Welcome) -> String { m.event_id.clone() }
+///
+///     async fn handle(&self, m: Welcome, ctx: &mut Context) -> Result<serde_json::Value, HandlerError> {
+///         // Pass ctx.provider_key() to the mail provider as its idempotency key, so a
+///         // takeover after a crash repeats the same request instead of a new one.
+///         let _ = (m.email, ctx.provider_key());
+///         Ok(serde_json::json!({"sent": true}))
+///     }
+/// }
+/// ```
+pub trait Handler: Send + Sync + 'static {
+    /// The message body's type, read from JSON.
+    type Message: DeserializeOwned + Send + Sync + 'static;
+    /// What a successful run returns; stored on the record and replayable.
+    type Output: Serialize + Send + 'static;
+
+    /// The operation name, the second part of every key (e.g. `orders.create`).
+    const OPERATION: &'static str;
+
+    /// The tenant or actor the message belongs to, the first part of the key.
+    fn scope(&self, message: &Self::Message) -> String;
+
+    /// The idempotency key, derived from the business event ID: never from the broker's
+    /// message id, nor from the body alone (two identical bodies can be two intents).
+    fn idempotency_key(&self, message: &Self::Message) -> String;
+
+    /// Fields left out of the fingerprint because producers change them on a resend
+    /// (`sent_at`, trace ids); dotted paths reach into objects (`meta.sent_at`).
+    fn volatile_fields(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// Runs the effect once for this intent.
+    ///
+    /// Database writes made through [`Context::tx`] commit atomically with the
+    /// `completed` record, and are rolled back if another worker took the operation
+    /// over meanwhile. External calls should carry [`Context::provider_key`].
+    fn handle(
+        &self,
+        message: Self::Message,
+        ctx: &mut Context,
+    ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send;
+
+    /// Finds out what became of an operation left `pending` (an uncertain outcome):
+    /// ask the provider with `external_ref`. The default says it cannot tell, so the
+    /// operation stays pending and is retried later; it is never re-run blindly.
+    fn reconcile(
+        &self,
+        message: &Self::Message,
+        external_ref: Option<&str>,
+        ctx: &mut Context,
+    ) -> impl Future<Output = Result<Reconciliation<Self::Output>, HandlerError>> + Send {
+        let _ = (message, external_ref, ctx);
+        async { Ok(Reconciliation::Unknown) }
+    }
+}
+
+/// What [`Handler::reconcile`] found out about a pending operation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reconciliation<O> {
+    /// The effect happened; complete the operation with this output.
+    Applied(O),
+    /// The effect certainly did not happen; it is safe to run the handler again.
+    NotApplied,
+    /// Still unknown; keep it pending and ask again later.
+    Unknown,
+}
+
+/// How a handler failed, which decides what happens next.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandlerError {
+    /// Worth retrying (a timeout before anything was sent, a lock, a 503): retried in
+    /// process with backoff, then through the retry queues, then dead-lettered as
+    /// `retries_exhausted`.
+    #[error("transient: {0}")]
+    Transient(String),
+    /// Retrying cannot help (invalid input, a refused charge): dead-lettered at once as
+    /// `permanent_failure`, never run again unless replayed.
+    #[error("permanent: {0}")]
+    Permanent(String),
+    /// The outcome is unknown (a timeout after the request was sent): the operation
+    /// becomes `pending` with the provider's reference and is reconciled, not re-run.
+    #[error("uncertain: {error}")]
+    Uncertain {
+        /// The provider's reference for the request, for [`Handler::reconcile`].
+        external_ref: Option<String>,
+        /// What happened.
+        error: String,
+    },
+}
+
+impl HandlerError {
+    /// A transient failure.
+    pub fn transient(error: impl Display) -> Self {
+        Self::Transient(error.to_string())
+    }
+
+    /// A permanent failure.
+    pub fn permanent(error: impl Display) -> Self {
+        Self::Permanent(error.to_string())
+    }
+
+    /// An uncertain outcome with the provider's reference.
+    pub fn uncertain(external_ref: Option<String>, error: impl Display) -> Self {
+        Self::Uncertain {
+            external_ref,
+            error: error.to_string(),
+        }
+    }
+
+    /// The message without the kind, as stored in the record's `error`.
+    pub fn message(&self) -> &str {
+        match self {
+            Self::Transient(e) | Self::Permanent(e) => e,
+            Self::Uncertain { error, .. } => error,
+        }
+    }
+}
+
+/// Marks any error as transient or permanent: `call().await.transient()?`.
+pub trait ResultExt<T> {
+    /// Maps the error to [`HandlerError::Transient`].
+    fn transient(self) -> Result<T, HandlerError>;
+    /// Maps the error to [`HandlerError::Permanent`].
+    fn permanent(self) -> Result<T, HandlerError>;
+}
+
+impl<T, E: Display> ResultExt<T> for Result<T, E> {
+    fn transient(self) -> Result<T, HandlerError> {
+        self.map_err(HandlerError::transient)
+    }
+    fn permanent(self) -> Result<T, HandlerError> {
+        self.map_err(HandlerError::permanent)
+    }
+}
+
+/// What a handler knows about the run it is in.
+pub struct Context {
+    key: Key,
+    attempt: i32,
+    takeover: bool,
+    pool: PgPool,
+    tx: Option<Transaction<'static, Postgres>>,
+}
+
+impl Context {
+    pub(crate) fn new(key: Key, attempt: i32, takeover: bool, pool: PgPool) -> Self {
+        Self {
+            key,
+            attempt,
+            takeover,
+            pool,
+            tx: None,
+        }
+    }
+
+    /// The operation's key.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// A stable string for this intent to pass to external providers as *their*
+    /// idempotency key: the same on every attempt and after a takeover, so a repeated
+    /// request is recognised by the provider instead of executed twice.
+    pub fn provider_key(&self) -> String {
+        self.key.digest()
+    }
+
+    /// Which claim of this key this run is, from 1.
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    /// True when a previous worker's lease expired while it ran this operation: it may
+    /// have done part of the work before it died.
+    pub fn is_takeover(&self) -> bool {
+        self.takeover
+    }
+
+    /// The pool, for reads and for writes that must not wait for the outcome (they are
+    /// *not* rolled back with the operation).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// A transaction that commits atomically with the `completed` record, fenced by the
+    /// lease: if another worker took over, it is rolled back. It is opened on first use,
+    /// so a handler that calls a slow provider first holds no transaction meanwhile.
+    pub async fn tx(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        if self.tx.is_none() {
+            self.tx = Some(self.pool.begin().await?);
+        }
+        match self.tx.as_mut() {
+            Some(tx) => Ok(&mut **tx),
+            None => Err(sqlx::Error::PoolClosed),
+        }
+    }
+
+    pub(crate) fn take_tx(&mut self) -> Option<Transaction<'static, Postgres>> {
+        self.tx.take()
+    }
+}

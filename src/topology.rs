@@ -1,0 +1,110 @@
+//! Broker topology: the work queue, its retry queues and its dead-letter queue.
+
+use std::time::Duration;
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::retry::retry_queue_name;
+
+/// The AMQP URL used when neither `AMQP_URL` nor a flag gives one.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Classic or quorum queues (quorum: replicated, for clusters; needs RabbitMQ 3.8+).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueType {
+    /// A classic durable queue.
+    #[default]
+    Classic,
+    /// A quorum queue.
+    Quorum,
+}
+
+impl QueueType {
+    fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+/// The queues of one work queue: `<queue>`, `<queue>.retry.<delay>` for every retry
+/// delay (TTL, dead-lettering back to `<queue>`), and `<queue>.dlq`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Topology {
+    /// The work queue.
+    pub queue: String,
+    /// Classic or quorum, for every queue declared.
+    pub queue_type: QueueType,
+    /// One retry queue per delay.
+    pub retry_delays: Vec<Duration>,
+}
+
+impl Topology {
+    /// The dead-letter queue's name.
+    pub fn dlq(&self) -> String {
+        dlq_name(&self.queue)
+    }
+
+    /// The retry queues' names, in the order of the delays.
+    pub fn retry_queues(&self) -> Vec<String> {
+        self.retry_delays
+            .iter()
+            .map(|d| retry_queue_name(&self.queue, *d))
+            .collect()
+    }
+
+    /// Declares every queue, durable. Idempotent: declaring again with the same
+    /// settings changes nothing (other settings fail with 406 PRECONDITION_FAILED).
+    pub async fn declare(&self, channel: &Channel) -> Result<(), lapin::Error> {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(self.queue.as_str().into(), durable, self.args())
+            .await?;
+        for delay in &self.retry_delays {
+            let mut args = self.args();
+            let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+            args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+            args.insert("x-dead-letter-exchange".into(), long_string(""));
+            args.insert(
+                "x-dead-letter-routing-key".into(),
+                long_string(&self.queue),
+            );
+            let name = retry_queue_name(&self.queue, *delay);
+            channel
+                .queue_declare(name.as_str().into(), durable, args)
+                .await?;
+        }
+        channel
+            .queue_declare(self.dlq().as_str().into(), durable, self.args())
+            .await?;
+        Ok(())
+    }
+
+    fn args(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), long_string(self.queue_type.as_str()));
+        args
+    }
+}
+
+/// The dead-letter queue of `queue`.
+pub fn dlq_name(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
+fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// Opens an AMQP connection named `name` (shown in the management UI and by
+/// `rabbitmqctl list_connections`).
+pub async fn connect(url: &str, name: &str) -> Result<Connection, lapin::Error> {
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    Connection::connect(url, properties).await
+}

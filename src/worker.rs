@@ -1,0 +1,843 @@
+//! The worker: consumes a queue and decides every delivery by its record.
+//!
+//! For each delivery (DESIGN.md, "One delivery, decided by the record"): parse, derive
+//! the key, claim it, run the handler only when the store says so, record the outcome,
+//! and only then ack. Retries and dead letters are published with publisher confirms
+//! before the original is acked. The broker connection is re-established with backoff
+//! whenever it drops; deliveries in flight at that moment come back as redeliveries and
+//! are decided by the store again.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use futures_util::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Confirmation};
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
+
+use crate::dead_letter::{self, DeadLetter, Reason};
+use crate::fingerprint::Fingerprint;
+use crate::handler::{Context, Handler, HandlerError, Reconciliation};
+use crate::key::Key;
+use crate::retry::{RetryPolicy, retry_queue_name};
+use crate::store::{Claim, Lease, Origin, Store, StoreError};
+use crate::topology::{self, QueueType, Topology};
+
+/// Worker settings.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// AMQP URL of the broker.
+    pub amqp_url: String,
+    /// The work queue.
+    pub queue: String,
+    /// Classic or quorum queues.
+    pub queue_type: QueueType,
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Unacked deliveries the broker sends ahead (basic.qos).
+    pub prefetch: u16,
+    /// How transient failures are retried.
+    pub retry: RetryPolicy,
+    /// How long a shutdown waits for in-flight handlers before closing anyway.
+    pub shutdown_timeout: Duration,
+    /// Longest wait between reconnection attempts to the broker.
+    pub max_reconnect_delay: Duration,
+    /// The connection name shown by the broker.
+    pub name: String,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            amqp_url: topology::DEFAULT_AMQP_URL.into(),
+            queue: "idem".into(),
+            queue_type: QueueType::Classic,
+            concurrency: 16,
+            prefetch: 64,
+            retry: RetryPolicy::default(),
+            shutdown_timeout: Duration::from_secs(30),
+            max_reconnect_delay: Duration::from_secs(5),
+            name: format!("idem-worker-{}", std::process::id()),
+        }
+    }
+}
+
+/// Why the worker stopped or a delivery could not be decided.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// The broker failed or could not be reached.
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    /// The store failed or could not be reached.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The broker refused a publish (nack, or unroutable).
+    #[error("publish to {queue} not confirmed: {why}")]
+    Publish {
+        /// Target queue.
+        queue: String,
+        /// What the broker said.
+        why: String,
+    },
+    /// The broker ended the consumer (queue deleted, or the channel closed).
+    #[error("the broker cancelled the consumer")]
+    ConsumerCancelled,
+}
+
+/// What became of one delivery; the `outcome` field of its span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The handler ran and its result was recorded.
+    Executed,
+    /// Already completed: acked without running.
+    DuplicateCompleted,
+    /// Another worker holds the lease: sent to a retry queue.
+    DuplicateInProgress,
+    /// Failed for good earlier: acked without running.
+    DuplicateFailed,
+    /// Same key, other payload: dead-lettered.
+    Conflict,
+    /// Not a valid message: dead-lettered.
+    Malformed,
+    /// Transient failure: sent to a retry queue.
+    FailedTransient,
+    /// Permanent failure: dead-lettered.
+    FailedPermanent,
+    /// Transient failures outlasted the retries: dead-lettered.
+    RetriesExhausted,
+    /// Uncertain outcome: recorded as pending, sent to a retry queue to reconcile.
+    Pending,
+    /// A pending operation was reconciled as applied and completed.
+    Reconciled,
+    /// The lease was lost to another worker before the outcome was written.
+    LeaseLost,
+    /// The store or broker failed: requeued for another try.
+    Requeued,
+}
+
+impl Outcome {
+    /// The name used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::DuplicateCompleted => "duplicate_completed",
+            Outcome::DuplicateInProgress => "duplicate_in_progress",
+            Outcome::DuplicateFailed => "duplicate_failed",
+            Outcome::Conflict => "conflict",
+            Outcome::Malformed => "malformed",
+            Outcome::FailedTransient => "failed_transient",
+            Outcome::FailedPermanent => "failed_permanent",
+            Outcome::RetriesExhausted => "retries_exhausted",
+            Outcome::Pending => "pending",
+            Outcome::Reconciled => "reconciled",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::Requeued => "requeued",
+        }
+    }
+}
+
+/// Consumes one queue with one [`Handler`].
+pub struct Worker<H: Handler> {
+    shared: Arc<Shared<H>>,
+}
+
+struct Shared<H> {
+    handler: H,
+    store: Store,
+    config: WorkerConfig,
+    topology: Topology,
+}
+
+impl<H: Handler> Worker<H> {
+    /// A worker running `handler` on `store` (whose lease time is the claim lease).
+    pub fn new(handler: H, store: Store, config: WorkerConfig) -> Self {
+        let topology = Topology {
+            queue: config.queue.clone(),
+            queue_type: config.queue_type,
+            retry_delays: config.retry.delays.clone(),
+        };
+        Self {
+            shared: Arc::new(Shared {
+                handler,
+                store,
+                config,
+                topology,
+            }),
+        }
+    }
+
+    /// The queues this worker declares.
+    pub fn topology(&self) -> &Topology {
+        &self.shared.topology
+    }
+
+    /// Consumes until `shutdown` is cancelled, reconnecting to the broker with backoff
+    /// whenever the connection drops. On shutdown it stops consuming, lets in-flight
+    /// handlers finish (up to the shutdown timeout), acks them and closes cleanly.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        let tasks = TaskTracker::new();
+        let permits = Arc::new(Semaphore::new(self.shared.config.concurrency.max(1)));
+        let mut backoff = self.reconnect_backoff();
+        while !shutdown.is_cancelled() {
+            match self.session(&shutdown, &tasks, &permits).await {
+                Ok(()) => break,
+                Err(SessionError { connected, error }) => {
+                    if connected {
+                        backoff = self.reconnect_backoff();
+                    }
+                    let delay = backoff.next().unwrap_or(self.shared.config.max_reconnect_delay);
+                    warn!(error = %error, retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.cancelled() => {}
+                    }
+                }
+            }
+        }
+        tasks.close();
+        // Handlers from a dropped connection may still be running; let them finish.
+        if tokio::time::timeout(self.shared.config.shutdown_timeout, tasks.wait())
+            .await
+            .is_err()
+        {
+            warn!(running = tasks.len(), "shutdown timeout: handlers still running are abandoned; their messages will be redelivered");
+        }
+        info!("worker stopped");
+        Ok(())
+    }
+
+    fn reconnect_backoff(&self) -> impl Iterator<Item = Duration> + use<H> {
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(self.shared.config.max_reconnect_delay)
+            .with_jitter()
+            .without_max_times()
+            .build()
+    }
+
+    /// One broker connection: declare, consume, dispatch. Returns `Ok` on shutdown.
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        tasks: &TaskTracker,
+        permits: &Arc<Semaphore>,
+    ) -> Result<(), SessionError> {
+        let config = &self.shared.config;
+        let not_connected = |error: lapin::Error| SessionError {
+            connected: false,
+            error: error.into(),
+        };
+        let connection = topology::connect(&config.amqp_url, &config.name)
+            .await
+            .map_err(not_connected)?;
+        let consume = connection.create_channel().await.map_err(not_connected)?;
+        consume
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(not_connected)?;
+        self.shared
+            .topology
+            .declare(&consume)
+            .await
+            .map_err(not_connected)?;
+        let publish = connection.create_channel().await.map_err(not_connected)?;
+        publish
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(not_connected)?;
+        let mut consumer = consume
+            .basic_consume(
+                config.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(not_connected)?;
+        info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
+
+        let lost = |error: WorkerError| SessionError {
+            connected: true,
+            error,
+        };
+        loop {
+            let permit = tokio::select! {
+                permit = permits.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+                _ = shutdown.cancelled() => break,
+            };
+            let next = tokio::select! {
+                next = consumer.next() => next,
+                _ = shutdown.cancelled() => break,
+            };
+            match next {
+                Some(Ok(delivery)) => {
+                    let shared = self.shared.clone();
+                    let publish = publish.clone();
+                    tasks.spawn(async move {
+                        process(&shared, &publish, delivery).await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(error)) => return Err(lost(error.into())),
+                None => return Err(lost(WorkerError::ConsumerCancelled)),
+            }
+        }
+
+        info!("shutting down: no new deliveries, waiting for handlers in flight");
+        let _ = consume
+            .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+            .await;
+        tasks.close();
+        if tokio::time::timeout(config.shutdown_timeout, tasks.wait())
+            .await
+            .is_err()
+        {
+            warn!(running = tasks.len(), "shutdown timeout: closing with handlers still running; their messages will be redelivered");
+        }
+        // Deliveries prefetched but never started are requeued by the broker on close.
+        let _ = consume.close(200, "shutdown".into()).await;
+        let _ = publish.close(200, "shutdown".into()).await;
+        let _ = connection.close(200, "shutdown".into()).await;
+        Ok(())
+    }
+}
+
+struct SessionError {
+    /// Whether the session got as far as consuming (then the backoff starts afresh).
+    connected: bool,
+    error: WorkerError,
+}
+
+/// Decides one delivery inside its span, and requeues it if the store or broker failed.
+async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: Delivery) {
+    let span = info_span!(
+        "delivery",
+        queue = %shared.config.queue,
+        operation = H::OPERATION,
+        scope = field::Empty,
+        key = field::Empty,
+        attempt = field::Empty,
+        redelivered = delivery.redelivered,
+        outcome = field::Empty,
+    );
+    async {
+        let outcome = match decide(shared, publish, &delivery).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                error!(error = %error, "delivery not decided; requeueing it");
+                // Wait a moment so an outage does not turn into a hot redelivery loop.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let requeue = BasicNackOptions {
+                    requeue: true,
+                    multiple: false,
+                };
+                if let Err(error) = delivery.nack(requeue).await {
+                    debug!(error = %error, "nack failed; the broker redelivers on reconnect");
+                }
+                Outcome::Requeued
+            }
+        };
+        Span::current().record("outcome", outcome.as_str());
+        info!(outcome = outcome.as_str(), "delivery decided");
+    }
+    .instrument(span)
+    .await
+}
+
+/// A message that passed parsing; the typed message travels beside it, since the
+/// handler consumes it.
+struct Parsed {
+    value: Value,
+    key: Key,
+    fingerprint: Fingerprint,
+}
+
+fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), String> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
+    if !value.is_object() {
+        return Err("body is not a JSON object".into());
+    }
+    let message: H::Message = serde_json::from_value(value.clone())
+        .map_err(|e| format!("body does not fit the message: {e}"))?;
+    let key = Key::new(
+        handler.scope(&message),
+        H::OPERATION,
+        handler.idempotency_key(&message),
+    )
+    .map_err(|e| format!("invalid key: {e}"))?;
+    let fingerprint = Fingerprint::of(&value, handler.volatile_fields());
+    Ok((
+        Parsed {
+            value,
+            key,
+            fingerprint,
+        },
+        message,
+    ))
+}
+
+async fn decide<H: Handler>(
+    shared: &Shared<H>,
+    publish: &Channel,
+    delivery: &Delivery,
+) -> Result<Outcome, WorkerError> {
+    let broker = Broker {
+        channel: publish,
+        delivery,
+        queue: &shared.config.queue,
+        retry: &shared.config.retry,
+    };
+    let (parsed, message) = match parse(&shared.handler, &delivery.data) {
+        Ok(parsed) => parsed,
+        Err(why) => {
+            broker
+                .dead_letter(Reason::Malformed, &why, None, H::OPERATION, 0)
+                .await?;
+            return Ok(Outcome::Malformed);
+        }
+    };
+    let span = Span::current();
+    span.record("scope", parsed.key.scope());
+    span.record("key", parsed.key.short_hash());
+    let properties = &delivery.properties;
+    let origin = Origin {
+        message_id: properties.message_id().as_ref().map(|s| s.as_str()),
+        correlation_id: properties.correlation_id().as_ref().map(|s| s.as_str()),
+    };
+    let store = &shared.store;
+    let mut immediate = shared.config.retry.immediate_backoff();
+    let mut message = Some(message);
+    loop {
+        let claim = store.claim(&parsed.key, &parsed.fingerprint, &origin).await?;
+        let run = match claim {
+            Claim::Claimed(lease) => {
+                span.record("attempt", lease.attempt);
+                run(shared, &parsed, message.take(), &lease).await?
+            }
+            Claim::Completed { .. } => {
+                broker.ack().await?;
+                return Ok(Outcome::DuplicateCompleted);
+            }
+            Claim::InProgress { .. } => {
+                broker.retry_later().await?;
+                return Ok(Outcome::DuplicateInProgress);
+            }
+            Claim::Conflict { .. } => {
+                let why = "the key was already used with another payload; a changed payload needs a new key";
+                broker
+                    .dead_letter(Reason::FingerprintConflict, why, Some(&parsed.key), H::OPERATION, 0)
+                    .await?;
+                return Ok(Outcome::Conflict);
+            }
+            Claim::FailedForGood {
+                id,
+                error,
+                attempts,
+                dead_lettered,
+            } => {
+                if !dead_lettered {
+                    // The worker that failed it died before publishing the dead letter.
+                    let why = error_text(error.as_ref());
+                    broker
+                        .dead_letter(Reason::PermanentFailure, &why, Some(&parsed.key), H::OPERATION, i64::from(attempts))
+                        .await?;
+                    store.mark_dead_lettered(id).await?;
+                    return Ok(Outcome::FailedPermanent);
+                }
+                broker.ack().await?;
+                return Ok(Outcome::DuplicateFailed);
+            }
+            Claim::Pending {
+                lease,
+                external_ref,
+            } => {
+                span.record("attempt", lease.attempt);
+                reconcile(shared, &parsed, message.take(), &lease, external_ref.as_deref()).await?
+            }
+        };
+        match run {
+            Run::Completed { reconciled } => {
+                broker.ack().await?;
+                return Ok(if reconciled {
+                    Outcome::Reconciled
+                } else {
+                    Outcome::Executed
+                });
+            }
+            Run::LeaseLost => {
+                warn!("lease lost to another worker; its outcome decides");
+                broker.retry_later().await?;
+                return Ok(Outcome::LeaseLost);
+            }
+            Run::Transient { lease } => {
+                if let Some(delay) = immediate.next() {
+                    debug!(delay_ms = delay.as_millis() as u64, "transient failure, retrying in process");
+                    tokio::time::sleep(delay).await;
+                    continue;
+                }
+                return match broker.retry_counted().await? {
+                    true => Ok(Outcome::FailedTransient),
+                    false => {
+                        let record = store.get(&parsed.key).await?;
+                        let why = error_text(record.as_ref().and_then(|r| r.error.as_ref()));
+                        broker
+                            .dead_letter(Reason::RetriesExhausted, &why, Some(&parsed.key), H::OPERATION, i64::from(lease.attempt))
+                            .await?;
+                        store.mark_dead_lettered(lease.id).await?;
+                        Ok(Outcome::RetriesExhausted)
+                    }
+                };
+            }
+            Run::Permanent { lease, error } => {
+                broker
+                    .dead_letter(Reason::PermanentFailure, &error, Some(&parsed.key), H::OPERATION, i64::from(lease.attempt))
+                    .await?;
+                store.mark_dead_lettered(lease.id).await?;
+                return Ok(Outcome::FailedPermanent);
+            }
+            Run::Pending => {
+                return match broker.retry_counted().await? {
+                    true => Ok(Outcome::Pending),
+                    false => {
+                        let why = "outcome still unknown after every retry; reconcile by hand";
+                        broker
+                            .dead_letter(Reason::RetriesExhausted, why, Some(&parsed.key), H::OPERATION, 0)
+                            .await?;
+                        Ok(Outcome::RetriesExhausted)
+                    }
+                };
+            }
+        }
+    }
+}
+
+/// The message again, for a second run (the handler consumed the first).
+fn rebuild<H: Handler>(value: &Value) -> Result<H::Message, WorkerError> {
+    serde_json::from_value(value.clone())
+        .map_err(|e| WorkerError::Store(StoreError::Unexpected(format!("message no longer parses: {e}"))))
+}
+
+fn error_text(error: Option<&Value>) -> String {
+    match error {
+        Some(Value::Object(map)) => match map.get("error") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => Value::Object(map.clone()).to_string(),
+        },
+        Some(other) => other.to_string(),
+        None => "unknown error".into(),
+    }
+}
+
+/// How a run of the handler (or a reconciliation) ended, once recorded.
+enum Run {
+    Completed { reconciled: bool },
+    LeaseLost,
+    Transient { lease: Lease },
+    Permanent { lease: Lease, error: String },
+    Pending,
+}
+
+/// Runs the handler under `lease` with a heartbeat, and records its outcome.
+async fn run<H: Handler>(
+    shared: &Shared<H>,
+    parsed: &Parsed,
+    message: Option<H::Message>,
+    lease: &Lease,
+) -> Result<Run, WorkerError> {
+    let message = match message {
+        Some(message) => message,
+        None => rebuild::<H>(&parsed.value)?,
+    };
+    let mut ctx = Context::new(
+        parsed.key.clone(),
+        lease.attempt,
+        lease.takeover,
+        shared.store.pool().clone(),
+    );
+    let result = {
+        let _heartbeat = heartbeat(&shared.store, lease);
+        AssertUnwindSafe(shared.handler.handle(message, &mut ctx))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
+    };
+    record(shared, &mut ctx, lease, result, false).await
+}
+
+/// Asks the handler what became of a pending operation, and acts on the answer.
+async fn reconcile<H: Handler>(
+    shared: &Shared<H>,
+    parsed: &Parsed,
+    message: Option<H::Message>,
+    lease: &Lease,
+    external_ref: Option<&str>,
+) -> Result<Run, WorkerError> {
+    let message = match message {
+        Some(message) => message,
+        None => rebuild::<H>(&parsed.value)?,
+    };
+    let mut ctx = Context::new(
+        parsed.key.clone(),
+        lease.attempt,
+        lease.takeover,
+        shared.store.pool().clone(),
+    );
+    let answer = {
+        let _heartbeat = heartbeat(&shared.store, lease);
+        AssertUnwindSafe(shared.handler.reconcile(&message, external_ref, &mut ctx))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
+    };
+    match answer {
+        Ok(Reconciliation::Applied(output)) => record(shared, &mut ctx, lease, Ok(output), true).await,
+        Ok(Reconciliation::NotApplied) => {
+            info!("reconcile: not applied, running the handler again");
+            drop(ctx);
+            run(shared, parsed, Some(message), lease).await
+        }
+        Ok(Reconciliation::Unknown) => {
+            let error = HandlerError::uncertain(None, "reconcile: outcome still unknown");
+            record(shared, &mut ctx, lease, Err(error), true).await
+        }
+        Err(error) => {
+            // A failing reconciliation says nothing about the effect: stay pending.
+            let error = match error {
+                HandlerError::Permanent(e) => HandlerError::Permanent(e),
+                other => HandlerError::uncertain(None, format!("reconcile failed: {}", other.message())),
+            };
+            record(shared, &mut ctx, lease, Err(error), true).await
+        }
+    }
+}
+
+/// Writes the outcome, fenced by the lease; a success commits the handler's transaction
+/// together with the `completed` record.
+async fn record<H: Handler>(
+    shared: &Shared<H>,
+    ctx: &mut Context,
+    lease: &Lease,
+    result: Result<H::Output, HandlerError>,
+    reconciling: bool,
+) -> Result<Run, WorkerError> {
+    let store = &shared.store;
+    let tx = ctx.take_tx();
+    let fenced = |r: Result<(), StoreError>, run: Run| match r {
+        Ok(()) => Ok(run),
+        Err(StoreError::LeaseLost { .. }) => Ok(Run::LeaseLost),
+        Err(e) => Err(WorkerError::Store(e)),
+    };
+    match result {
+        Ok(output) => {
+            let output = match serde_json::to_value(output) {
+                Ok(output) => output,
+                Err(e) => {
+                    drop(tx);
+                    let error = format!("handler output does not serialize: {e}");
+                    let r = store.fail(lease, false, &json!({"error": error, "kind": "permanent"})).await;
+                    return fenced(r, Run::Permanent { lease: lease.clone(), error });
+                }
+            };
+            let done = Run::Completed {
+                reconciled: reconciling,
+            };
+            match tx {
+                None => fenced(store.complete(lease, &output).await, done),
+                Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
+                    Ok(()) => {
+                        tx.commit().await.map_err(StoreError::from)?;
+                        Ok(done)
+                    }
+                    Err(StoreError::LeaseLost { .. }) => {
+                        // A zombie: another worker owns the operation; undo our writes.
+                        let _ = tx.rollback().await;
+                        Ok(Run::LeaseLost)
+                    }
+                    Err(e) => Err(e.into()),
+                },
+            }
+        }
+        Err(error) => {
+            drop(tx); // the handler's writes roll back
+            let text = error.message().to_owned();
+            match error {
+                HandlerError::Transient(_) => {
+                    warn!(error = %text, "handler failed, transient");
+                    let r = store.fail(lease, true, &json!({"error": text, "kind": "transient"})).await;
+                    fenced(r, Run::Transient { lease: lease.clone() })
+                }
+                HandlerError::Permanent(_) => {
+                    warn!(error = %text, "handler failed, permanent");
+                    let r = store.fail(lease, false, &json!({"error": text, "kind": "permanent"})).await;
+                    fenced(r, Run::Permanent { lease: lease.clone(), error: text })
+                }
+                HandlerError::Uncertain { external_ref, .. } => {
+                    warn!(error = %text, "outcome uncertain, pending reconciliation");
+                    let r = store
+                        .mark_pending(lease, external_ref.as_deref(), &json!({"error": text, "kind": "uncertain"}))
+                        .await;
+                    fenced(r, Run::Pending)
+                }
+            }
+        }
+    }
+}
+
+/// Extends `lease` every third of the lease time until dropped.
+fn heartbeat(store: &Store, lease: &Lease) -> tokio_util::sync::DropGuard {
+    let stop = CancellationToken::new();
+    let (store, lease, token) = (store.clone(), lease.clone(), stop.clone());
+    let every = store.config().lease / 3;
+    tokio::spawn(
+        async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = token.cancelled() => return,
+                }
+                match store.heartbeat(&lease).await {
+                    Ok(_) => {}
+                    Err(StoreError::LeaseLost { .. }) => {
+                        warn!("heartbeat: lease lost to another worker; this run's outcome will be refused");
+                        return;
+                    }
+                    Err(error) => warn!(error = %error, "heartbeat failed; retrying"),
+                }
+            }
+        }
+        .in_current_span(),
+    );
+    stop.drop_guard()
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    format!("handler panicked: {text}")
+}
+
+/// Broker actions on one delivery: every publish is confirmed before the ack.
+struct Broker<'a> {
+    channel: &'a Channel,
+    delivery: &'a Delivery,
+    queue: &'a str,
+    retry: &'a RetryPolicy,
+}
+
+impl Broker<'_> {
+    async fn ack(&self) -> Result<(), WorkerError> {
+        // Ok(false) means the channel is gone: the broker redelivers, the store decides.
+        self.delivery.ack(BasicAckOptions::default()).await?;
+        Ok(())
+    }
+
+    async fn publish(&self, queue: &str, properties: BasicProperties) -> Result<(), WorkerError> {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &self.delivery.data,
+                properties.with_delivery_mode(2),
+            )
+            .await?
+            .await?;
+        let why = match confirm {
+            Confirmation::Ack(None) => return Ok(()),
+            Confirmation::Ack(Some(returned)) => format!("unroutable: {}", returned.reply_text),
+            Confirmation::Nack(_) => "nacked by the broker".into(),
+            Confirmation::NotRequested => "publisher confirms are off".into(),
+        };
+        Err(WorkerError::Publish {
+            queue: queue.into(),
+            why,
+        })
+    }
+
+    async fn dead_letter(
+        &self,
+        reason: Reason,
+        error: &str,
+        key: Option<&Key>,
+        operation: &str,
+        attempts: i64,
+    ) -> Result<(), WorkerError> {
+        let properties = dead_letter::dead_letter_properties(
+            &self.delivery.properties,
+            &DeadLetter {
+                reason,
+                error,
+                key: key.map(Key::digest),
+                operation: Some(operation),
+                attempts,
+                original_queue: self.queue,
+            },
+        );
+        warn!(reason = reason.as_str(), error, "dead-lettering");
+        self.publish(&topology::dlq_name(self.queue), properties).await?;
+        self.ack().await
+    }
+
+    fn retries(&self) -> i64 {
+        dead_letter::header_i64(&self.delivery.properties, dead_letter::RETRIES).unwrap_or(0)
+    }
+
+    /// Sends the message through the next retry queue, counting the retry. `false`
+    /// when the retries are used up (nothing was published).
+    async fn retry_counted(&self) -> Result<bool, WorkerError> {
+        let retries = self.retries();
+        let Some(delay) = usize::try_from(retries).ok().and_then(|r| self.retry.delay(r)) else {
+            return Ok(false);
+        };
+        let properties = dead_letter::retry_properties(&self.delivery.properties, retries + 1);
+        self.publish(&retry_queue_name(self.queue, delay), properties).await?;
+        self.ack().await?;
+        Ok(true)
+    }
+
+    /// Looks again later without counting a retry (another worker is on it). With no
+    /// retry queues configured, the message is requeued after a short wait.
+    async fn retry_later(&self) -> Result<(), WorkerError> {
+        match self.retry.delays.first() {
+            Some(delay) => {
+                let properties = dead_letter::retry_properties(&self.delivery.properties, self.retries());
+                self.publish(&retry_queue_name(self.queue, *delay), properties).await?;
+                self.ack().await
+            }
+            None => {
+                tokio::time::sleep(self.retry.max_backoff).await;
+                self.delivery
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        multiple: false,
+                    })
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+}
