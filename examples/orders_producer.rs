@@ -70,7 +70,7 @@ pub struct Published {
 
 /// One order's JSON with its keys in a random order and a fresh `sent_at`.
 pub fn order_json(event_id: &str, tenant: &str, order_id: usize, amount_cents: i64) -> Vec<u8> {
-    let mut fields = vec![
+    let mut fields = [
         ("event_id", json!(event_id)),
         ("tenant", json!(tenant)),
         ("order_id", json!(order_id)),
@@ -195,8 +195,7 @@ pub async fn publish_orders(channel: &Channel, plan: &Plan) -> anyhow::Result<Pu
 #[tokio::main]
 async fn main() -> ExitCode {
     let plan = Plan::parse();
-    let url =
-        std::env::var("AMQP_URL").unwrap_or_else(|_| idem::topology::DEFAULT_AMQP_URL.into());
+    let url = std::env::var("AMQP_URL").unwrap_or_else(|_| idem::topology::DEFAULT_AMQP_URL.into());
     let result = async {
         let connection = idem::topology::connect(&url, "orders_producer")
             .await
@@ -211,7 +210,14 @@ async fn main() -> ExitCode {
         Ok(p) => {
             println!(
                 "published {} messages to {}: {} orders (run {}), {} duplicate copies, {} conflicts, {} malformed, {} invalid",
-                p.messages, plan.queue, p.orders, p.run_id, p.duplicates, p.conflicts, p.malformed, p.invalid
+                p.messages,
+                plan.queue,
+                p.orders,
+                p.run_id,
+                p.duplicates,
+                p.conflicts,
+                p.malformed,
+                p.invalid
             );
             ExitCode::SUCCESS
         }

@@ -122,8 +122,11 @@ fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error>
 /// The example's tables. Neither has a unique constraint: a duplicate effect must be
 /// visible, not absorbed.
 pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    // One simple query runs as one transaction: the advisory lock serialises workers
+    // starting together (concurrent CREATE TABLE IF NOT EXISTS can collide).
     sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS example_provider_calls (
+        "SELECT pg_advisory_xact_lock(hashtext('idem_example_tables'));
+         CREATE TABLE IF NOT EXISTS example_provider_calls (
              idempotency_key text NOT NULL,
              event_id text NOT NULL,
              called_at timestamptz NOT NULL
@@ -188,6 +191,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,sqlx=warn".into()),

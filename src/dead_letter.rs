@@ -171,12 +171,26 @@ mod tests {
         assert_eq!(props.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
         assert_eq!(*props.delivery_mode(), Some(2));
         assert_eq!(header_str(&props, "trace").as_deref(), Some("t-1"));
-        assert_eq!(header_str(&props, REASON).as_deref(), Some("permanent_failure"));
+        assert_eq!(
+            header_str(&props, REASON).as_deref(),
+            Some("permanent_failure")
+        );
         assert_eq!(header_str(&props, ERROR).as_deref(), Some("invalid amount"));
         assert_eq!(header_i64(&props, ATTEMPTS), Some(2));
-        assert_eq!(header_str(&props, ORIGINAL_QUEUE).as_deref(), Some("orders"));
+        assert_eq!(
+            header_str(&props, ORIGINAL_QUEUE).as_deref(),
+            Some("orders")
+        );
         assert!(header_str(&props, FAILED_AT).is_some());
-        assert!(props.headers().as_ref().unwrap().inner().get("x-death").is_none());
+        assert!(
+            props
+                .headers()
+                .as_ref()
+                .unwrap()
+                .inner()
+                .get("x-death")
+                .is_none()
+        );
         let retried = retry_properties(&props, 2);
         assert_eq!(header_i64(&retried, RETRIES), Some(2));
     }

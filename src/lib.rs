@@ -18,9 +18,9 @@ pub mod topology;
 pub mod worker;
 
 pub use fingerprint::Fingerprint;
-pub use key::{Key, KeyError};
 pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
+pub use key::{Key, KeyError};
 pub use retry::RetryPolicy;
+pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
 pub use worker::{Outcome, Worker, WorkerConfig, WorkerError};
-pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};

@@ -62,7 +62,7 @@ impl RetryPolicy {
 /// declares new queues instead of failing on the old queues' arguments.
 pub fn retry_queue_name(queue: &str, delay: Duration) -> String {
     let ms = delay.as_millis();
-    let tier = if ms % 1000 == 0 {
+    let tier = if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")
@@ -99,7 +99,13 @@ mod tests {
 
     #[test]
     fn retry_queues_are_named_by_delay() {
-        assert_eq!(retry_queue_name("orders", Duration::from_secs(5)), "orders.retry.5s");
-        assert_eq!(retry_queue_name("orders", Duration::from_millis(250)), "orders.retry.250ms");
+        assert_eq!(
+            retry_queue_name("orders", Duration::from_secs(5)),
+            "orders.retry.5s"
+        );
+        assert_eq!(
+            retry_queue_name("orders", Duration::from_millis(250)),
+            "orders.retry.250ms"
+        );
     }
 }

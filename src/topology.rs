@@ -71,10 +71,7 @@ impl Topology {
             let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
             args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
             args.insert("x-dead-letter-exchange".into(), long_string(""));
-            args.insert(
-                "x-dead-letter-routing-key".into(),
-                long_string(&self.queue),
-            );
+            args.insert("x-dead-letter-routing-key".into(), long_string(&self.queue));
             let name = retry_queue_name(&self.queue, *delay);
             channel
                 .queue_declare(name.as_str().into(), durable, args)

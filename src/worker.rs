@@ -197,7 +197,9 @@ impl<H: Handler> Worker<H> {
                     if connected {
                         backoff = self.reconnect_backoff();
                     }
-                    let delay = backoff.next().unwrap_or(self.shared.config.max_reconnect_delay);
+                    let delay = backoff
+                        .next()
+                        .unwrap_or(self.shared.config.max_reconnect_delay);
                     warn!(error = %error, retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
@@ -212,7 +214,10 @@ impl<H: Handler> Worker<H> {
             .await
             .is_err()
         {
-            warn!(running = tasks.len(), "shutdown timeout: handlers still running are abandoned; their messages will be redelivered");
+            warn!(
+                running = tasks.len(),
+                "shutdown timeout: handlers still running are abandoned; their messages will be redelivered"
+            );
         }
         info!("worker stopped");
         Ok(())
@@ -307,7 +312,10 @@ impl<H: Handler> Worker<H> {
             .await
             .is_err()
         {
-            warn!(running = tasks.len(), "shutdown timeout: closing with handlers still running; their messages will be redelivered");
+            warn!(
+                running = tasks.len(),
+                "shutdown timeout: closing with handlers still running; their messages will be redelivered"
+            );
         }
         // Deliveries prefetched but never started are requeued by the broker on close.
         let _ = consume.close(200, "shutdown".into()).await;
@@ -353,7 +361,7 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
             }
         };
         Span::current().record("outcome", outcome.as_str());
-        info!(outcome = outcome.as_str(), "delivery decided");
+        info!("delivery decided");
     }
     .instrument(span)
     .await
@@ -424,7 +432,9 @@ async fn decide<H: Handler>(
     let mut immediate = shared.config.retry.immediate_backoff();
     let mut message = Some(message);
     loop {
-        let claim = store.claim(&parsed.key, &parsed.fingerprint, &origin).await?;
+        let claim = store
+            .claim(&parsed.key, &parsed.fingerprint, &origin)
+            .await?;
         let run = match claim {
             Claim::Claimed(lease) => {
                 span.record("attempt", lease.attempt);
@@ -441,7 +451,13 @@ async fn decide<H: Handler>(
             Claim::Conflict { .. } => {
                 let why = "the key was already used with another payload; a changed payload needs a new key";
                 broker
-                    .dead_letter(Reason::FingerprintConflict, why, Some(&parsed.key), H::OPERATION, 0)
+                    .dead_letter(
+                        Reason::FingerprintConflict,
+                        why,
+                        Some(&parsed.key),
+                        H::OPERATION,
+                        0,
+                    )
                     .await?;
                 return Ok(Outcome::Conflict);
             }
@@ -455,7 +471,13 @@ async fn decide<H: Handler>(
                     // The worker that failed it died before publishing the dead letter.
                     let why = error_text(error.as_ref());
                     broker
-                        .dead_letter(Reason::PermanentFailure, &why, Some(&parsed.key), H::OPERATION, i64::from(attempts))
+                        .dead_letter(
+                            Reason::PermanentFailure,
+                            &why,
+                            Some(&parsed.key),
+                            H::OPERATION,
+                            i64::from(attempts),
+                        )
                         .await?;
                     store.mark_dead_lettered(id).await?;
                     return Ok(Outcome::FailedPermanent);
@@ -468,7 +490,14 @@ async fn decide<H: Handler>(
                 external_ref,
             } => {
                 span.record("attempt", lease.attempt);
-                reconcile(shared, &parsed, message.take(), &lease, external_ref.as_deref()).await?
+                reconcile(
+                    shared,
+                    &parsed,
+                    message.take(),
+                    &lease,
+                    external_ref.as_deref(),
+                )
+                .await?
             }
         };
         match run {
@@ -487,7 +516,10 @@ async fn decide<H: Handler>(
             }
             Run::Transient { lease } => {
                 if let Some(delay) = immediate.next() {
-                    debug!(delay_ms = delay.as_millis() as u64, "transient failure, retrying in process");
+                    debug!(
+                        delay_ms = delay.as_millis() as u64,
+                        "transient failure, retrying in process"
+                    );
                     tokio::time::sleep(delay).await;
                     continue;
                 }
@@ -497,7 +529,13 @@ async fn decide<H: Handler>(
                         let record = store.get(&parsed.key).await?;
                         let why = error_text(record.as_ref().and_then(|r| r.error.as_ref()));
                         broker
-                            .dead_letter(Reason::RetriesExhausted, &why, Some(&parsed.key), H::OPERATION, i64::from(lease.attempt))
+                            .dead_letter(
+                                Reason::RetriesExhausted,
+                                &why,
+                                Some(&parsed.key),
+                                H::OPERATION,
+                                i64::from(lease.attempt),
+                            )
                             .await?;
                         store.mark_dead_lettered(lease.id).await?;
                         Ok(Outcome::RetriesExhausted)
@@ -506,7 +544,13 @@ async fn decide<H: Handler>(
             }
             Run::Permanent { lease, error } => {
                 broker
-                    .dead_letter(Reason::PermanentFailure, &error, Some(&parsed.key), H::OPERATION, i64::from(lease.attempt))
+                    .dead_letter(
+                        Reason::PermanentFailure,
+                        &error,
+                        Some(&parsed.key),
+                        H::OPERATION,
+                        i64::from(lease.attempt),
+                    )
                     .await?;
                 store.mark_dead_lettered(lease.id).await?;
                 return Ok(Outcome::FailedPermanent);
@@ -517,7 +561,13 @@ async fn decide<H: Handler>(
                     false => {
                         let why = "outcome still unknown after every retry; reconcile by hand";
                         broker
-                            .dead_letter(Reason::RetriesExhausted, why, Some(&parsed.key), H::OPERATION, 0)
+                            .dead_letter(
+                                Reason::RetriesExhausted,
+                                why,
+                                Some(&parsed.key),
+                                H::OPERATION,
+                                0,
+                            )
                             .await?;
                         Ok(Outcome::RetriesExhausted)
                     }
@@ -529,8 +579,11 @@ async fn decide<H: Handler>(
 
 /// The message again, for a second run (the handler consumed the first).
 fn rebuild<H: Handler>(value: &Value) -> Result<H::Message, WorkerError> {
-    serde_json::from_value(value.clone())
-        .map_err(|e| WorkerError::Store(StoreError::Unexpected(format!("message no longer parses: {e}"))))
+    serde_json::from_value(value.clone()).map_err(|e| {
+        WorkerError::Store(StoreError::Unexpected(format!(
+            "message no longer parses: {e}"
+        )))
+    })
 }
 
 fn error_text(error: Option<&Value>) -> String {
@@ -607,7 +660,9 @@ async fn reconcile<H: Handler>(
             .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
     };
     match answer {
-        Ok(Reconciliation::Applied(output)) => record(shared, &mut ctx, lease, Ok(output), true).await,
+        Ok(Reconciliation::Applied(output)) => {
+            record(shared, &mut ctx, lease, Ok(output), true).await
+        }
         Ok(Reconciliation::NotApplied) => {
             info!("reconcile: not applied, running the handler again");
             drop(ctx);
@@ -621,7 +676,9 @@ async fn reconcile<H: Handler>(
             // A failing reconciliation says nothing about the effect: stay pending.
             let error = match error {
                 HandlerError::Permanent(e) => HandlerError::Permanent(e),
-                other => HandlerError::uncertain(None, format!("reconcile failed: {}", other.message())),
+                other => {
+                    HandlerError::uncertain(None, format!("reconcile failed: {}", other.message()))
+                }
             };
             record(shared, &mut ctx, lease, Err(error), true).await
         }
@@ -651,8 +708,16 @@ async fn record<H: Handler>(
                 Err(e) => {
                     drop(tx);
                     let error = format!("handler output does not serialize: {e}");
-                    let r = store.fail(lease, false, &json!({"error": error, "kind": "permanent"})).await;
-                    return fenced(r, Run::Permanent { lease: lease.clone(), error });
+                    let r = store
+                        .fail(lease, false, &json!({"error": error, "kind": "permanent"}))
+                        .await;
+                    return fenced(
+                        r,
+                        Run::Permanent {
+                            lease: lease.clone(),
+                            error,
+                        },
+                    );
                 }
             };
             let done = Run::Completed {
@@ -680,18 +745,37 @@ async fn record<H: Handler>(
             match error {
                 HandlerError::Transient(_) => {
                     warn!(error = %text, "handler failed, transient");
-                    let r = store.fail(lease, true, &json!({"error": text, "kind": "transient"})).await;
-                    fenced(r, Run::Transient { lease: lease.clone() })
+                    let r = store
+                        .fail(lease, true, &json!({"error": text, "kind": "transient"}))
+                        .await;
+                    fenced(
+                        r,
+                        Run::Transient {
+                            lease: lease.clone(),
+                        },
+                    )
                 }
                 HandlerError::Permanent(_) => {
                     warn!(error = %text, "handler failed, permanent");
-                    let r = store.fail(lease, false, &json!({"error": text, "kind": "permanent"})).await;
-                    fenced(r, Run::Permanent { lease: lease.clone(), error: text })
+                    let r = store
+                        .fail(lease, false, &json!({"error": text, "kind": "permanent"}))
+                        .await;
+                    fenced(
+                        r,
+                        Run::Permanent {
+                            lease: lease.clone(),
+                            error: text,
+                        },
+                    )
                 }
                 HandlerError::Uncertain { external_ref, .. } => {
                     warn!(error = %text, "outcome uncertain, pending reconciliation");
                     let r = store
-                        .mark_pending(lease, external_ref.as_deref(), &json!({"error": text, "kind": "uncertain"}))
+                        .mark_pending(
+                            lease,
+                            external_ref.as_deref(),
+                            &json!({"error": text, "kind": "uncertain"}),
+                        )
                         .await;
                     fenced(r, Run::Pending)
                 }
@@ -798,7 +882,8 @@ impl Broker<'_> {
             },
         );
         warn!(reason = reason.as_str(), error, "dead-lettering");
-        self.publish(&topology::dlq_name(self.queue), properties).await?;
+        self.publish(&topology::dlq_name(self.queue), properties)
+            .await?;
         self.ack().await
     }
 
@@ -810,11 +895,15 @@ impl Broker<'_> {
     /// when the retries are used up (nothing was published).
     async fn retry_counted(&self) -> Result<bool, WorkerError> {
         let retries = self.retries();
-        let Some(delay) = usize::try_from(retries).ok().and_then(|r| self.retry.delay(r)) else {
+        let Some(delay) = usize::try_from(retries)
+            .ok()
+            .and_then(|r| self.retry.delay(r))
+        else {
             return Ok(false);
         };
         let properties = dead_letter::retry_properties(&self.delivery.properties, retries + 1);
-        self.publish(&retry_queue_name(self.queue, delay), properties).await?;
+        self.publish(&retry_queue_name(self.queue, delay), properties)
+            .await?;
         self.ack().await?;
         Ok(true)
     }
@@ -824,8 +913,10 @@ impl Broker<'_> {
     async fn retry_later(&self) -> Result<(), WorkerError> {
         match self.retry.delays.first() {
             Some(delay) => {
-                let properties = dead_letter::retry_properties(&self.delivery.properties, self.retries());
-                self.publish(&retry_queue_name(self.queue, *delay), properties).await?;
+                let properties =
+                    dead_letter::retry_properties(&self.delivery.properties, self.retries());
+                self.publish(&retry_queue_name(self.queue, *delay), properties)
+                    .await?;
                 self.ack().await
             }
             None => {

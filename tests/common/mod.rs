@@ -1,0 +1,373 @@
+//! Shared test harness: a unique queue per test on the real RabbitMQ, the test's own
+//! database (from `#[sqlx::test]`), worker processes, and waiting with deadlines.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use idem::dead_letter;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
+use tokio::process::{Child, Command};
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| idem::topology::DEFAULT_AMQP_URL.into())
+}
+
+/// The URL of the test's own database, for worker processes.
+pub fn database_url(options: &PgConnectOptions) -> String {
+    // PgConnectOptions does not expose the password: take it from DATABASE_URL.
+    let url = std::env::var("DATABASE_URL").unwrap_or_default();
+    let password = url
+        .split_once("://")
+        .and_then(|(_, rest)| rest.split_once('@'))
+        .and_then(|(credentials, _)| credentials.split_once(':'))
+        .map(|(_, password)| password.to_string())
+        .unwrap_or_default();
+    format!(
+        "postgres://{}:{}@{}:{}/{}",
+        options.get_username(),
+        password,
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("postgres"),
+    )
+}
+
+/// Polls `check` every 50 ms until it returns true, failing after `limit`.
+pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A unique queue on the real broker, with its retry queues and DLQ deleted on drop.
+pub struct TestQueue {
+    pub name: String,
+    pub connection: Connection,
+    pub channel: Channel,
+}
+
+impl TestQueue {
+    pub async fn new(test: &str) -> Self {
+        let name = format!(
+            "test.{test}.{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        let connection = idem::topology::connect(&amqp_url(), &format!("test-{test}"))
+            .await
+            .expect("connect to RabbitMQ");
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        Self {
+            name,
+            connection,
+            channel,
+        }
+    }
+
+    pub fn dlq(&self) -> String {
+        idem::topology::dlq_name(&self.name)
+    }
+
+    /// Publishes a persistent message with a fresh message id, confirmed.
+    pub async fn publish(&self, body: &[u8]) {
+        let message_id = uuid::Uuid::new_v4().to_string();
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(message_id.as_str().into()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+
+    /// Messages ready and consumers of `queue` (0, 0 if it does not exist yet).
+    pub async fn counts(&self, queue: &str) -> (u32, u32) {
+        // A passive declare on a missing queue closes the channel: use a throwaway one.
+        let Ok(channel) = self.connection.create_channel().await else {
+            return (0, 0);
+        };
+        let result = channel
+            .queue_declare(
+                queue.into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        let _ = channel.close(200, "ok".into()).await;
+        match result {
+            Ok(q) => (q.message_count(), q.consumer_count()),
+            Err(_) => (0, 0),
+        }
+    }
+
+    /// Takes every message out of `queue`: (headers as strings, body).
+    pub async fn drain(&self, queue: &str) -> Vec<DeadLetter> {
+        let mut out = Vec::new();
+        while let Some(message) = self
+            .channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+        {
+            let delivery = message.delivery;
+            out.push(DeadLetter {
+                reason: dead_letter::header_str(&delivery.properties, dead_letter::REASON),
+                error: dead_letter::header_str(&delivery.properties, dead_letter::ERROR),
+                key: dead_letter::header_str(&delivery.properties, dead_letter::KEY),
+                attempts: dead_letter::header_i64(&delivery.properties, dead_letter::ATTEMPTS),
+                original_queue: dead_letter::header_str(
+                    &delivery.properties,
+                    dead_letter::ORIGINAL_QUEUE,
+                ),
+                failed_at: dead_letter::header_str(&delivery.properties, dead_letter::FAILED_AT),
+                message_id: delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.to_string()),
+                body: delivery.data.clone(),
+            });
+            delivery.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        out
+    }
+
+    /// Waits until `queue` holds `n` messages.
+    pub async fn wait_for_messages(&self, queue: &str, n: u32, limit: Duration) {
+        wait_until(limit, &format!("{n} messages in {queue}"), || async {
+            self.counts(queue).await.0 == n
+        })
+        .await;
+    }
+}
+
+impl Drop for TestQueue {
+    fn drop(&mut self) {
+        let url = amqp_url();
+        let base = self.name.clone();
+        // Drop cannot await: delete the queues from a thread with its own runtime.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async move {
+                let connection = idem::topology::connect(&url, "test-cleanup").await.ok()?;
+                let channel = connection.create_channel().await.ok()?;
+                for suffix in [
+                    "",
+                    ".dlq",
+                    ".retry.100ms",
+                    ".retry.200ms",
+                    ".retry.300ms",
+                    ".retry.500ms",
+                    ".retry.1s",
+                ] {
+                    let _ = channel
+                        .queue_delete(
+                            format!("{base}{suffix}").as_str().into(),
+                            QueueDeleteOptions::default(),
+                        )
+                        .await;
+                }
+                let _ = connection.close(200, "cleanup".into()).await;
+                Some(())
+            })
+        })
+        .join();
+    }
+}
+
+/// A dead letter as read back from a DLQ.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    pub reason: Option<String>,
+    pub error: Option<String>,
+    pub key: Option<String>,
+    pub attempts: Option<i64>,
+    pub original_queue: Option<String>,
+    pub failed_at: Option<String>,
+    pub message_id: Option<String>,
+    pub body: Vec<u8>,
+}
+
+/// An order body with its keys in the given order and a fresh `sent_at`.
+pub fn order(event_id: &str, tenant: &str, amount_cents: i64) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "event_id": event_id,
+        "tenant": tenant,
+        "order_id": format!("o-{event_id}"),
+        "amount_cents": amount_cents,
+        "sent_at": chrono::Utc::now().to_rfc3339(),
+    }))
+    .unwrap()
+}
+
+/// The same order resent: reordered keys, new `sent_at`, order_id as a number-free string.
+pub fn order_resent(event_id: &str, tenant: &str, amount_cents: i64) -> Vec<u8> {
+    format!(
+        r#"{{"sent_at":"{}","amount_cents":{amount_cents},"order_id":"o-{event_id}","tenant":"{tenant}","event_id":"{event_id}"}}"#,
+        chrono::Utc::now().to_rfc3339()
+    )
+    .into_bytes()
+}
+
+/// Ledger rows per event.
+pub async fn ledger(pool: &PgPool) -> BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT event_id, count(*) FROM example_ledger GROUP BY event_id")
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+    rows.into_iter().collect()
+}
+
+/// Provider calls per event: (calls, distinct keys).
+pub async fn provider_calls(pool: &PgPool) -> BTreeMap<String, (i64, i64)> {
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT event_id, count(*), count(DISTINCT idempotency_key)
+         FROM example_provider_calls GROUP BY event_id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    rows.into_iter().map(|(e, c, k)| (e, (c, k))).collect()
+}
+
+/// Records per status.
+pub async fn statuses(pool: &PgPool) -> BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, count(*) FROM processed_operations GROUP BY status")
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+    rows.into_iter().collect()
+}
+
+/// The `orders_worker` example binary, built by `cargo test` beside the tests.
+pub fn orders_worker_path() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let path = dir.join("examples").join("orders_worker");
+    assert!(
+        path.exists(),
+        "{} missing: build with cargo test",
+        path.display()
+    );
+    path
+}
+
+/// An `orders_worker` process and its log file.
+pub struct WorkerProcess {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl WorkerProcess {
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("worker is running")
+    }
+
+    pub fn log_contains(&self, needle: &str) -> bool {
+        std::fs::read_to_string(&self.log)
+            .map(|text| text.contains(needle))
+            .unwrap_or(false)
+    }
+}
+
+/// Starts an `orders_worker` process on `queue` and the test's database, logging to a
+/// file under the temp dir (kept for post-mortems).
+pub fn spawn_orders_worker(database_url: &str, queue: &str, extra: &[&str]) -> WorkerProcess {
+    let log_dir = std::env::temp_dir().join("idem-test-logs");
+    let _ = std::fs::create_dir_all(&log_dir);
+    let log = log_dir.join(format!("{queue}-{}.log", uuid::Uuid::new_v4().simple()));
+    let file = std::fs::File::create(&log).unwrap();
+    let child = Command::new(orders_worker_path())
+        .args(["--queue", queue, "--retry-delays-ms", "100,200,300"])
+        .args(extra)
+        .env("DATABASE_URL", database_url)
+        .env("AMQP_URL", amqp_url())
+        .env("RUST_LOG", "info,sqlx=warn")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(file)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn orders_worker");
+    WorkerProcess { child, log }
+}
+
+/// Sends a signal to a child process.
+pub fn signal(worker: &WorkerProcess, signal: &str) {
+    let pid = worker.pid();
+    let status = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// Waits until the example tables exist (the worker creates them on start).
+pub async fn wait_for_worker_tables(pool: &PgPool) {
+    wait_until(Duration::from_secs(60), "the worker's tables", || async {
+        sqlx::query_scalar::<_, bool>("SELECT to_regclass('example_ledger') IS NOT NULL")
+            .fetch_one(pool)
+            .await
+            .unwrap_or(false)
+    })
+    .await;
+}
+
+/// Waits until `queue` has `n` consumers.
+pub async fn wait_for_consumers(q: &TestQueue, n: u32) {
+    wait_until(Duration::from_secs(60), "worker consumers", || async {
+        q.counts(&q.name).await.1 >= n
+    })
+    .await;
+}
+
+pub fn header_text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}
+
+pub fn body_json(body: &[u8]) -> Value {
+    serde_json::from_slice(body).unwrap_or(Value::Null)
+}
