@@ -24,3 +24,8 @@ pub use retry::RetryPolicy;
 pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
 pub use worker::{Outcome, Worker, WorkerConfig, WorkerError};
+
+/// The README's code blocks compile as doc tests, so the first screen stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -96,7 +96,7 @@ pub enum WorkerError {
     ConsumerCancelled,
 }
 
-/// What became of one delivery; the `outcome` field of its span.
+/// What became of one delivery: the `outcome` field of the `delivery decided` event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// The handler ran and its result was recorded.
@@ -341,7 +341,6 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
         key = field::Empty,
         attempt = field::Empty,
         redelivered = delivery.redelivered,
-        outcome = field::Empty,
     );
     async {
         let outcome = match decide(shared, publish, &delivery).await {
@@ -360,8 +359,7 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
                 Outcome::Requeued
             }
         };
-        Span::current().record("outcome", outcome.as_str());
-        info!("delivery decided");
+        info!(outcome = outcome.as_str(), "delivery decided");
     }
     .instrument(span)
     .await
