@@ -162,9 +162,12 @@ struct Args {
     /// Orders of this tenant fail for good (rehearse an outage and a replay).
     #[arg(long)]
     fail_tenant: Option<String>,
-    /// Prometheus metrics address (served once the metrics land; accepted now).
+    /// Serve Prometheus metrics on http://HOST:PORT/metrics and health on /healthz.
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Delete expired records every this many seconds (0: never; use `idem gc`).
+    #[arg(long, default_value_t = 0)]
+    gc_every_secs: u64,
     /// Classic or quorum queues.
     #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
     queue_type: String,
@@ -242,22 +245,25 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ..RetryPolicy::default()
         },
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
+        gc_every: (args.gc_every_secs > 0).then(|| Duration::from_secs(args.gc_every_secs)),
         name,
         ..WorkerConfig::default()
     };
-    if let Some(addr) = &args.metrics_addr {
-        tracing::warn!(%addr, "--metrics-addr is accepted but metrics are not served yet");
-    }
     let handler = Orders {
         fail_tenant: args.fail_tenant,
         provider_delay: Duration::from_millis(args.provider_delay_ms),
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
-    Worker::new(handler, store, config)
-        .run(shutdown)
-        .await
-        .context("worker")?;
+    let pool = store.pool().clone();
+    let worker = Worker::new(handler, store, config);
+    if let Some(addr) = &args.metrics_addr {
+        let bound = idem::metrics::serve(addr, pool, worker.broker_health(), shutdown.clone())
+            .await
+            .context("metrics")?;
+        tracing::info!(%bound, "serving /metrics and /healthz");
+    }
+    worker.run(shutdown).await.context("worker")?;
     Ok(())
 }
 

@@ -8,14 +8,20 @@
 use std::fmt;
 
 use lapin::BasicProperties;
+
+use crate::key::Key;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 /// Why the message was dead-lettered (`idem-reason`).
 pub const REASON: &str = "idem-reason";
 /// The error text (`idem-error`).
 pub const ERROR: &str = "idem-error";
-/// The key's digest, when the message had a valid key (`idem-key`).
+/// The idempotency key, when the message had a valid key (`idem-key`).
 pub const KEY: &str = "idem-key";
+/// The key's scope (`idem-scope`).
+pub const SCOPE: &str = "idem-scope";
+/// The key's short hash, as logs show it (`idem-key-hash`).
+pub const KEY_HASH: &str = "idem-key-hash";
 /// The record's claim count when dead-lettered (`idem-attempts`).
 pub const ATTEMPTS: &str = "idem-attempts";
 /// The work queue the message came from (`idem-original-queue`).
@@ -65,10 +71,10 @@ pub struct DeadLetter<'a> {
     pub reason: Reason,
     /// The error text.
     pub error: &'a str,
-    /// The key's digest, if the message had a valid key.
-    pub key: Option<String>,
-    /// The operation name, if known.
-    pub operation: Option<&'a str>,
+    /// The key, if the message had a valid one.
+    pub key: Option<&'a Key>,
+    /// The operation name of the handler.
+    pub operation: &'a str,
     /// Claims made on the key (0 when none was made).
     pub attempts: i64,
     /// The work queue.
@@ -84,12 +90,12 @@ pub fn dead_letter_properties(original: &BasicProperties, dl: &DeadLetter<'_>) -
     };
     set(REASON, text(dl.reason.as_str()));
     set(ERROR, text(dl.error));
-    if let Some(key) = &dl.key {
-        set(KEY, text(key));
+    if let Some(key) = dl.key {
+        set(KEY, text(key.idempotency_key()));
+        set(SCOPE, text(key.scope()));
+        set(KEY_HASH, text(&key.short_hash()));
     }
-    if let Some(op) = dl.operation {
-        set(OPERATION, text(op));
-    }
+    set(OPERATION, text(dl.operation));
     set(ATTEMPTS, AMQPValue::LongLongInt(dl.attempts));
     set(ORIGINAL_QUEUE, text(dl.original_queue));
     set(FAILED_AT, text(&chrono::Utc::now().to_rfc3339()));
@@ -105,10 +111,23 @@ pub fn retry_properties(original: &BasicProperties, retries: i64) -> BasicProper
 
 /// The headers a republished copy keeps: all but the broker's `x-` headers.
 pub fn carried_headers(original: &BasicProperties) -> FieldTable {
+    headers_without(original, &["x-"])
+}
+
+/// The properties of a replayed dead letter: the original ones, without the broker's
+/// `x-` headers and without idem's own (`idem-*`), so the replay starts with a fresh
+/// retry budget and no stale verdict.
+pub fn replay_properties(dead_letter: &BasicProperties) -> BasicProperties {
+    dead_letter
+        .clone()
+        .with_headers(headers_without(dead_letter, &["x-", "idem-"]))
+}
+
+fn headers_without(original: &BasicProperties, prefixes: &[&str]) -> FieldTable {
     let mut kept = FieldTable::default();
     if let Some(headers) = original.headers() {
         for (name, value) in headers.inner() {
-            if !name.as_str().starts_with("x-") {
+            if !prefixes.iter().any(|p| name.as_str().starts_with(p)) {
                 kept.insert(name.clone(), value.clone());
             }
         }
@@ -162,8 +181,8 @@ mod tests {
             &DeadLetter {
                 reason: Reason::PermanentFailure,
                 error: "invalid amount",
-                key: Some("abc".into()),
-                operation: Some("orders.create"),
+                key: Some(&Key::new("acme", "orders.create", "evt-1").unwrap()),
+                operation: "orders.create",
                 attempts: 2,
                 original_queue: "orders",
             },
@@ -191,7 +210,14 @@ mod tests {
                 .get("x-death")
                 .is_none()
         );
+        assert_eq!(header_str(&props, KEY).as_deref(), Some("evt-1"));
+        assert_eq!(header_str(&props, SCOPE).as_deref(), Some("acme"));
         let retried = retry_properties(&props, 2);
         assert_eq!(header_i64(&retried, RETRIES), Some(2));
+        let replayed = replay_properties(&retried);
+        assert_eq!(header_str(&replayed, "trace").as_deref(), Some("t-1"));
+        assert!(header_str(&replayed, REASON).is_none());
+        assert!(header_i64(&replayed, RETRIES).is_none());
+        assert_eq!(replayed.message_id(), props.message_id());
     }
 }

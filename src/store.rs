@@ -4,7 +4,7 @@
 //! caller passes its own transaction. Time always comes from the database clock
 //! (`now()`), so workers with skewed clocks agree on when a lease expires.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -13,6 +13,7 @@ use sqlx::{PgExecutor, PgPool};
 
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
+use crate::metrics;
 
 /// What the store failed at.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +98,7 @@ pub struct Record {
     pub dead_lettered_at: Option<DateTime<Utc>>,
     pub replay_count: i32,
     pub last_replayed_at: Option<DateTime<Utc>>,
+    pub discarded_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub completed_at: Option<DateTime<Utc>>,
@@ -335,6 +337,7 @@ impl Store {
         origin: &Origin<'_>,
     ) -> Result<Claim, StoreError> {
         for _ in 0..CLAIM_TRIES {
+            let started = Instant::now();
             let row: Option<ClaimRow> = sqlx::query_as(CLAIM_SQL)
                 .bind(key.scope())
                 .bind(key.operation())
@@ -346,6 +349,7 @@ impl Store {
                 .bind(origin.correlation_id)
                 .fetch_optional(&self.pool)
                 .await?;
+            metrics::store_round_trip("claim", started);
             if let Some(row) = row
                 && let Some(claim) = decide(row, fingerprint)?
             {
@@ -358,6 +362,7 @@ impl Store {
     /// Extends the lease by the configured lease time (heartbeat) while a handler runs.
     /// Returns the new expiry, or [`StoreError::LeaseLost`] if another worker took over.
     pub async fn heartbeat(&self, lease: &Lease) -> Result<DateTime<Utc>, StoreError> {
+        let started = Instant::now();
         let expires: Option<DateTime<Utc>> = sqlx::query_scalar(
             "UPDATE processed_operations
              SET lease_expires_at = now() + $3::bigint * interval '1 millisecond'
@@ -369,6 +374,7 @@ impl Store {
         .bind(millis(self.config.lease))
         .fetch_optional(&self.pool)
         .await?;
+        metrics::store_round_trip("heartbeat", started);
         expires.ok_or(StoreError::LeaseLost { token: lease.token })
     }
 
@@ -390,6 +396,7 @@ impl Store {
         lease: &Lease,
         result: &Value,
     ) -> Result<(), StoreError> {
+        let started = Instant::now();
         let done = sqlx::query(
             "UPDATE processed_operations
              SET status = 'completed', result = $3, error = NULL, retryable = false,
@@ -403,6 +410,7 @@ impl Store {
         .bind(millis(self.config.retention))
         .execute(executor)
         .await?;
+        metrics::store_round_trip("complete", started);
         fenced(done.rows_affected(), lease)
     }
 
@@ -414,6 +422,7 @@ impl Store {
         retryable: bool,
         error: &Value,
     ) -> Result<(), StoreError> {
+        let started = Instant::now();
         let done = sqlx::query(
             "UPDATE processed_operations
              SET status = 'failed', retryable = $3, error = $4,
@@ -426,6 +435,7 @@ impl Store {
         .bind(error)
         .execute(&self.pool)
         .await?;
+        metrics::store_round_trip("fail", started);
         fenced(done.rows_affected(), lease)
     }
 
@@ -438,6 +448,7 @@ impl Store {
         external_ref: Option<&str>,
         error: &Value,
     ) -> Result<(), StoreError> {
+        let started = Instant::now();
         let done = sqlx::query(
             "UPDATE processed_operations
              SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
@@ -450,6 +461,7 @@ impl Store {
         .bind(error)
         .execute(&self.pool)
         .await?;
+        metrics::store_round_trip("mark_pending", started);
         fenced(done.rows_affected(), lease)
     }
 
@@ -464,6 +476,135 @@ impl Store {
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    /// Takes a dead-lettered operation that is not completed back for a replay: a
+    /// `failed` record becomes retryable, the replay is counted on the record, and the
+    /// record is unpinned (an unfinished record has no expiry, so this cannot let
+    /// retention delete it). Returns the record as it is now, or `None` if there is
+    /// none or it is completed.
+    pub async fn prepare_replay(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+        Ok(sqlx::query_as(
+            "UPDATE processed_operations
+             SET retryable = (status = 'failed') OR retryable, dead_lettered_at = NULL,
+                 replay_count = replay_count + 1, last_replayed_at = now(), updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+               AND status <> 'completed'
+             RETURNING *",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Notes that the operation's dead letter left the DLQ, so retention may expire the
+    /// record again. Call it only after the dead letter is acked: a completed record
+    /// unpinned while its dead letter still waits could expire before a replay, and the
+    /// replay would then run the effect again.
+    pub async fn unpin(&self, key: &Key) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE processed_operations SET dead_lettered_at = NULL, updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+               AND dead_lettered_at IS NOT NULL",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records an operator's decision to discard the operation's dead letter: the
+    /// record is unpinned and expires after the retention like a completed one.
+    pub async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+        Ok(sqlx::query_as(
+            "UPDATE processed_operations
+             SET discarded_at = now(), dead_lettered_at = NULL, updated_at = now(),
+                 expires_at = COALESCE(expires_at, now() + $4::bigint * interval '1 millisecond')
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+             RETURNING *",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .bind(millis(self.config.retention))
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Expires the lease of a `processing` or `pending` record by hand (its worker is
+    /// known to be dead): the next delivery takes it over with a new fencing token, so
+    /// the dead worker could not write an outcome even if it came back.
+    pub async fn release(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+        Ok(sqlx::query_as(
+            "UPDATE processed_operations
+             SET lease_expires_at = now(), updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+               AND status IN ('processing', 'pending')
+             RETURNING *",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Records in `status` not updated for `older_than`, oldest first.
+    pub async fn list(
+        &self,
+        status: Status,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<Vec<Record>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT * FROM processed_operations
+             WHERE status = $1 AND updated_at <= now() - $2::bigint * interval '1 millisecond'
+             ORDER BY updated_at
+             LIMIT $3",
+        )
+        .bind(status.as_str())
+        .bind(millis(older_than))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Deletes up to `batch` expired records that no dead letter pins, in one short
+    /// statement. Rows locked by a worker at that moment are skipped, never waited for.
+    pub async fn gc_batch(&self, batch: i64) -> Result<u64, StoreError> {
+        let started = Instant::now();
+        let done = sqlx::query(
+            "DELETE FROM processed_operations
+             WHERE id IN (
+                 SELECT id FROM processed_operations
+                 WHERE expires_at <= now() AND dead_lettered_at IS NULL
+                 ORDER BY expires_at
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(batch)
+        .execute(&self.pool)
+        .await?;
+        metrics::store_round_trip("gc", started);
+        metrics::gc_deleted(done.rows_affected());
+        Ok(done.rows_affected())
+    }
+
+    /// Deletes every expired, unpinned record, `batch` rows per short transaction, until
+    /// none is left; returns how many. Safe beside running workers.
+    pub async fn gc(&self, batch: i64) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let deleted = self.gc_batch(batch).await?;
+            total += deleted;
+            if deleted < batch.max(1) as u64 {
+                return Ok(total);
+            }
+        }
     }
 
     /// Loads the record of `key`, if any.

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use lapin::options::QueueDeclareOptions;
+use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use crate::retry::retry_queue_name;
 
@@ -104,4 +104,55 @@ fn long_string(s: &str) -> AMQPValue {
 pub async fn connect(url: &str, name: &str) -> Result<Connection, lapin::Error> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     Connection::connect(url, properties).await
+}
+
+/// Why a publish did not land.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The channel or connection failed.
+    #[error(transparent)]
+    Broker(#[from] lapin::Error),
+    /// The broker did not take the message.
+    #[error("publish to {queue} not confirmed: {why}")]
+    NotConfirmed {
+        /// Target queue.
+        queue: String,
+        /// What the broker said (nack, unroutable).
+        why: String,
+    },
+}
+
+/// Publishes `body` persistently to `queue` through the default exchange and waits for
+/// the broker's confirm (the channel must be in confirm mode). Unroutable messages
+/// (no such queue) are refused, not silently dropped.
+pub async fn publish_confirmed(
+    channel: &Channel,
+    queue: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), PublishError> {
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties.with_delivery_mode(2),
+        )
+        .await?
+        .await?;
+    let why = match confirm {
+        Confirmation::Ack(None) => return Ok(()),
+        Confirmation::Ack(Some(returned)) => format!("unroutable: {}", returned.reply_text),
+        Confirmation::Nack(_) => "nacked by the broker".into(),
+        Confirmation::NotRequested => "publisher confirms are off".into(),
+    };
+    Err(PublishError::NotConfirmed {
+        queue: queue.into(),
+        why,
+    })
 }

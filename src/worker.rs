@@ -9,17 +9,17 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Confirmation};
+use lapin::{BasicProperties, Channel};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -30,6 +30,7 @@ use crate::dead_letter::{self, DeadLetter, Reason};
 use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError, Reconciliation};
 use crate::key::Key;
+use crate::metrics::{self, BrokerHealth};
 use crate::retry::{RetryPolicy, retry_queue_name};
 use crate::store::{Claim, Lease, Origin, Store, StoreError};
 use crate::topology::{self, QueueType, Topology};
@@ -55,6 +56,11 @@ pub struct WorkerConfig {
     pub max_reconnect_delay: Duration,
     /// The connection name shown by the broker.
     pub name: String,
+    /// Run garbage collection of expired records this often (`None`: leave it to
+    /// `idem gc`).
+    pub gc_every: Option<Duration>,
+    /// Rows deleted per short transaction by the periodic garbage collection.
+    pub gc_batch: i64,
 }
 
 impl Default for WorkerConfig {
@@ -69,6 +75,8 @@ impl Default for WorkerConfig {
             shutdown_timeout: Duration::from_secs(30),
             max_reconnect_delay: Duration::from_secs(5),
             name: format!("idem-worker-{}", std::process::id()),
+            gc_every: None,
+            gc_batch: 1000,
         }
     }
 }
@@ -83,14 +91,9 @@ pub enum WorkerError {
     /// The store failed or could not be reached.
     #[error("store: {0}")]
     Store(#[from] StoreError),
-    /// The broker refused a publish (nack, or unroutable).
-    #[error("publish to {queue} not confirmed: {why}")]
-    Publish {
-        /// Target queue.
-        queue: String,
-        /// What the broker said.
-        why: String,
-    },
+    /// A retry or dead letter was not published.
+    #[error("publish: {0}")]
+    Publish(#[from] topology::PublishError),
     /// The broker ended the consumer (queue deleted, or the channel closed).
     #[error("the broker cancelled the consumer")]
     ConsumerCancelled,
@@ -151,6 +154,7 @@ impl Outcome {
 /// Consumes one queue with one [`Handler`].
 pub struct Worker<H: Handler> {
     shared: Arc<Shared<H>>,
+    broker: BrokerHealth,
 }
 
 struct Shared<H> {
@@ -175,7 +179,13 @@ impl<H: Handler> Worker<H> {
                 config,
                 topology,
             }),
+            broker: BrokerHealth::default(),
         }
+    }
+
+    /// Whether the worker is connected to the broker and consuming (for `/healthz`).
+    pub fn broker_health(&self) -> BrokerHealth {
+        self.broker.clone()
     }
 
     /// The queues this worker declares.
@@ -190,8 +200,18 @@ impl<H: Handler> Worker<H> {
         let tasks = TaskTracker::new();
         let permits = Arc::new(Semaphore::new(self.shared.config.concurrency.max(1)));
         let mut backoff = self.reconnect_backoff();
+        if let Some(every) = self.shared.config.gc_every {
+            tokio::spawn(collect_garbage(
+                self.shared.store.clone(),
+                every,
+                self.shared.config.gc_batch,
+                shutdown.clone(),
+            ));
+        }
         while !shutdown.is_cancelled() {
-            match self.session(&shutdown, &tasks, &permits).await {
+            let session = self.session(&shutdown, &tasks, &permits).await;
+            self.broker.set(false);
+            match session {
                 Ok(()) => break,
                 Err(SessionError { connected, error }) => {
                     if connected {
@@ -272,6 +292,7 @@ impl<H: Handler> Worker<H> {
             .await
             .map_err(not_connected)?;
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
+        self.broker.set(true);
 
         let lost = |error: WorkerError| SessionError {
             connected: true,
@@ -359,6 +380,7 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
                 Outcome::Requeued
             }
         };
+        metrics::delivery(H::OPERATION, outcome.as_str());
         info!(outcome = outcome.as_str(), "delivery decided");
     }
     .instrument(span)
@@ -404,6 +426,7 @@ async fn decide<H: Handler>(
     delivery: &Delivery,
 ) -> Result<Outcome, WorkerError> {
     let broker = Broker {
+        operation: H::OPERATION,
         channel: publish,
         delivery,
         queue: &shared.config.queue,
@@ -622,6 +645,10 @@ async fn run<H: Handler>(
         lease.takeover,
         shared.store.pool().clone(),
     );
+    if lease.takeover {
+        metrics::delivery(H::OPERATION, "takeover");
+    }
+    let started = Instant::now();
     let result = {
         let _heartbeat = heartbeat(&shared.store, lease);
         AssertUnwindSafe(shared.handler.handle(message, &mut ctx))
@@ -629,6 +656,7 @@ async fn run<H: Handler>(
             .await
             .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
     };
+    metrics::handler_duration(H::OPERATION, started.elapsed());
     record(shared, &mut ctx, lease, result, false).await
 }
 
@@ -782,6 +810,21 @@ async fn record<H: Handler>(
     }
 }
 
+/// Deletes expired records every `every` until shutdown.
+async fn collect_garbage(store: Store, every: Duration, batch: i64, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match store.gc(batch).await {
+            Ok(0) => {}
+            Ok(deleted) => info!(deleted, "garbage collection"),
+            Err(error) => warn!(error = %error, "garbage collection failed"),
+        }
+    }
+}
+
 /// Extends `lease` every third of the lease time until dropped.
 fn heartbeat(store: &Store, lease: &Lease) -> tokio_util::sync::DropGuard {
     let stop = CancellationToken::new();
@@ -820,6 +863,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 /// Broker actions on one delivery: every publish is confirmed before the ack.
 struct Broker<'a> {
+    operation: &'static str,
     channel: &'a Channel,
     delivery: &'a Delivery,
     queue: &'a str,
@@ -834,30 +878,8 @@ impl Broker<'_> {
     }
 
     async fn publish(&self, queue: &str, properties: BasicProperties) -> Result<(), WorkerError> {
-        let confirm = self
-            .channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &self.delivery.data,
-                properties.with_delivery_mode(2),
-            )
-            .await?
-            .await?;
-        let why = match confirm {
-            Confirmation::Ack(None) => return Ok(()),
-            Confirmation::Ack(Some(returned)) => format!("unroutable: {}", returned.reply_text),
-            Confirmation::Nack(_) => "nacked by the broker".into(),
-            Confirmation::NotRequested => "publisher confirms are off".into(),
-        };
-        Err(WorkerError::Publish {
-            queue: queue.into(),
-            why,
-        })
+        topology::publish_confirmed(self.channel, queue, &self.delivery.data, properties).await?;
+        Ok(())
     }
 
     async fn dead_letter(
@@ -865,7 +887,7 @@ impl Broker<'_> {
         reason: Reason,
         error: &str,
         key: Option<&Key>,
-        operation: &str,
+        operation: &'static str,
         attempts: i64,
     ) -> Result<(), WorkerError> {
         let properties = dead_letter::dead_letter_properties(
@@ -873,13 +895,14 @@ impl Broker<'_> {
             &DeadLetter {
                 reason,
                 error,
-                key: key.map(Key::digest),
-                operation: Some(operation),
+                key,
+                operation,
                 attempts,
                 original_queue: self.queue,
             },
         );
         warn!(reason = reason.as_str(), error, "dead-lettering");
+        metrics::delivery(self.operation, "dead_lettered");
         self.publish(&topology::dlq_name(self.queue), properties)
             .await?;
         self.ack().await

@@ -1,0 +1,225 @@
+//! Metrics (`idem_*`, through the `metrics` facade) and the `/metrics` + `/healthz` server.
+//!
+//! The worker and the store record through the `metrics` macros, which cost nothing
+//! until a recorder is installed. [`serve`] installs the Prometheus recorder and answers
+//! `GET /metrics` (Prometheus text format) and `GET /healthz` (200 only while the
+//! broker and the database are reachable).
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `idem_deliveries_total` | counter | `operation`, `outcome` |
+//! | `idem_handler_duration_seconds` | histogram | `operation` |
+//! | `idem_store_round_trip_seconds` | histogram | `call` |
+//! | `idem_oldest_pending_age_seconds` | gauge | |
+//! | `idem_oldest_processing_age_seconds` | gauge | |
+//! | `idem_gc_deleted_total` | counter | |
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// Why metrics could not be served.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetricsError {
+    /// Another recorder is installed already.
+    #[error("cannot install the Prometheus recorder")]
+    Install(#[from] metrics_exporter_prometheus::BuildError),
+    /// The address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Counts one delivery's outcome.
+pub(crate) fn delivery(operation: &'static str, outcome: &'static str) {
+    ::metrics::counter!("idem_deliveries_total", "operation" => operation, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Records how long a handler ran.
+pub(crate) fn handler_duration(operation: &'static str, elapsed: Duration) {
+    ::metrics::histogram!("idem_handler_duration_seconds", "operation" => operation)
+        .record(elapsed.as_secs_f64());
+}
+
+/// Records one store round trip.
+pub(crate) fn store_round_trip(call: &'static str, started: Instant) {
+    ::metrics::histogram!("idem_store_round_trip_seconds", "call" => call)
+        .record(started.elapsed().as_secs_f64());
+}
+
+/// Counts records deleted by garbage collection.
+pub(crate) fn gc_deleted(n: u64) {
+    ::metrics::counter!("idem_gc_deleted_total").increment(n);
+}
+
+/// Whether the broker connection is up, set by the worker.
+#[derive(Debug, Clone, Default)]
+pub struct BrokerHealth(Arc<AtomicBool>);
+
+impl BrokerHealth {
+    /// True while the worker is connected and consuming.
+    pub fn is_up(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set(&self, up: bool) {
+        self.0.store(up, Ordering::Relaxed);
+    }
+}
+
+/// Installs the Prometheus recorder (once per process) and returns its handle.
+pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
+    let buckets = [
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        30.0,
+    ];
+    Ok(PrometheusBuilder::new()
+        .set_buckets(&buckets)?
+        .install_recorder()?)
+}
+
+/// Serves `/metrics` and `/healthz` on `addr` until `shutdown`, and refreshes the age
+/// gauges from the database every few seconds. Installs the recorder.
+///
+/// Returns the bound address (useful with port 0) once listening; the server runs in a
+/// spawned task.
+pub async fn serve(
+    addr: &str,
+    pool: PgPool,
+    broker: BrokerHealth,
+    shutdown: CancellationToken,
+) -> Result<SocketAddr, MetricsError> {
+    let handle = install_recorder()?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Bind {
+            addr: addr.into(),
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| MetricsError::Bind {
+        addr: addr.into(),
+        source,
+    })?;
+    tokio::spawn(refresh_gauges(pool.clone(), handle.clone(), shutdown.clone()));
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                _ = shutdown.cancelled() => return,
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    let (handle, pool, broker) = (handle.clone(), pool.clone(), broker.clone());
+                    tokio::spawn(async move {
+                        if let Err(error) = answer(stream, &handle, &pool, &broker).await {
+                            debug!(error = %error, "metrics request failed");
+                        }
+                    });
+                }
+                Err(error) => warn!(error = %error, "metrics accept failed"),
+            }
+        }
+    });
+    Ok(local)
+}
+
+/// Answers one HTTP/1.x request and closes the connection.
+async fn answer(
+    mut stream: TcpStream,
+    handle: &PrometheusHandle,
+    pool: &PgPool,
+    broker: &BrokerHealth,
+) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 4096];
+    let mut len = 0;
+    // Read until the end of the request head (or the buffer is full).
+    while len < buf.len() {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf[len..]))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        if n == 0 {
+            break;
+        }
+        len += n;
+        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    let head = String::from_utf8_lossy(&buf[..len]);
+    let path = head.split_whitespace().nth(1).unwrap_or("/");
+    let (status, content_type, body) = match path {
+        "/metrics" => {
+            handle.run_upkeep();
+            ("200 OK", "text/plain; version=0.0.4", handle.render())
+        }
+        "/healthz" => {
+            let database = tokio::time::timeout(
+                Duration::from_secs(2),
+                sqlx::query("SELECT 1").execute(pool),
+            )
+            .await
+            .is_ok_and(|r| r.is_ok());
+            let up = database && broker.is_up();
+            let body = format!(
+                "broker: {}\ndatabase: {}\n",
+                if broker.is_up() { "up" } else { "down" },
+                if database { "up" } else { "down" }
+            );
+            if up {
+                ("200 OK", "text/plain", body)
+            } else {
+                ("503 Service Unavailable", "text/plain", body)
+            }
+        }
+        _ => ("404 Not Found", "text/plain", "not found\n".into()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Sets the age gauges of the oldest pending and processing records.
+async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: CancellationToken) {
+    loop {
+        let ages: Result<(Option<f64>, Option<f64>), sqlx::Error> = sqlx::query_as(
+            "SELECT
+               (SELECT extract(epoch FROM now() - min(updated_at))::float8
+                  FROM processed_operations WHERE status = 'pending'),
+               (SELECT extract(epoch FROM now() - min(updated_at))::float8
+                  FROM processed_operations WHERE status = 'processing')",
+        )
+        .fetch_one(&pool)
+        .await;
+        match ages {
+            Ok((pending, processing)) => {
+                ::metrics::gauge!("idem_oldest_pending_age_seconds").set(pending.unwrap_or(0.0));
+                ::metrics::gauge!("idem_oldest_processing_age_seconds")
+                    .set(processing.unwrap_or(0.0));
+            }
+            Err(error) => debug!(error = %error, "age gauges not refreshed"),
+        }
+        handle.run_upkeep();
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}

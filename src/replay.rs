@@ -1,0 +1,359 @@
+//! Dead-letter replay: read, group, replay and discard the messages of a DLQ safely.
+//!
+//! Every message is taken with `basic.get` and stays unacked until it is dealt with, so
+//! a second replay running at the same time never sees it, and a replay killed midway
+//! loses nothing: the broker requeues whatever it held. Messages left alone (filtered
+//! out, conflicts, malformed) are held until the end and then requeued together, so one
+//! pass visits each message once. A replay republishes with publisher confirms before it
+//! acks in the DLQ; a key that is already `completed` is acked without republishing, and
+//! the worker's claim makes any republished duplicate a no-op: replaying twice never
+//! runs an effect twice.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
+use lapin::{Channel, Connection};
+use serde::Serialize;
+
+use crate::dead_letter::{self, Reason};
+use crate::key::Key;
+use crate::store::{Status, Store, StoreError};
+use crate::topology::{self, PublishError};
+
+/// What went wrong while working on a DLQ.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The broker failed or could not be reached.
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    /// The store failed or could not be reached.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// A republish was not confirmed.
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+}
+
+/// One dead letter with what its headers say.
+#[derive(Debug)]
+pub struct DlqMessage {
+    /// The delivery (body, properties; unacked while held).
+    pub delivery: Delivery,
+    /// `idem-reason`.
+    pub reason: Option<String>,
+    /// `idem-error`.
+    pub error: Option<String>,
+    /// `idem-operation`.
+    pub operation: Option<String>,
+    /// `idem-scope`.
+    pub scope: Option<String>,
+    /// `idem-key` (the idempotency key).
+    pub key: Option<String>,
+    /// `idem-key-hash` (as logs show it).
+    pub key_hash: Option<String>,
+    /// `idem-attempts`.
+    pub attempts: Option<i64>,
+    /// `idem-original-queue`.
+    pub original_queue: Option<String>,
+    /// `idem-failed-at`.
+    pub failed_at: Option<DateTime<Utc>>,
+}
+
+impl DlqMessage {
+    fn new(delivery: Delivery) -> Self {
+        let p = &delivery.properties;
+        let text = |name| dead_letter::header_str(p, name);
+        Self {
+            reason: text(dead_letter::REASON),
+            error: text(dead_letter::ERROR),
+            operation: text(dead_letter::OPERATION),
+            scope: text(dead_letter::SCOPE),
+            key: text(dead_letter::KEY),
+            key_hash: text(dead_letter::KEY_HASH),
+            attempts: dead_letter::header_i64(p, dead_letter::ATTEMPTS),
+            original_queue: text(dead_letter::ORIGINAL_QUEUE),
+            failed_at: text(dead_letter::FAILED_AT)
+                .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
+                .map(|t| t.with_timezone(&Utc)),
+            delivery,
+        }
+    }
+
+    /// The operation's key, when the message had a valid one.
+    pub fn key(&self) -> Option<Key> {
+        Key::new(
+            self.scope.clone()?,
+            self.operation.clone()?,
+            self.key.clone()?,
+        )
+        .ok()
+    }
+
+    /// The body as text (lossy for bodies that are not UTF-8).
+    pub fn body_text(&self) -> String {
+        String::from_utf8_lossy(&self.delivery.data).into_owned()
+    }
+}
+
+/// Which dead letters a command works on.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Only this `idem-reason`.
+    pub reason: Option<String>,
+    /// Only this key: the idempotency key, or (a prefix of at least 6 digits of) the
+    /// key hash that logs show.
+    pub key: Option<String>,
+    /// At most this many matching messages.
+    pub limit: Option<usize>,
+}
+
+impl Filter {
+    /// Whether `m` passes the filter.
+    pub fn matches(&self, m: &DlqMessage) -> bool {
+        let reason = self
+            .reason
+            .as_deref()
+            .is_none_or(|r| m.reason.as_deref() == Some(r));
+        let key = self.key.as_deref().is_none_or(|k| {
+            m.key.as_deref() == Some(k)
+                || (k.len() >= 6 && m.key_hash.as_deref().is_some_and(|h| h.starts_with(k)))
+        });
+        reason && key
+    }
+}
+
+/// The DLQ of a work queue; a name already ending in `.dlq` is taken as is.
+pub fn dlq_of(queue: &str) -> String {
+    if queue.ends_with(".dlq") {
+        queue.to_owned()
+    } else {
+        topology::dlq_name(queue)
+    }
+}
+
+/// Reads up to `limit` dead letters that pass `filter` without removing any: they are
+/// held unacked while read and requeued when the channel closes.
+pub async fn peek(
+    connection: &Connection,
+    dlq: &str,
+    filter: &Filter,
+    limit: usize,
+) -> Result<Vec<DlqMessage>, ReplayError> {
+    let channel = connection.create_channel().await?;
+    let mut out = Vec::new();
+    let mut held = Vec::new();
+    while out.len() < filter.limit.unwrap_or(limit).min(limit) {
+        let Some(message) = get(&channel, dlq).await? else {
+            break;
+        };
+        let m = DlqMessage::new(message);
+        if filter.matches(&m) {
+            out.push(m);
+        } else {
+            held.push(m);
+        }
+    }
+    // Closing the channel requeues everything read.
+    let _ = channel.close(200, "peek done".into()).await;
+    Ok(out)
+}
+
+async fn get(channel: &Channel, queue: &str) -> Result<Option<Delivery>, lapin::Error> {
+    Ok(channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await?
+        .map(|m| m.delivery))
+}
+
+/// Dead letters with the same reason, operation and error.
+#[derive(Debug, Clone, Serialize)]
+pub struct Group {
+    /// `idem-reason`.
+    pub reason: String,
+    /// `idem-operation`.
+    pub operation: String,
+    /// `idem-error`.
+    pub error: String,
+    /// How many.
+    pub count: usize,
+    /// The oldest `idem-failed-at`.
+    pub oldest: Option<DateTime<Utc>>,
+    /// The newest `idem-failed-at`.
+    pub newest: Option<DateTime<Utc>>,
+}
+
+/// Groups dead letters by reason, then operation and error text; largest groups first
+/// within a reason.
+pub fn group(messages: &[DlqMessage]) -> Vec<Group> {
+    let mut groups: BTreeMap<(String, String, String), Group> = BTreeMap::new();
+    for m in messages {
+        let reason = m.reason.clone().unwrap_or_else(|| "unknown".into());
+        let operation = m.operation.clone().unwrap_or_else(|| "unknown".into());
+        let error = m.error.clone().unwrap_or_default();
+        let g = groups
+            .entry((reason.clone(), operation.clone(), error.clone()))
+            .or_insert_with(|| Group {
+                reason,
+                operation,
+                error,
+                count: 0,
+                oldest: None,
+                newest: None,
+            });
+        g.count += 1;
+        if let Some(at) = m.failed_at {
+            g.oldest = Some(g.oldest.map_or(at, |o| o.min(at)));
+            g.newest = Some(g.newest.map_or(at, |n| n.max(at)));
+        }
+    }
+    let mut out: Vec<Group> = groups.into_values().collect();
+    out.sort_by(|a, b| a.reason.cmp(&b.reason).then(b.count.cmp(&a.count)));
+    out
+}
+
+/// What a replay or discard did, per outcome.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Summary {
+    /// Republished to their original queue (or, in a dry run, would be).
+    pub replayed: usize,
+    /// Keys already completed: acked in the DLQ, not republished.
+    pub already_done: usize,
+    /// Discarded (acked, decision recorded).
+    pub discarded: usize,
+    /// Fingerprint conflicts, left in the DLQ: a changed payload needs a new key.
+    pub conflicts_left: usize,
+    /// Messages without a valid key, left in the DLQ.
+    pub malformed_left: usize,
+    /// Messages the filter did not select, left in the DLQ.
+    pub skipped: usize,
+    /// Whether nothing was changed.
+    pub dry_run: bool,
+}
+
+/// What to do with each selected dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Republish to the original queue (completed keys are acked instead).
+    Replay,
+    /// Ack and record the decision on the record.
+    Discard,
+}
+
+/// Options of [`run`].
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Which messages.
+    pub filter: Filter,
+    /// Count what would happen, change nothing.
+    pub dry_run: bool,
+    /// Pause between two messages acted on (throttles a large replay).
+    pub pace: Option<Duration>,
+}
+
+/// Replays or discards the dead letters of `dlq` that pass the filter.
+pub async fn run(
+    connection: &Connection,
+    store: &Store,
+    dlq: &str,
+    action: Action,
+    options: &Options,
+) -> Result<Summary, ReplayError> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let mut summary = Summary {
+        dry_run: options.dry_run,
+        ..Summary::default()
+    };
+    let mut selected = 0;
+    let mut held = Vec::new();
+    let default_queue = dlq.strip_suffix(".dlq").unwrap_or(dlq).to_owned();
+    while options.filter.limit.is_none_or(|limit| selected < limit) {
+        let Some(delivery) = get(&channel, dlq).await? else {
+            break;
+        };
+        let m = DlqMessage::new(delivery);
+        if !options.filter.matches(&m) {
+            summary.skipped += 1;
+            held.push(m);
+            continue;
+        }
+        selected += 1;
+        let key = m.key();
+        let conflict = m.reason.as_deref() == Some(Reason::FingerprintConflict.as_str());
+        if action == Action::Replay && (conflict || key.is_none()) {
+            if conflict {
+                summary.conflicts_left += 1;
+            } else {
+                summary.malformed_left += 1;
+            }
+            held.push(m);
+            continue;
+        }
+        if options.dry_run {
+            let done = match &key {
+                Some(key) => store
+                    .get(key)
+                    .await?
+                    .is_some_and(|r| r.status.0 == Status::Completed),
+                None => false,
+            };
+            match action {
+                Action::Replay if done => summary.already_done += 1,
+                Action::Replay => summary.replayed += 1,
+                Action::Discard => summary.discarded += 1,
+            }
+            held.push(m);
+            continue;
+        }
+        match action {
+            Action::Discard => {
+                if let Some(key) = &key {
+                    store.discard(key).await?;
+                }
+                m.delivery.ack(BasicAckOptions::default()).await?;
+                summary.discarded += 1;
+            }
+            Action::Replay => {
+                let Some(key) = key else {
+                    held.push(m); // counted as malformed above
+                    continue;
+                };
+                let prepared = store.prepare_replay(&key).await?;
+                let completed = prepared.is_none()
+                    && store
+                        .get(&key)
+                        .await?
+                        .is_some_and(|r| r.status.0 == Status::Completed);
+                if completed {
+                    // Done already: nothing to run. Unpin only once the ack is sent.
+                    m.delivery.ack(BasicAckOptions::default()).await?;
+                    store.unpin(&key).await?;
+                    summary.already_done += 1;
+                } else {
+                    let queue = m
+                        .original_queue
+                        .clone()
+                        .unwrap_or_else(|| default_queue.clone());
+                    let properties = dead_letter::replay_properties(&m.delivery.properties);
+                    topology::publish_confirmed(&channel, &queue, &m.delivery.data, properties)
+                        .await?;
+                    m.delivery.ack(BasicAckOptions::default()).await?;
+                    summary.replayed += 1;
+                }
+            }
+        }
+        if let Some(pace) = options.pace {
+            tokio::time::sleep(pace).await;
+        }
+    }
+    // Requeue what was left alone, all at once, in its original order.
+    drop(held);
+    let _ = channel.close(200, "replay done".into()).await;
+    Ok(summary)
+}
