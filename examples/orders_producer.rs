@@ -222,7 +222,10 @@ async fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(error) => {
-            eprintln!("orders_producer: error: {error:#}");
+            eprintln!(
+                "orders_producer: error: {}",
+                idem::error_line(error.as_ref())
+            );
             ExitCode::FAILURE
         }
     }

@@ -203,7 +203,7 @@ async fn main() -> ExitCode {
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("orders_worker: error: {error:#}");
+            eprintln!("orders_worker: error: {}", idem::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }

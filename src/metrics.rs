@@ -85,8 +85,7 @@ impl BrokerHealth {
 /// Installs the Prometheus recorder (once per process) and returns its handle.
 pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
     let buckets = [
-        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-        30.0,
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     ];
     Ok(PrometheusBuilder::new()
         .set_buckets(&buckets)?
@@ -115,7 +114,11 @@ pub async fn serve(
         addr: addr.into(),
         source,
     })?;
-    tokio::spawn(refresh_gauges(pool.clone(), handle.clone(), shutdown.clone()));
+    tokio::spawn(refresh_gauges(
+        pool.clone(),
+        handle.clone(),
+        shutdown.clone(),
+    ));
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {

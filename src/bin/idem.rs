@@ -208,7 +208,7 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // One readable line with the whole cause chain.
-            eprintln!("idem: error: {error:#}");
+            eprintln!("idem: error: {}", idem::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -258,13 +258,22 @@ async fn run_dlq(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 .with_context(|| format!("read {dlq}"))?;
             let groups = replay::group(&messages);
             if *json {
-                println!("{}", serde_json::to_string_pretty(&json!({"dlq": dlq, "messages": messages.len(), "groups": groups}))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &json!({"dlq": dlq, "messages": messages.len(), "groups": groups})
+                    )?
+                );
             } else {
                 println!("{dlq}: {} dead letters", messages.len());
                 let mut reason = String::new();
                 for g in &groups {
                     if g.reason != reason {
-                        let total: usize = groups.iter().filter(|x| x.reason == g.reason).map(|x| x.count).sum();
+                        let total: usize = groups
+                            .iter()
+                            .filter(|x| x.reason == g.reason)
+                            .map(|x| x.count)
+                            .sum();
                         println!("\n{} ({total})", g.reason);
                         reason = g.reason.clone();
                     }
@@ -273,13 +282,21 @@ async fn run_dlq(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                         g.count,
                         g.operation,
                         g.error,
-                        g.oldest.map(|t| t.to_rfc3339()).unwrap_or_else(|| "?".into()),
-                        g.newest.map(|t| t.to_rfc3339()).unwrap_or_else(|| "?".into()),
+                        g.oldest
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_else(|| "?".into()),
+                        g.newest
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_else(|| "?".into()),
                     );
                 }
             }
         }
-        Dlq::Show { queue, filter, json } => {
+        Dlq::Show {
+            queue,
+            filter,
+            json,
+        } => {
             let dlq = replay::dlq_of(&queue.queue);
             let messages = replay::peek(&connection, &dlq, &filter.filter(), usize::MAX)
                 .await
@@ -303,18 +320,53 @@ async fn run_dlq(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 println!("{} dead letters shown from {dlq}", messages.len());
             }
         }
-        Dlq::Replay { queue, filter, dry_run, max_rate, json } => {
+        Dlq::Replay {
+            queue,
+            filter,
+            dry_run,
+            max_rate,
+            json,
+        } => {
             let pace = match max_rate {
                 Some(rate) if *rate > 0.0 => Some(Duration::from_secs_f64(1.0 / rate)),
                 Some(_) => bail!("--max-rate must be above 0"),
                 None => None,
             };
-            let options = Options { filter: filter.filter(), dry_run: *dry_run, pace };
-            act(cli, &connection, &queue.queue, Action::Replay, &options, *json).await?;
+            let options = Options {
+                filter: filter.filter(),
+                dry_run: *dry_run,
+                pace,
+            };
+            act(
+                cli,
+                &connection,
+                &queue.queue,
+                Action::Replay,
+                &options,
+                *json,
+            )
+            .await?;
         }
-        Dlq::Discard { queue, filter, dry_run, json } => {
-            let options = Options { filter: filter.filter(), dry_run: *dry_run, pace: None };
-            act(cli, &connection, &queue.queue, Action::Discard, &options, *json).await?;
+        Dlq::Discard {
+            queue,
+            filter,
+            dry_run,
+            json,
+        } => {
+            let options = Options {
+                filter: filter.filter(),
+                dry_run: *dry_run,
+                pace: None,
+            };
+            act(
+                cli,
+                &connection,
+                &queue.queue,
+                Action::Discard,
+                &options,
+                *json,
+            )
+            .await?;
         }
     }
     let _ = connection.close(200, "done".into()).await;
@@ -339,16 +391,31 @@ async fn act(
         return Ok(());
     }
     let verb = if options.dry_run { "would be " } else { "" };
-    println!("{dlq}{}:", if options.dry_run { " (dry run, nothing changed)" } else { "" });
+    println!(
+        "{dlq}{}:",
+        if options.dry_run {
+            " (dry run, nothing changed)"
+        } else {
+            ""
+        }
+    );
     let line = |label: String, n: usize, note: &str| println!("  {label:<26}{n:>6}  {note}");
     match action {
         Action::Replay => {
             line(format!("{verb}replayed"), summary.replayed, "");
-            line(format!("{verb}already done"), summary.already_done, "completed keys, acked without republishing");
+            line(
+                format!("{verb}already done"),
+                summary.already_done,
+                "completed keys, acked without republishing",
+            );
         }
         Action::Discard => line(format!("{verb}discarded"), summary.discarded, ""),
     }
-    line("conflicts left".into(), summary.conflicts_left, "a changed payload needs a new key");
+    line(
+        "conflicts left".into(),
+        summary.conflicts_left,
+        "a changed payload needs a new key",
+    );
     line("malformed left".into(), summary.malformed_left, "");
     line("not selected".into(), summary.skipped, "");
     Ok(())
@@ -360,7 +427,11 @@ async fn run_ops(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
         Ops::Show { key, json } => {
             let key = key.key()?;
             let Some(record) = store.get(&key).await? else {
-                bail!("no record for {key} (scope {}, key {})", key.scope(), key.idempotency_key());
+                bail!(
+                    "no record for {key} (scope {}, key {})",
+                    key.scope(),
+                    key.idempotency_key()
+                );
             };
             if *json {
                 println!("{}", serde_json::to_string_pretty(&record)?);
@@ -368,7 +439,12 @@ async fn run_ops(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
                 print_record(&record);
             }
         }
-        Ops::List { status, older_than, limit, json } => {
+        Ops::List {
+            status,
+            older_than,
+            limit,
+            json,
+        } => {
             let status = match status.as_str() {
                 "processing" => Status::Processing,
                 "pending" => Status::Pending,
@@ -379,7 +455,12 @@ async fn run_ops(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
             if *json {
                 println!("{}", serde_json::to_string_pretty(&records)?);
             } else {
-                println!("{} {} operations not updated for {:?}, oldest first", records.len(), status.as_str(), older_than);
+                println!(
+                    "{} {} operations not updated for {:?}, oldest first",
+                    records.len(),
+                    status.as_str(),
+                    older_than
+                );
                 for r in &records {
                     println!(
                         "  {}  {} / {} / {}  attempts {}  owner {}  lease until {}  {}",
@@ -389,7 +470,9 @@ async fn run_ops(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
                         r.idempotency_key,
                         r.attempts,
                         r.owner.as_deref().unwrap_or("-"),
-                        r.lease_expires_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into()),
+                        r.lease_expires_at
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_else(|| "-".into()),
                         r.error.as_ref().map(|e| e.to_string()).unwrap_or_default(),
                     );
                 }
@@ -400,7 +483,11 @@ async fn run_ops(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
             match store.release(&key).await? {
                 Some(r) => println!(
                     "released {} / {} / {}: status {}, lease token {} expired now; the next delivery takes it over",
-                    r.scope, r.operation, r.idempotency_key, r.status.0.as_str(), r.lease_token
+                    r.scope,
+                    r.operation,
+                    r.idempotency_key,
+                    r.status.0.as_str(),
+                    r.lease_token
                 ),
                 None => bail!("no processing or pending record for {key}"),
             }
@@ -410,23 +497,54 @@ async fn run_ops(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
 }
 
 fn print_record(r: &Record) {
-    let t = |t: Option<chrono::DateTime<chrono::Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
+    let t = |t: Option<chrono::DateTime<chrono::Utc>>| {
+        t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into())
+    };
     println!("scope             {}", r.scope);
     println!("operation         {}", r.operation);
     println!("idempotency_key   {}", r.idempotency_key);
-    println!("status            {}{}", r.status.0.as_str(), if r.retryable { " (retryable)" } else { "" });
+    println!(
+        "status            {}{}",
+        r.status.0.as_str(),
+        if r.retryable { " (retryable)" } else { "" }
+    );
     println!("attempts          {}", r.attempts);
     println!("payload_sha256    {}", r.payload_sha256);
     println!("lease_token       {}", r.lease_token);
     println!("lease_expires_at  {}", t(r.lease_expires_at));
     println!("owner             {}", r.owner.as_deref().unwrap_or("-"));
-    println!("result            {}", r.result.as_ref().map(|v| v.to_string()).unwrap_or_else(|| "-".into()));
-    println!("error             {}", r.error.as_ref().map(|v| v.to_string()).unwrap_or_else(|| "-".into()));
-    println!("external_ref      {}", r.external_ref.as_deref().unwrap_or("-"));
-    println!("message_id        {}", r.message_id.as_deref().unwrap_or("-"));
-    println!("correlation_id    {}", r.correlation_id.as_deref().unwrap_or("-"));
+    println!(
+        "result            {}",
+        r.result
+            .as_ref()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| "-".into())
+    );
+    println!(
+        "error             {}",
+        r.error
+            .as_ref()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| "-".into())
+    );
+    println!(
+        "external_ref      {}",
+        r.external_ref.as_deref().unwrap_or("-")
+    );
+    println!(
+        "message_id        {}",
+        r.message_id.as_deref().unwrap_or("-")
+    );
+    println!(
+        "correlation_id    {}",
+        r.correlation_id.as_deref().unwrap_or("-")
+    );
     println!("dead_lettered_at  {}", t(r.dead_lettered_at));
-    println!("replay_count      {}  (last {})", r.replay_count, t(r.last_replayed_at));
+    println!(
+        "replay_count      {}  (last {})",
+        r.replay_count,
+        t(r.last_replayed_at)
+    );
     println!("discarded_at      {}", t(r.discarded_at));
     println!("created_at        {}", r.created_at.to_rfc3339());
     println!("updated_at        {}", r.updated_at.to_rfc3339());

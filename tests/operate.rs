@@ -1,0 +1,695 @@
+//! Operating idem: the `idem` command (replay, discard, ops, gc, migrate) and metrics,
+//! against real RabbitMQ and Postgres, with worker processes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use idem::{Claim, Fingerprint, Key, Origin, Store, StoreConfig};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::process::Command;
+
+const SETTLE: Duration = Duration::from_secs(90);
+
+/// Runs the `idem` command with the test's database; returns (exit code, stdout).
+async fn idem(database_url: &str, args: &[&str]) -> (i32, String) {
+    let out = idem_command(database_url, args).output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        eprintln!("idem {args:?} failed: {stderr}");
+    }
+    (out.status.code().unwrap_or(-1), stdout)
+}
+
+fn idem_command(database_url: &str, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("AMQP_URL", amqp_url())
+        .kill_on_drop(true);
+    command
+}
+
+/// A sequential worker: once a message published later is done, every earlier one is.
+const SEQUENTIAL: &[&str] = &["--concurrency", "1", "--prefetch", "1"];
+
+/// Publishes `n` orders over acme and globex with a worker failing acme for good, waits
+/// until acme's are dead-lettered and globex's booked, and stops that worker.
+async fn outage(pool: &PgPool, q: &TestQueue, url: &str, n: usize) -> u32 {
+    let mut failing = spawn_orders_worker(url, &q.name, &["--fail-tenant", "acme"]);
+    wait_for_worker_tables(pool).await;
+    wait_for_consumers(q, 1).await;
+    for i in 0..n {
+        let tenant = if i % 2 == 0 { "acme" } else { "globex" };
+        q.publish(&order(&format!("evt-{i}"), tenant, 100 + i as i64))
+            .await;
+        if i % 5 == 0 {
+            q.publish(&order_resent(&format!("evt-{i}"), tenant, 100 + i as i64))
+                .await;
+        }
+    }
+    let acme = n.div_ceil(2) as i64;
+    wait_until(SETTLE, "the outage to settle", || async {
+        let dead: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM processed_operations
+             WHERE scope = 'acme' AND status = 'failed' AND dead_lettered_at IS NOT NULL",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0);
+        dead == acme && ledger(pool).await.len() == n / 2 && q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    signal(&failing, "TERM");
+    assert_eq!(failing.child.wait().await.unwrap().code(), Some(0));
+    let dead = q.counts(&q.dlq()).await.0;
+    assert!(dead as i64 >= acme, "every acme order is in the DLQ");
+    dead
+}
+
+/// Waits until every one of `n` events has exactly its ledger row, via a sentinel order
+/// that a sequential worker books only after everything before it.
+async fn wait_all_booked(pool: &PgPool, n: usize) {
+    wait_until(SETTLE, &format!("{n} events booked"), || async {
+        ledger(pool).await.len() >= n
+    })
+    .await;
+}
+
+fn assert_once_each(ledger: &std::collections::BTreeMap<String, i64>, n: usize) {
+    assert_eq!(ledger.len(), n, "none lost");
+    assert!(
+        ledger.values().all(|c| *c == 1),
+        "one ledger row per order: {ledger:?}"
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn outage_drill_replay_books_each_order_once(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("drill").await;
+    let url = database_url(&connect);
+    const N: usize = 30;
+    let dead = outage(&pool, &q, &url, N).await;
+
+    let _healthy = spawn_orders_worker(&url, &q.name, SEQUENTIAL);
+    wait_for_consumers(&q, 1).await;
+    let (code, dry) = idem(
+        &url,
+        &["dlq", "replay", "--queue", &q.name, "--dry-run", "--json"],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let dry: Value = serde_json::from_str(&dry).unwrap();
+    assert_eq!(dry["replayed"].as_u64().unwrap() as u32, dead);
+    assert_eq!(
+        q.counts(&q.dlq()).await.0,
+        dead,
+        "a dry run changes nothing"
+    );
+
+    let (code, out) = idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
+    assert_eq!(code, 0);
+    let summary: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        summary["replayed"].as_u64().unwrap() + summary["already_done"].as_u64().unwrap(),
+        dead as u64
+    );
+    wait_all_booked(&pool, N).await;
+    assert_eq!(q.counts(&q.dlq()).await.0, 0, "DLQ empty");
+
+    // Late duplicates and a second replay: nothing new.
+    for i in (0..N).step_by(2) {
+        q.publish(&order_resent(&format!("evt-{i}"), "acme", 100 + i as i64))
+            .await;
+    }
+    let (code, out) = idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
+    assert_eq!(code, 0);
+    let again: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(again["replayed"], 0);
+    q.publish(&order("sentinel", "globex", 1)).await;
+    wait_all_booked(&pool, N + 1).await;
+    assert_once_each(&ledger(&pool).await, N + 1);
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    let replays: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM processed_operations WHERE scope = 'acme' AND replay_count >= 1
+           AND status = 'completed' AND dead_lettered_at IS NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        replays,
+        N.div_ceil(2) as i64,
+        "replay count kept on every replayed record"
+    );
+    println!(
+        "outage drill: {N} orders, {dead} dead letters replayed, ledger rows {}",
+        N + 1
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn two_replays_at_once_run_each_effect_once(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("two-replays").await;
+    let url = database_url(&connect);
+    const N: usize = 60;
+    let dead = outage(&pool, &q, &url, N).await;
+
+    let _healthy = spawn_orders_worker(&url, &q.name, &[]);
+    wait_for_consumers(&q, 1).await;
+    let a = idem_command(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).output();
+    let b = idem_command(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).output();
+    let (a, b) = tokio::join!(a, b);
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert!(a.status.success() && b.status.success());
+    let total: u64 = [a.stdout, b.stdout]
+        .iter()
+        .map(|out| {
+            let s: Value = serde_json::from_slice(out).unwrap();
+            s["replayed"].as_u64().unwrap() + s["already_done"].as_u64().unwrap()
+        })
+        .sum();
+    assert_eq!(
+        total, dead as u64,
+        "each dead letter handled by exactly one replay"
+    );
+    wait_all_booked(&pool, N).await;
+    q.publish(&order("sentinel", "globex", 1)).await;
+    wait_all_booked(&pool, N + 1).await;
+    wait_until(SETTLE, "the queue drained", || async {
+        q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    assert_once_each(&ledger(&pool).await, N + 1);
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_replay_killed_midway_loses_and_doubles_nothing(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("replay-kill").await;
+    let url = database_url(&connect);
+    const N: usize = 80;
+    let dead = outage(&pool, &q, &url, N).await;
+
+    let _healthy = spawn_orders_worker(&url, &q.name, &[]);
+    wait_for_consumers(&q, 1).await;
+    let mut slow = idem_command(
+        &url,
+        &["dlq", "replay", "--queue", &q.name, "--max-rate", "20"],
+    )
+    .spawn()
+    .unwrap();
+    wait_until(SETTLE, "the replay to be under way", || async {
+        ledger(&pool).await.len() >= N / 2 + 5
+    })
+    .await;
+    slow.start_kill().unwrap();
+    slow.wait().await.unwrap();
+    // The broker requeues what the killed replay held once it sees the socket close.
+    let deadline = Instant::now() + SETTLE;
+    let mut last = u32::MAX;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = q.counts(&q.dlq()).await.0;
+        if now == last {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the DLQ count never settled");
+        last = now;
+    }
+    let left = last;
+    assert!(
+        left > 0 && left < dead,
+        "killed midway: {left} of {dead} left"
+    );
+
+    let (code, _) = idem(&url, &["dlq", "replay", "--queue", &q.name]).await;
+    assert_eq!(code, 0);
+    wait_all_booked(&pool, N).await;
+    q.publish(&order("sentinel", "globex", 1)).await;
+    wait_all_booked(&pool, N + 1).await;
+    assert_once_each(&ledger(&pool).await, N + 1);
+    assert_eq!(
+        q.counts(&q.dlq()).await.0,
+        0,
+        "nothing lost in the DLQ either"
+    );
+    println!("replay killed with {left} of {dead} dead letters left; rerun finished them");
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn discard_removes_dead_letters_and_records_the_decision(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("discard").await;
+    let url = database_url(&connect);
+    let _worker = spawn_orders_worker(&url, &q.name, &[]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    q.publish(&order("evt-bad", "acme", -1)).await;
+    q.publish(b"garbage").await;
+    q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
+
+    let (code, out) = idem(&url, &["dlq", "list", "--queue", &q.name, "--json"]).await;
+    assert_eq!(code, 0);
+    let list: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list["messages"], 2);
+    let reasons: Vec<&str> = list["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, vec!["malformed", "permanent_failure"]);
+    assert_eq!(q.counts(&q.dlq()).await.0, 2, "listing removes nothing");
+
+    let (code, out) = idem(
+        &url,
+        &[
+            "dlq", "show", "--queue", &q.name, "--key", "evt-bad", "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let shown: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(shown["reason"], "permanent_failure");
+    assert_eq!(shown["error"], "invalid amount");
+    assert!(shown["body"].as_str().unwrap().contains("evt-bad"));
+
+    let (code, _) = idem(
+        &url,
+        &[
+            "dlq",
+            "discard",
+            "--queue",
+            &q.name,
+            "--reason",
+            "permanent_failure",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(
+        q.counts(&q.dlq()).await.0,
+        1,
+        "only the selected reason discarded"
+    );
+    let (discarded, expires): (bool, bool) = sqlx::query_as(
+        "SELECT discarded_at IS NOT NULL, expires_at IS NOT NULL AND dead_lettered_at IS NULL
+         FROM processed_operations WHERE idempotency_key = 'evt-bad'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(discarded && expires);
+    // Replay leaves the malformed one where it is.
+    let (code, out) = idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
+    assert_eq!(code, 0);
+    let summary: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(summary["malformed_left"], 1);
+    assert_eq!(q.counts(&q.dlq()).await.0, 1);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConnectOptions) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    let store = Store::new(
+        pool.clone(),
+        StoreConfig {
+            owner: "dead-worker".into(),
+            lease: Duration::from_secs(3600),
+            ..StoreConfig::default()
+        },
+    );
+    let key = Key::new("acme", "orders.create", "evt-stuck").unwrap();
+    let payload = json!({"event_id": "evt-stuck"});
+    let fingerprint = Fingerprint::of(&payload, &[]);
+    let Claim::Claimed(dead) = store
+        .claim(&key, &fingerprint, &Origin::default())
+        .await
+        .unwrap()
+    else {
+        panic!("first claim");
+    };
+    let key_args = [
+        "--scope",
+        "acme",
+        "--operation",
+        "orders.create",
+        "--key",
+        "evt-stuck",
+    ];
+
+    let (code, out) = idem(
+        &url,
+        &[&["ops", "show"][..], &key_args, &["--json"]].concat(),
+    )
+    .await;
+    assert_eq!(code, 0);
+    let record: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(record["status"], "processing");
+    assert_eq!(record["owner"], "dead-worker");
+
+    let (code, out) = idem(
+        &url,
+        &[
+            "ops",
+            "list",
+            "--status",
+            "processing",
+            "--older-than",
+            "0s",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    let (code, out) = idem(
+        &url,
+        &[
+            "ops",
+            "list",
+            "--status",
+            "processing",
+            "--older-than",
+            "1h",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+
+    // Live lease: nobody may take it. Released by hand: the next claim takes over.
+    assert!(matches!(
+        store
+            .claim(&key, &fingerprint, &Origin::default())
+            .await
+            .unwrap(),
+        Claim::InProgress { .. }
+    ));
+    let (code, out) = idem(&url, &[&["ops", "release"][..], &key_args].concat()).await;
+    assert_eq!(code, 0, "{out}");
+    let Claim::Claimed(next) = store
+        .claim(&key, &fingerprint, &Origin::default())
+        .await
+        .unwrap()
+    else {
+        panic!("released lease is taken over");
+    };
+    assert!(next.takeover && next.token > dead.token);
+    assert!(
+        store.complete(&dead, &json!("zombie")).await.is_err(),
+        "the dead worker is fenced"
+    );
+
+    let (code, _) = idem(
+        &url,
+        &[
+            "ops",
+            "show",
+            "--scope",
+            "x",
+            "--operation",
+            "y",
+            "--key",
+            "nope",
+        ],
+    )
+    .await;
+    assert_eq!(code, 1, "a missing key is an error");
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn migrate_creates_a_fresh_database_twice_in_a_row(
+    _pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let name = format!(
+        "idem_migrate_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let base = database_url(&connect);
+    let url = format!("{}/{name}", base.rsplit_once('/').unwrap().0);
+    for _ in 0..2 {
+        let (code, out) = idem(&url, &["migrate"]).await;
+        assert_eq!(code, 0);
+        assert!(out.contains("migrations up to date"), "{out}");
+    }
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
+    sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    // Unreachable Postgres: one readable line with the cause.
+    let out = idem_command("postgres://postgres@127.0.0.1:1/x", &["migrate"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("cannot reach Postgres at 127.0.0.1:1"),
+        "{stderr}"
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn gc_of_200k_expired_rows_never_blocks_live_claims(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    const EXPIRED: i64 = 200_000;
+    let insert = |n: i64, prefix: &str, expires: &str, pinned: bool| {
+        format!(
+            "INSERT INTO processed_operations
+               (scope, operation, idempotency_key, payload_sha256, status, lease_token,
+                completed_at, expires_at, dead_lettered_at)
+             SELECT 'bulk', 'orders.create', '{prefix}-' || i, repeat('a', 64), 'completed',
+                    nextval('processed_operations_lease_token_seq'), now(), {expires}, {}
+             FROM generate_series(1, {n}) AS i",
+            if pinned { "now()" } else { "NULL" }
+        )
+    };
+    for sql in [
+        insert(EXPIRED, "expired", "now() - interval '1 day'", false),
+        insert(500, "pinned", "now() - interval '1 day'", true),
+        insert(500, "fresh", "now() + interval '1 day'", false),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.unwrap();
+    }
+
+    // Live traffic through a worker process while gc runs.
+    let q = TestQueue::new("gc").await;
+    let _worker = spawn_orders_worker(&url, &q.name, &[]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    let mut gc = idem_command(&url, &["gc", "--batch", "1000"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let mut longest = Duration::ZERO;
+    let mut claims = 0;
+    let payload = json!({});
+    loop {
+        if let Some(status) = gc.try_wait().unwrap() {
+            assert!(status.success());
+            break;
+        }
+        q.publish(&order(&format!("live-{claims}"), "acme", 1))
+            .await;
+        let key = Key::new("probe", "orders.create", format!("probe-{claims}")).unwrap();
+        let t = Instant::now();
+        let claim = store
+            .claim(&key, &Fingerprint::of(&payload, &[]), &Origin::default())
+            .await
+            .unwrap();
+        let Claim::Claimed(lease) = claim else {
+            panic!("new key")
+        };
+        store.complete(&lease, &json!(null)).await.unwrap();
+        longest = longest.max(t.elapsed());
+        claims += 1;
+    }
+    let gc_took = started.elapsed();
+    wait_until(SETTLE, "live traffic booked", || async {
+        ledger(&pool).await.len() == claims
+    })
+    .await;
+
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        count("SELECT count(*) FROM processed_operations WHERE idempotency_key LIKE 'expired-%'")
+            .await,
+        0
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM processed_operations WHERE idempotency_key LIKE 'pinned-%'")
+            .await,
+        500
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM processed_operations WHERE idempotency_key LIKE 'fresh-%'")
+            .await,
+        500
+    );
+    assert_once_each(&ledger(&pool).await, claims);
+    println!(
+        "gc: {EXPIRED} expired rows deleted in {:.1} s beside live traffic; {claims} claim+complete round trips meanwhile, longest {:.1} ms",
+        gc_took.as_secs_f64(),
+        longest.as_secs_f64() * 1000.0
+    );
+    assert!(claims >= 5, "claims ran during gc");
+    assert!(
+        longest < Duration::from_millis(500),
+        "a claim waited {longest:?} on gc"
+    );
+}
+
+async fn scrape(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return (0, String::new());
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn counter(metrics: &str, outcome: &str) -> u64 {
+    let needle = format!("outcome=\"{outcome}\"");
+    metrics
+        .lines()
+        .find(|l| l.starts_with("idem_deliveries_total{") && l.contains(&needle))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn metrics_after_a_known_scenario_match_it(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("metrics").await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let _worker = spawn_orders_worker(
+        &database_url(&connect),
+        &q.name,
+        &[SEQUENTIAL, &["--metrics-addr", &addr]].concat(),
+    );
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    let (status, body) = scrape(&addr, "/healthz").await;
+    assert_eq!(status, 200, "{body}");
+
+    for i in 0..5 {
+        q.publish(&order(&format!("evt-{i}"), "acme", 10)).await;
+    }
+    for i in 0..3 {
+        q.publish(&order_resent(&format!("evt-{i}"), "acme", 10))
+            .await;
+    }
+    q.publish(&order("evt-0", "acme", 11)).await; // conflict
+    q.publish(b"nope").await;
+    q.publish(b"[]").await;
+    q.publish(&order("evt-neg", "acme", -1)).await;
+    q.wait_for_messages(&q.dlq(), 4, SETTLE).await;
+
+    let deadline = Instant::now() + SETTLE;
+    let metrics = loop {
+        let metrics = scrape(&addr, "/metrics").await.1;
+        if counter(&metrics, "failed_permanent") == 1 {
+            break metrics;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "counters never showed up:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let expected = [
+        ("executed", 5),
+        ("duplicate_completed", 3),
+        ("conflict", 1),
+        ("malformed", 2),
+        ("failed_permanent", 1),
+        ("dead_lettered", 4),
+        ("takeover", 0),
+        ("failed_transient", 0),
+    ];
+    for (outcome, n) in expected {
+        assert_eq!(counter(&metrics, outcome), n, "{outcome} in\n{metrics}");
+    }
+    assert!(
+        metrics.contains("idem_handler_duration_seconds_count{operation=\"orders.create\"} 6"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("idem_store_round_trip_seconds_bucket{call=\"claim\""));
+    assert!(metrics.contains("idem_oldest_pending_age_seconds"));
+    assert!(metrics.contains("idem_oldest_processing_age_seconds"));
+    assert_eq!(scrape(&addr, "/nope").await.0, 404);
+}
