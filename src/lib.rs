@@ -9,6 +9,7 @@
 
 pub mod db;
 pub mod dead_letter;
+pub mod failpoint;
 pub mod fingerprint;
 pub mod handler;
 pub mod key;

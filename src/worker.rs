@@ -27,6 +27,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use crate::dead_letter::{self, DeadLetter, Reason};
+use crate::failpoint;
 use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError, Reconciliation};
 use crate::key::Key;
@@ -427,6 +428,7 @@ async fn decide<H: Handler>(
 ) -> Result<Outcome, WorkerError> {
     let broker = Broker {
         operation: H::OPERATION,
+        store: &shared.store,
         channel: publish,
         delivery,
         queue: &shared.config.queue,
@@ -436,7 +438,7 @@ async fn decide<H: Handler>(
         Ok(parsed) => parsed,
         Err(why) => {
             broker
-                .dead_letter(Reason::Malformed, &why, None, H::OPERATION, 0)
+                .dead_letter(Reason::Malformed, &why, None, 0, None)
                 .await?;
             return Ok(Outcome::Malformed);
         }
@@ -459,6 +461,7 @@ async fn decide<H: Handler>(
         let run = match claim {
             Claim::Claimed(lease) => {
                 span.record("attempt", lease.attempt);
+                failpoint::hit("after-claim");
                 run(shared, &parsed, message.take(), &lease).await?
             }
             Claim::Completed { .. } => {
@@ -472,13 +475,7 @@ async fn decide<H: Handler>(
             Claim::Conflict { .. } => {
                 let why = "the key was already used with another payload; a changed payload needs a new key";
                 broker
-                    .dead_letter(
-                        Reason::FingerprintConflict,
-                        why,
-                        Some(&parsed.key),
-                        H::OPERATION,
-                        0,
-                    )
+                    .dead_letter(Reason::FingerprintConflict, why, Some(&parsed.key), 0, None)
                     .await?;
                 return Ok(Outcome::Conflict);
             }
@@ -496,11 +493,10 @@ async fn decide<H: Handler>(
                             Reason::PermanentFailure,
                             &why,
                             Some(&parsed.key),
-                            H::OPERATION,
                             i64::from(attempts),
+                            Some(id),
                         )
                         .await?;
-                    store.mark_dead_lettered(id).await?;
                     return Ok(Outcome::FailedPermanent);
                 }
                 broker.ack().await?;
@@ -523,6 +519,7 @@ async fn decide<H: Handler>(
         };
         match run {
             Run::Completed { reconciled } => {
+                failpoint::hit("after-complete");
                 broker.ack().await?;
                 return Ok(if reconciled {
                     Outcome::Reconciled
@@ -554,11 +551,10 @@ async fn decide<H: Handler>(
                                 Reason::RetriesExhausted,
                                 &why,
                                 Some(&parsed.key),
-                                H::OPERATION,
                                 i64::from(lease.attempt),
+                                Some(lease.id),
                             )
                             .await?;
-                        store.mark_dead_lettered(lease.id).await?;
                         Ok(Outcome::RetriesExhausted)
                     }
                 };
@@ -569,11 +565,10 @@ async fn decide<H: Handler>(
                         Reason::PermanentFailure,
                         &error,
                         Some(&parsed.key),
-                        H::OPERATION,
                         i64::from(lease.attempt),
+                        Some(lease.id),
                     )
                     .await?;
-                store.mark_dead_lettered(lease.id).await?;
                 return Ok(Outcome::FailedPermanent);
             }
             Run::Pending => {
@@ -582,13 +577,7 @@ async fn decide<H: Handler>(
                     false => {
                         let why = "outcome still unknown after every retry; reconcile by hand";
                         broker
-                            .dead_letter(
-                                Reason::RetriesExhausted,
-                                why,
-                                Some(&parsed.key),
-                                H::OPERATION,
-                                0,
-                            )
+                            .dead_letter(Reason::RetriesExhausted, why, Some(&parsed.key), 0, None)
                             .await?;
                         Ok(Outcome::RetriesExhausted)
                     }
@@ -657,6 +646,7 @@ async fn run<H: Handler>(
             .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
     };
     metrics::handler_duration(H::OPERATION, started.elapsed());
+    failpoint::hit("after-effect");
     record(shared, &mut ctx, lease, result, false).await
 }
 
@@ -753,6 +743,7 @@ async fn record<H: Handler>(
                 None => fenced(store.complete(lease, &output).await, done),
                 Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
                     Ok(()) => {
+                        failpoint::hit("before-commit");
                         tx.commit().await.map_err(StoreError::from)?;
                         Ok(done)
                     }
@@ -864,6 +855,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 /// Broker actions on one delivery: every publish is confirmed before the ack.
 struct Broker<'a> {
     operation: &'static str,
+    store: &'a Store,
     channel: &'a Channel,
     delivery: &'a Delivery,
     queue: &'a str,
@@ -882,13 +874,16 @@ impl Broker<'_> {
         Ok(())
     }
 
+    /// Publishes the dead letter (confirmed), pins the record it belongs to, and only
+    /// then acks. A crash after the publish leaves the record unpinned, so the
+    /// redelivery publishes again: a DLQ may hold a key twice, never lose it.
     async fn dead_letter(
         &self,
         reason: Reason,
         error: &str,
         key: Option<&Key>,
-        operation: &'static str,
         attempts: i64,
+        pin: Option<i64>,
     ) -> Result<(), WorkerError> {
         let properties = dead_letter::dead_letter_properties(
             &self.delivery.properties,
@@ -896,15 +891,19 @@ impl Broker<'_> {
                 reason,
                 error,
                 key,
-                operation,
+                operation: self.operation,
                 attempts,
                 original_queue: self.queue,
             },
         );
         warn!(reason = reason.as_str(), error, "dead-lettering");
-        metrics::delivery(self.operation, "dead_lettered");
         self.publish(&topology::dlq_name(self.queue), properties)
             .await?;
+        failpoint::hit("after-publish");
+        if let Some(id) = pin {
+            self.store.mark_dead_lettered(id).await?;
+        }
+        metrics::delivery(self.operation, "dead_lettered");
         self.ack().await
     }
 
@@ -925,6 +924,7 @@ impl Broker<'_> {
         let properties = dead_letter::retry_properties(&self.delivery.properties, retries + 1);
         self.publish(&retry_queue_name(self.queue, delay), properties)
             .await?;
+        failpoint::hit("after-publish");
         self.ack().await?;
         Ok(true)
     }

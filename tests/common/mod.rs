@@ -316,6 +316,16 @@ impl WorkerProcess {
 /// Starts an `orders_worker` process on `queue` and the test's database, logging to a
 /// file under the temp dir (kept for post-mortems).
 pub fn spawn_orders_worker(database_url: &str, queue: &str, extra: &[&str]) -> WorkerProcess {
+    spawn_orders_worker_with_env(database_url, queue, extra, &[])
+}
+
+/// [`spawn_orders_worker`] with extra environment variables.
+pub fn spawn_orders_worker_with_env(
+    database_url: &str,
+    queue: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> WorkerProcess {
     let log_dir = std::env::temp_dir().join("idem-test-logs");
     let _ = std::fs::create_dir_all(&log_dir);
     let log = log_dir.join(format!("{queue}-{}.log", uuid::Uuid::new_v4().simple()));
@@ -327,6 +337,7 @@ pub fn spawn_orders_worker(database_url: &str, queue: &str, extra: &[&str]) -> W
         .env("AMQP_URL", amqp_url())
         .env("RUST_LOG", "info,sqlx=warn")
         .env("NO_COLOR", "1")
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(file)
         .kill_on_drop(true)
@@ -370,4 +381,19 @@ pub fn header_text(value: &str) -> AMQPValue {
 
 pub fn body_json(body: &[u8]) -> Value {
     serde_json::from_slice(body).unwrap_or(Value::Null)
+}
+
+/// Messages delivered but not acked on `queue`, as the broker counts them.
+pub async fn unacked(queue: &str) -> u64 {
+    let out = Command::new("rabbitmqctl")
+        .args(["-q", "list_queues", "name", "messages_unacknowledged"])
+        .output()
+        .await
+        .expect("rabbitmqctl");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .and_then(|(_, n)| n.trim().parse().ok())
+        .unwrap_or(0)
 }

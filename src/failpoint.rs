@@ -1,0 +1,27 @@
+//! Failpoints: abort the process at a named point, to prove crash safety in tests.
+//!
+//! Compiled in only with the `failpoints` cargo feature; without it [`hit`] is empty
+//! and costs nothing. With it, `IDEM_FAILPOINT=<name>` makes the process abort (no
+//! unwinding, no cleanup, like a `SIGKILL`) the first time it passes that point:
+//!
+//! | name | where |
+//! |---|---|
+//! | `after-claim` | the claim committed, the handler has not run |
+//! | `after-effect` | the handler returned (its external effect is done), nothing recorded |
+//! | `before-commit` | the completion is written in the handler's transaction, not committed |
+//! | `after-complete` | the completion committed, the delivery not acked |
+//! | `after-publish` | a retry or dead letter published and confirmed, the original not acked |
+
+/// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).
+#[cfg(feature = "failpoints")]
+pub fn hit(name: &str) {
+    if std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name) {
+        eprintln!("failpoint {name}: aborting");
+        std::process::abort();
+    }
+}
+
+/// Does nothing: built without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit(_name: &str) {}
