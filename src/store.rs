@@ -4,6 +4,8 @@
 //! caller passes its own transaction. Time always comes from the database clock
 //! (`now()`), so workers with skewed clocks agree on when a lease expires.
 
+use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -36,6 +38,9 @@ pub enum StoreError {
     /// Postgres failed or could not be reached.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+    /// The batched statement this call was part of failed.
+    #[error(transparent)]
+    Batch(std::sync::Arc<StoreError>),
 }
 
 /// A record's status (DESIGN.md, "The record").
@@ -223,6 +228,30 @@ pub struct Store {
 /// write before giving up (each retry is one more statement with a fresh snapshot).
 const CLAIM_TRIES: u32 = 8;
 
+/// A record the claimer may take (alias `p`): an expired lease, a retryable failure, or
+/// a pending operation nobody is reconciling.
+const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= now())
+     OR (p.status = 'failed' AND p.retryable)
+     OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))";
+
+/// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`.
+const TAKE: &str =
+    "SET status = CASE WHEN p.status = 'pending' THEN 'pending' ELSE 'processing' END,
+        attempts = p.attempts + 1,
+        lease_token = nextval('processed_operations_lease_token_seq'),
+        lease_expires_at = now() + $5::bigint * interval '1 millisecond',
+        owner = $6,
+        retryable = false,
+        updated_at = now()";
+
+/// The columns every claim statement returns, after `found`, for [`ClaimRow`].
+const TAKEN_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
+       previous_status, external_ref, NULL::text AS payload_sha256, NULL::jsonb AS result,
+       NULL::jsonb AS error, NULL::boolean AS claimable, NULL::boolean AS dead_lettered";
+const EXISTING_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
+       NULL::text AS previous_status, external_ref, payload_sha256, result, error, claimable,
+       dead_lettered_at IS NOT NULL AS dead_lettered";
+
 /// One statement decides the claim: insert a new record, or take over an expired /
 /// retryable / pending one, or report the existing one. Each CTE runs on the same
 /// snapshot; the `UPDATE` re-checks its conditions on the newest row version, so of
@@ -231,8 +260,9 @@ const CLAIM_TRIES: u32 = 8;
 /// another transaction after our snapshot began (the `INSERT` conflicts but `cur` cannot
 /// see the row: no row comes back), or the row was claimable in our snapshot but
 /// another transaction changed it first (`existing` with `claimable`).
-const CLAIM_SQL: &str = r#"
-WITH ins AS (
+static CLAIM_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH ins AS (
     INSERT INTO processed_operations
         (scope, operation, idempotency_key, payload_sha256, status, attempts,
          lease_token, lease_expires_at, owner, message_id, correlation_id)
@@ -243,33 +273,15 @@ WITH ins AS (
     RETURNING id, status, attempts, lease_token, lease_expires_at
 ),
 cur AS (
-    SELECT *,
-           payload_sha256 = $4
-           AND (   (status = 'processing' AND lease_expires_at <= now())
-                OR (status = 'failed' AND retryable)
-                OR (status = 'pending'
-                    AND (lease_expires_at IS NULL OR lease_expires_at <= now())))
-           AS claimable
-    FROM processed_operations
-    WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+    SELECT p.*, p.payload_sha256 = $4 AND {CLAIMABLE} AS claimable
+    FROM processed_operations p
+    WHERE p.scope = $1 AND p.operation = $2 AND p.idempotency_key = $3
       AND NOT EXISTS (SELECT 1 FROM ins)
 ),
 upd AS (
-    UPDATE processed_operations p
-    SET status = CASE WHEN p.status = 'pending' THEN 'pending' ELSE 'processing' END,
-        attempts = p.attempts + 1,
-        lease_token = nextval('processed_operations_lease_token_seq'),
-        lease_expires_at = now() + $5::bigint * interval '1 millisecond',
-        owner = $6,
-        retryable = false,
-        updated_at = now()
+    UPDATE processed_operations p {TAKE}
     FROM cur
-    WHERE p.id = cur.id
-      AND p.payload_sha256 = $4
-      AND (   (p.status = 'processing' AND p.lease_expires_at <= now())
-           OR (p.status = 'failed' AND p.retryable)
-           OR (p.status = 'pending'
-               AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))
+    WHERE p.id = cur.id AND p.payload_sha256 = $4 AND {CLAIMABLE}
     RETURNING p.id, p.status, p.attempts, p.lease_token, p.lease_expires_at,
               cur.status AS previous_status, p.external_ref
 )
@@ -279,15 +291,53 @@ SELECT 'inserted' AS found, id, status, attempts, lease_token, lease_expires_at,
        NULL::boolean AS claimable, NULL::boolean AS dead_lettered
   FROM ins
 UNION ALL
-SELECT 'taken', id, status, attempts, lease_token, lease_expires_at,
-       previous_status, external_ref, NULL, NULL, NULL, NULL, NULL
-  FROM upd
+SELECT 'taken', {TAKEN_COLUMNS} FROM upd
 UNION ALL
-SELECT 'existing', id, status, attempts, lease_token, lease_expires_at,
-       NULL, external_ref, payload_sha256, result, error, claimable,
-       dead_lettered_at IS NOT NULL
-  FROM cur WHERE NOT EXISTS (SELECT 1 FROM upd)
-"#;
+SELECT 'existing', {EXISTING_COLUMNS} FROM cur WHERE NOT EXISTS (SELECT 1 FROM upd)"
+    )
+});
+
+/// A batch's new keys in one statement, inserted in key order so that two workers
+/// inserting overlapping batches cannot deadlock. Keys that exist already are skipped
+/// (and decided by [`CLAIM_EXISTING_SQL`]).
+const CLAIM_NEW_SQL: &str = "INSERT INTO processed_operations
+    (scope, operation, idempotency_key, payload_sha256, status, attempts,
+     lease_token, lease_expires_at, owner, message_id, correlation_id)
+SELECT t.scope, t.operation, t.idempotency_key, t.fp, 'processing', 1,
+       nextval('processed_operations_lease_token_seq'),
+       now() + $5::bigint * interval '1 millisecond', $6, t.message_id, t.correlation_id
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[], $8::text[])
+     AS t(scope, operation, idempotency_key, fp, message_id, correlation_id)
+ORDER BY t.scope, t.operation, t.idempotency_key
+ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
+RETURNING id, scope, operation, idempotency_key, lease_token, lease_expires_at";
+
+/// A batch's existing keys in one statement: take over what may be taken, report the
+/// rest, exactly as [`CLAIM_SQL`] does for one key.
+static CLAIM_EXISTING_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
+                  AS t(scope, operation, idempotency_key, fp)
+),
+cur AS (
+    SELECT p.*, i.fp, p.payload_sha256 = i.fp AND {CLAIMABLE} AS claimable
+    FROM processed_operations p JOIN input i USING (scope, operation, idempotency_key)
+),
+upd AS (
+    UPDATE processed_operations p {TAKE}
+    FROM cur
+    WHERE p.id = cur.id AND p.payload_sha256 = cur.fp AND {CLAIMABLE}
+    RETURNING p.id, p.scope, p.operation, p.idempotency_key, p.status, p.attempts,
+              p.lease_token, p.lease_expires_at, cur.status AS previous_status,
+              p.external_ref
+)
+SELECT 'taken' AS found, scope, operation, idempotency_key, {TAKEN_COLUMNS} FROM upd
+UNION ALL
+SELECT 'existing', scope, operation, idempotency_key, {EXISTING_COLUMNS} FROM cur
+ WHERE NOT EXISTS (SELECT 1 FROM upd WHERE upd.id = cur.id)"
+    )
+});
 
 #[derive(sqlx::FromRow)]
 struct ClaimRow {
@@ -304,6 +354,28 @@ struct ClaimRow {
     error: Option<Value>,
     claimable: Option<bool>,
     dead_lettered: Option<bool>,
+}
+
+#[derive(sqlx::FromRow)]
+struct BatchClaimRow {
+    scope: String,
+    operation: String,
+    idempotency_key: String,
+    #[sqlx(flatten)]
+    row: ClaimRow,
+}
+
+/// One claim of a batch (see [`Store::claim_many`]).
+#[derive(Debug, Clone)]
+pub struct ClaimInput {
+    /// The key.
+    pub key: Key,
+    /// The payload's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The broker message id.
+    pub message_id: Option<String>,
+    /// The correlation id.
+    pub correlation_id: Option<String>,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -338,7 +410,7 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         for _ in 0..CLAIM_TRIES {
             let started = Instant::now();
-            let row: Option<ClaimRow> = sqlx::query_as(CLAIM_SQL)
+            let row: Option<ClaimRow> = sqlx::query_as(CLAIM_SQL.as_str())
                 .bind(key.scope())
                 .bind(key.operation())
                 .bind(key.idempotency_key())
@@ -357,6 +429,140 @@ impl Store {
             }
         }
         Err(StoreError::Contention(CLAIM_TRIES))
+    }
+
+    /// Claims many keys in two statements (new keys, then the keys that existed), each
+    /// deciding exactly as [`Store::claim`] does. A key that appears twice in the batch
+    /// is claimed once in the batch and its other copies afterwards, one at a time, so
+    /// they see the first copy's claim (in progress, or a conflict). Results are in the
+    /// order of `inputs`.
+    pub async fn claim_many(&self, inputs: &[ClaimInput]) -> Result<Vec<Claim>, StoreError> {
+        let mut results: Vec<Option<Claim>> = vec![None; inputs.len()];
+        let mut first: HashMap<(&str, &str, &str), usize> = HashMap::new();
+        for (i, input) in inputs.iter().enumerate() {
+            let k = &input.key;
+            first
+                .entry((k.scope(), k.operation(), k.idempotency_key()))
+                .or_insert(i);
+        }
+        let mut distinct: Vec<usize> = first.values().copied().collect();
+        distinct.sort_unstable();
+        let column = |f: &dyn Fn(&ClaimInput) -> Option<String>| -> Vec<Option<String>> {
+            distinct.iter().map(|&i| f(&inputs[i])).collect()
+        };
+        let scopes = column(&|c| Some(c.key.scope().to_owned()));
+        let operations = column(&|c| Some(c.key.operation().to_owned()));
+        let keys = column(&|c| Some(c.key.idempotency_key().to_owned()));
+        let fingerprints = column(&|c| Some(c.fingerprint.as_hex().to_owned()));
+        let started = Instant::now();
+        let inserted: Vec<(i64, String, String, String, i64, DateTime<Utc>)> =
+            sqlx::query_as(CLAIM_NEW_SQL)
+                .bind(&scopes)
+                .bind(&operations)
+                .bind(&keys)
+                .bind(&fingerprints)
+                .bind(millis(self.config.lease))
+                .bind(&self.config.owner)
+                .bind(column(&|c| c.message_id.clone()))
+                .bind(column(&|c| c.correlation_id.clone()))
+                .fetch_all(&self.pool)
+                .await?;
+        metrics::store_round_trip("claim_many", started);
+        for (id, scope, operation, key, token, expires_at) in inserted {
+            if let Some(&i) = first.get(&(scope.as_str(), operation.as_str(), key.as_str())) {
+                results[i] = Some(Claim::Claimed(Lease {
+                    id,
+                    token,
+                    attempt: 1,
+                    takeover: false,
+                    expires_at,
+                }));
+            }
+        }
+        let existing: Vec<usize> = distinct
+            .iter()
+            .copied()
+            .filter(|&i| results[i].is_none())
+            .collect();
+        if !existing.is_empty() {
+            let pick = |f: &dyn Fn(&ClaimInput) -> String| -> Vec<String> {
+                existing.iter().map(|&i| f(&inputs[i])).collect()
+            };
+            let started = Instant::now();
+            let rows: Vec<BatchClaimRow> = sqlx::query_as(CLAIM_EXISTING_SQL.as_str())
+                .bind(pick(&|c| c.key.scope().to_owned()))
+                .bind(pick(&|c| c.key.operation().to_owned()))
+                .bind(pick(&|c| c.key.idempotency_key().to_owned()))
+                .bind(pick(&|c| c.fingerprint.as_hex().to_owned()))
+                .bind(millis(self.config.lease))
+                .bind(&self.config.owner)
+                .fetch_all(&self.pool)
+                .await?;
+            metrics::store_round_trip("claim_many", started);
+            for row in rows {
+                let slot = (
+                    row.scope.as_str(),
+                    row.operation.as_str(),
+                    row.idempotency_key.as_str(),
+                );
+                if let Some(&i) = first.get(&slot) {
+                    results[i] = decide(row.row, &inputs[i].fingerprint)?;
+                }
+            }
+        }
+        // Copies of a key within the batch, and keys whose snapshot was stale: one at a
+        // time, after the batch, so they see what it did.
+        let mut claims = Vec::with_capacity(inputs.len());
+        for (input, result) in inputs.iter().zip(results) {
+            let claim = match result {
+                Some(claim) => claim,
+                None => {
+                    let origin = Origin {
+                        message_id: input.message_id.as_deref(),
+                        correlation_id: input.correlation_id.as_deref(),
+                    };
+                    self.claim(&input.key, &input.fingerprint, &origin).await?
+                }
+            };
+            claims.push(claim);
+        }
+        Ok(claims)
+    }
+
+    /// Records many successes in one statement, each fenced by its own lease: returns,
+    /// in order, whether each lease still owned its record (false: lease lost, nothing
+    /// written for it). Rows are updated in id order, so concurrent batches cannot
+    /// deadlock.
+    pub async fn complete_many(&self, items: &[(Lease, Value)]) -> Result<Vec<bool>, StoreError> {
+        let mut order: Vec<usize> = (0..items.len()).collect();
+        order.sort_unstable_by_key(|&i| items[i].0.id);
+        let ids: Vec<i64> = order.iter().map(|&i| items[i].0.id).collect();
+        let tokens: Vec<i64> = order.iter().map(|&i| items[i].0.token).collect();
+        let results: Vec<Value> = order.iter().map(|&i| items[i].1.clone()).collect();
+        let started = Instant::now();
+        let done: Vec<i64> = sqlx::query_scalar(
+            "UPDATE processed_operations p
+             SET status = 'completed', result = t.result, error = NULL, retryable = false,
+                 lease_expires_at = NULL, completed_at = now(), updated_at = now(),
+                 expires_at = now() + $4::bigint * interval '1 millisecond'
+             FROM (SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::jsonb[])
+                   AS u(id, token, result) ORDER BY id) t
+             WHERE p.id = t.id AND p.lease_token = t.token
+               AND p.status IN ('processing', 'pending')
+             RETURNING p.id",
+        )
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&results)
+        .bind(millis(self.config.retention))
+        .fetch_all(&self.pool)
+        .await?;
+        metrics::store_round_trip("complete_many", started);
+        let done: std::collections::HashSet<i64> = done.into_iter().collect();
+        Ok(items
+            .iter()
+            .map(|(lease, _)| done.contains(&lease.id))
+            .collect())
     }
 
     /// Extends the lease by the configured lease time (heartbeat) while a handler runs.

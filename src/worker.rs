@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
+use crate::batch::Batcher;
 use crate::dead_letter::{self, DeadLetter, Reason};
 use crate::failpoint;
 use crate::fingerprint::Fingerprint;
@@ -33,7 +34,7 @@ use crate::handler::{Context, Handler, HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::metrics::{self, BrokerHealth};
 use crate::retry::{RetryPolicy, retry_queue_name};
-use crate::store::{Claim, Lease, Origin, Store, StoreError};
+use crate::store::{Claim, ClaimInput, Lease, Store, StoreError};
 use crate::topology::{self, QueueType, Topology};
 
 /// Worker settings.
@@ -62,6 +63,11 @@ pub struct WorkerConfig {
     pub gc_every: Option<Duration>,
     /// Rows deleted per short transaction by the periodic garbage collection.
     pub gc_batch: i64,
+    /// Most claims (and most completions) written in one statement. Deliveries that
+    /// arrive together share a statement and a commit; 1 turns batching off.
+    pub batch_size: usize,
+    /// How long a batch waits for more after its first request.
+    pub batch_linger: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -78,6 +84,8 @@ impl Default for WorkerConfig {
             name: format!("idem-worker-{}", std::process::id()),
             gc_every: None,
             gc_batch: 1000,
+            batch_size: 128,
+            batch_linger: Duration::from_millis(1),
         }
     }
 }
@@ -154,15 +162,22 @@ impl Outcome {
 
 /// Consumes one queue with one [`Handler`].
 pub struct Worker<H: Handler> {
-    shared: Arc<Shared<H>>,
-    broker: BrokerHealth,
-}
-
-struct Shared<H> {
     handler: H,
     store: Store,
     config: WorkerConfig,
     topology: Topology,
+    broker: BrokerHealth,
+}
+
+/// What every delivery's task shares.
+struct Shared<H> {
+    handler: H,
+    store: Store,
+    config: WorkerConfig,
+    /// Claims of deliveries that arrive together, in one statement.
+    claims: Batcher<ClaimInput, Claim>,
+    /// Completions without a handler transaction, in one statement.
+    completions: Batcher<(Lease, Value), bool>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -174,12 +189,10 @@ impl<H: Handler> Worker<H> {
             retry_delays: config.retry.delays.clone(),
         };
         Self {
-            shared: Arc::new(Shared {
-                handler,
-                store,
-                config,
-                topology,
-            }),
+            handler,
+            store,
+            config,
+            topology,
             broker: BrokerHealth::default(),
         }
     }
@@ -191,36 +204,67 @@ impl<H: Handler> Worker<H> {
 
     /// The queues this worker declares.
     pub fn topology(&self) -> &Topology {
-        &self.shared.topology
+        &self.topology
     }
 
     /// Consumes until `shutdown` is cancelled, reconnecting to the broker with backoff
     /// whenever the connection drops. On shutdown it stops consuming, lets in-flight
     /// handlers finish (up to the shutdown timeout), acks them and closes cleanly.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
-        let tasks = TaskTracker::new();
-        let permits = Arc::new(Semaphore::new(self.shared.config.concurrency.max(1)));
-        let mut backoff = self.reconnect_backoff();
-        if let Some(every) = self.shared.config.gc_every {
+        let Worker {
+            handler,
+            store,
+            config,
+            topology,
+            broker,
+        } = self;
+        let claims = {
+            let store = store.clone();
+            Batcher::spawn(config.batch_size, config.batch_linger, move |inputs| {
+                let store = store.clone();
+                async move { store.claim_many(&inputs).await }
+            })
+        };
+        let completions = {
+            let store = store.clone();
+            Batcher::spawn(config.batch_size, config.batch_linger, move |items| {
+                let store = store.clone();
+                async move { store.complete_many(&items).await }
+            })
+        };
+        if let Some(every) = config.gc_every {
             tokio::spawn(collect_garbage(
-                self.shared.store.clone(),
+                store.clone(),
                 every,
-                self.shared.config.gc_batch,
+                config.gc_batch,
                 shutdown.clone(),
             ));
         }
+        let shared = Arc::new(Shared {
+            handler,
+            store,
+            config,
+            claims,
+            completions,
+        });
+        let session = Session {
+            shared: shared.clone(),
+            topology,
+            broker,
+        };
+        let tasks = TaskTracker::new();
+        let permits = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
+        let mut backoff = session.reconnect_backoff();
         while !shutdown.is_cancelled() {
-            let session = self.session(&shutdown, &tasks, &permits).await;
-            self.broker.set(false);
-            match session {
+            let result = session.run(&shutdown, &tasks, &permits).await;
+            session.broker.set(false);
+            match result {
                 Ok(()) => break,
                 Err(SessionError { connected, error }) => {
                     if connected {
-                        backoff = self.reconnect_backoff();
+                        backoff = session.reconnect_backoff();
                     }
-                    let delay = backoff
-                        .next()
-                        .unwrap_or(self.shared.config.max_reconnect_delay);
+                    let delay = backoff.next().unwrap_or(shared.config.max_reconnect_delay);
                     warn!(error = %error, retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
@@ -231,7 +275,7 @@ impl<H: Handler> Worker<H> {
         }
         tasks.close();
         // Handlers from a dropped connection may still be running; let them finish.
-        if tokio::time::timeout(self.shared.config.shutdown_timeout, tasks.wait())
+        if tokio::time::timeout(shared.config.shutdown_timeout, tasks.wait())
             .await
             .is_err()
         {
@@ -243,7 +287,16 @@ impl<H: Handler> Worker<H> {
         info!("worker stopped");
         Ok(())
     }
+}
 
+/// The broker side of a running worker: one connection at a time.
+struct Session<H> {
+    shared: Arc<Shared<H>>,
+    topology: Topology,
+    broker: BrokerHealth,
+}
+
+impl<H: Handler> Session<H> {
     fn reconnect_backoff(&self) -> impl Iterator<Item = Duration> + use<H> {
         ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(100))
@@ -254,7 +307,7 @@ impl<H: Handler> Worker<H> {
     }
 
     /// One broker connection: declare, consume, dispatch. Returns `Ok` on shutdown.
-    async fn session(
+    async fn run(
         &self,
         shutdown: &CancellationToken,
         tasks: &TaskTracker,
@@ -273,8 +326,7 @@ impl<H: Handler> Worker<H> {
             .basic_qos(config.prefetch, BasicQosOptions::default())
             .await
             .map_err(not_connected)?;
-        self.shared
-            .topology
+        self.topology
             .declare(&consume)
             .await
             .map_err(not_connected)?;
@@ -447,17 +499,17 @@ async fn decide<H: Handler>(
     span.record("scope", parsed.key.scope());
     span.record("key", parsed.key.short_hash());
     let properties = &delivery.properties;
-    let origin = Origin {
-        message_id: properties.message_id().as_ref().map(|s| s.as_str()),
-        correlation_id: properties.correlation_id().as_ref().map(|s| s.as_str()),
+    let input = ClaimInput {
+        key: parsed.key.clone(),
+        fingerprint: parsed.fingerprint.clone(),
+        message_id: properties.message_id().as_ref().map(|s| s.to_string()),
+        correlation_id: properties.correlation_id().as_ref().map(|s| s.to_string()),
     };
     let store = &shared.store;
     let mut immediate = shared.config.retry.immediate_backoff();
     let mut message = Some(message);
     loop {
-        let claim = store
-            .claim(&parsed.key, &parsed.fingerprint, &origin)
-            .await?;
+        let claim = shared.claims.call(input.clone()).await?;
         let run = match claim {
             Claim::Claimed(lease) => {
                 span.record("attempt", lease.attempt);
@@ -740,7 +792,10 @@ async fn record<H: Handler>(
                 reconciled: reconciling,
             };
             match tx {
-                None => fenced(store.complete(lease, &output).await, done),
+                None => match shared.completions.call((lease.clone(), output)).await? {
+                    true => Ok(done),
+                    false => Ok(Run::LeaseLost),
+                },
                 Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
                     Ok(()) => {
                         failpoint::hit("before-commit");

@@ -688,7 +688,7 @@ async fn metrics_after_a_known_scenario_match_it(
         metrics.contains("idem_handler_duration_seconds_count{operation=\"orders.create\"} 6"),
         "{metrics}"
     );
-    assert!(metrics.contains("idem_store_round_trip_seconds_bucket{call=\"claim\""));
+    assert!(metrics.contains("idem_store_round_trip_seconds_bucket{call=\"claim_many\""));
     assert!(metrics.contains("idem_oldest_pending_age_seconds"));
     assert!(metrics.contains("idem_oldest_processing_age_seconds"));
     assert_eq!(scrape(&addr, "/nope").await.0, 404);

@@ -1,0 +1,88 @@
+//! Batching: requests that arrive together share one statement (and one commit).
+//!
+//! A batch closes when it is full or when the linger has passed since its first
+//! request, so a lone request waits about the linger and no more. Batches run one after
+//! another; while one runs, the next fills up.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::store::StoreError;
+
+type Reply<T> = oneshot::Sender<Result<T, Arc<StoreError>>>;
+
+/// The sending side of a batching loop; cheap to clone.
+pub(crate) struct Batcher<Req, Resp> {
+    tx: mpsc::Sender<(Req, Reply<Resp>)>,
+}
+
+impl<Req, Resp> Clone for Batcher<Req, Resp> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
+    /// Spawns the loop: `run` gets up to `max` requests and answers each, in order.
+    /// The loop ends when every `Batcher` handle is dropped.
+    pub(crate) fn spawn<F, Fut>(max: usize, linger: Duration, run: F) -> Self
+    where
+        F: Fn(Vec<Req>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Vec<Resp>, StoreError>> + Send,
+    {
+        let max = max.max(1);
+        let (tx, mut rx) = mpsc::channel::<(Req, Reply<Resp>)>(max * 4);
+        tokio::spawn(async move {
+            while let Some(first) = rx.recv().await {
+                let mut batch = vec![first];
+                let deadline = tokio::time::Instant::now() + linger;
+                while batch.len() < max {
+                    match rx.try_recv() {
+                        Ok(item) => batch.push(item),
+                        Err(mpsc::error::TryRecvError::Disconnected) => break,
+                        Err(mpsc::error::TryRecvError::Empty) => {
+                            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                                Ok(Some(item)) => batch.push(item),
+                                _ => break,
+                            }
+                        }
+                    }
+                }
+                let (requests, replies): (Vec<Req>, Vec<Reply<Resp>>) = batch.into_iter().unzip();
+                match run(requests).await {
+                    Ok(responses) => {
+                        for (reply, response) in replies.into_iter().zip(responses) {
+                            let _ = reply.send(Ok(response));
+                        }
+                    }
+                    Err(error) => {
+                        let error = Arc::new(error);
+                        for reply in replies {
+                            let _ = reply.send(Err(error.clone()));
+                        }
+                    }
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Submits one request and waits for its answer.
+    pub(crate) async fn call(&self, request: Req) -> Result<Resp, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        if self.tx.send((request, reply)).await.is_err() {
+            return Err(StoreError::Unexpected("batching loop stopped".into()));
+        }
+        match answer.await {
+            Ok(result) => result.map_err(StoreError::Batch),
+            Err(_) => Err(StoreError::Unexpected(
+                "batching loop dropped a request".into(),
+            )),
+        }
+    }
+}
