@@ -235,6 +235,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let ok = result?;
     if !ok {
         eprintln!("worker logs: {}", run.log_dir.display());
+    } else if !run.args.keep {
+        let _ = std::fs::remove_dir_all(&run.log_dir);
     }
     Ok(ok)
 }

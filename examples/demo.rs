@@ -20,55 +20,23 @@ mod orders_worker;
 #[path = "orders_producer.rs"]
 mod orders_producer;
 
-use std::collections::BTreeMap;
+#[allow(dead_code)]
+#[path = "support/outcomes.rs"]
+mod outcomes;
+
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use idem::{RetryPolicy, Store, StoreConfig, Worker, WorkerConfig};
 use lapin::options::QueueDeleteOptions;
+use outcomes::Outcomes;
 use tokio_util::sync::CancellationToken;
-use tracing::field::{Field, Visit};
-use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 const QUEUE: &str = "idem_demo";
-
-/// Counts the worker's `delivery decided` events by outcome.
-#[derive(Clone, Default)]
-struct Outcomes(Arc<Mutex<BTreeMap<String, usize>>>);
-
-impl<S: tracing::Subscriber> Layer<S> for Outcomes {
-    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-        struct Find(Option<String>);
-        impl Visit for Find {
-            fn record_str(&mut self, field: &Field, value: &str) {
-                if field.name() == "outcome" {
-                    self.0 = Some(value.to_owned());
-                }
-            }
-            fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
-        }
-        let mut find = Find(None);
-        event.record(&mut find);
-        if let (Some(outcome), Ok(mut counts)) = (find.0, self.0.lock()) {
-            *counts.entry(outcome).or_default() += 1;
-        }
-    }
-}
-
-impl Outcomes {
-    fn get(&self, outcome: &str) -> usize {
-        self.0
-            .lock()
-            .map(|c| c.get(outcome).copied().unwrap_or(0))
-            .unwrap_or(0)
-    }
-    fn total(&self) -> usize {
-        self.0.lock().map(|c| c.values().sum()).unwrap_or(0)
-    }
-}
 
 #[tokio::main]
 async fn main() -> ExitCode {

@@ -1,14 +1,16 @@
 //! Batching: requests that arrive together share one statement (and one commit).
 //!
 //! A batch closes when it is full or when the linger has passed since its first
-//! request, so a lone request waits about the linger and no more. Batches run one after
-//! another; while one runs, the next fills up.
+//! request, so a lone request waits about the linger and no more. Up to `in_flight`
+//! batches run at once: a request never waits for an earlier batch's round trip, only
+//! for its own, which keeps the time from delivery to ack (and so the prefetch window's
+//! throughput) from growing with load.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::store::StoreError;
 
@@ -30,12 +32,14 @@ impl<Req, Resp> Clone for Batcher<Req, Resp> {
 impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// Spawns the loop: `run` gets up to `max` requests and answers each, in order.
     /// The loop ends when every `Batcher` handle is dropped.
-    pub(crate) fn spawn<F, Fut>(max: usize, linger: Duration, run: F) -> Self
+    pub(crate) fn spawn<F, Fut>(max: usize, linger: Duration, in_flight: usize, run: F) -> Self
     where
-        F: Fn(Vec<Req>) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<Vec<Resp>, StoreError>> + Send,
+        F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<Resp>, StoreError>> + Send + 'static,
     {
         let max = max.max(1);
+        let slots = Arc::new(Semaphore::new(in_flight.max(1)));
+        let run = Arc::new(run);
         let (tx, mut rx) = mpsc::channel::<(Req, Reply<Resp>)>(max * 4);
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
@@ -54,19 +58,26 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                     }
                 }
                 let (requests, replies): (Vec<Req>, Vec<Reply<Resp>>) = batch.into_iter().unzip();
-                match run(requests).await {
-                    Ok(responses) => {
-                        for (reply, response) in replies.into_iter().zip(responses) {
-                            let _ = reply.send(Ok(response));
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
+                };
+                let run = run.clone();
+                tokio::spawn(async move {
+                    match run(requests).await {
+                        Ok(responses) => {
+                            for (reply, response) in replies.into_iter().zip(responses) {
+                                let _ = reply.send(Ok(response));
+                            }
+                        }
+                        Err(error) => {
+                            let error = Arc::new(error);
+                            for reply in replies {
+                                let _ = reply.send(Err(error.clone()));
+                            }
                         }
                     }
-                    Err(error) => {
-                        let error = Arc::new(error);
-                        for reply in replies {
-                            let _ = reply.send(Err(error.clone()));
-                        }
-                    }
-                }
+                    drop(slot);
+                });
             }
         });
         Self { tx }

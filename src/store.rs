@@ -489,7 +489,10 @@ impl Store {
                 existing.iter().map(|&i| f(&inputs[i])).collect()
             };
             let started = Instant::now();
+            // Planned on every run (an unnamed statement): a cached generic plan made
+            // while the table was small would seq-scan it forever after.
             let rows: Vec<BatchClaimRow> = sqlx::query_as(CLAIM_EXISTING_SQL.as_str())
+                .persistent(false)
                 .bind(pick(&|c| c.key.scope().to_owned()))
                 .bind(pick(&|c| c.key.operation().to_owned()))
                 .bind(pick(&|c| c.key.idempotency_key().to_owned()))
@@ -551,6 +554,9 @@ impl Store {
                AND p.status IN ('processing', 'pending')
              RETURNING p.id",
         )
+        // Planned on every run, with the real array sizes: a generic plan cached while
+        // the table was small hash-joins against a full scan of it.
+        .persistent(false)
         .bind(&ids)
         .bind(&tokens)
         .bind(&results)

@@ -68,6 +68,9 @@ pub struct WorkerConfig {
     pub batch_size: usize,
     /// How long a batch waits for more after its first request.
     pub batch_linger: Duration,
+    /// Batches of claims (and of completions) running at once, each on its own
+    /// connection.
+    pub batches_in_flight: usize,
 }
 
 impl Default for WorkerConfig {
@@ -86,6 +89,7 @@ impl Default for WorkerConfig {
             gc_batch: 1000,
             batch_size: 128,
             batch_linger: Duration::from_millis(1),
+            batches_in_flight: 3,
         }
     }
 }
@@ -220,17 +224,27 @@ impl<H: Handler> Worker<H> {
         } = self;
         let claims = {
             let store = store.clone();
-            Batcher::spawn(config.batch_size, config.batch_linger, move |inputs| {
-                let store = store.clone();
-                async move { store.claim_many(&inputs).await }
-            })
+            Batcher::spawn(
+                config.batch_size,
+                config.batch_linger,
+                config.batches_in_flight,
+                move |inputs| {
+                    let store = store.clone();
+                    async move { store.claim_many(&inputs).await }
+                },
+            )
         };
         let completions = {
             let store = store.clone();
-            Batcher::spawn(config.batch_size, config.batch_linger, move |items| {
-                let store = store.clone();
-                async move { store.complete_many(&items).await }
-            })
+            Batcher::spawn(
+                config.batch_size,
+                config.batch_linger,
+                config.batches_in_flight,
+                move |items| {
+                    let store = store.clone();
+                    async move { store.complete_many(&items).await }
+                },
+            )
         };
         if let Some(every) = config.gc_every {
             tokio::spawn(collect_garbage(
@@ -416,6 +430,7 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
         attempt = field::Empty,
         redelivered = delivery.redelivered,
     );
+    let received = Instant::now();
     async {
         let outcome = match decide(shared, publish, &delivery).await {
             Ok(outcome) => outcome,
@@ -434,7 +449,8 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
             }
         };
         metrics::delivery(H::OPERATION, outcome.as_str());
-        info!(outcome = outcome.as_str(), "delivery decided");
+        let elapsed_ms = received.elapsed().as_secs_f64() * 1000.0;
+        info!(outcome = outcome.as_str(), elapsed_ms, "delivery decided");
     }
     .instrument(span)
     .await

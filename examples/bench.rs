@@ -1,0 +1,495 @@
+//! Throughput, side by side, on the same broker and database, in one run.
+//!
+//! Run with (release build; Postgres and RabbitMQ on this machine):
+//!
+//! ```sh
+//! cargo run --release --example bench -- --messages 20000 --runs 3
+//! ```
+//!
+//! For each run and variant it publishes `--messages` persistent messages to a fresh
+//! queue, then consumes them with prefetch `--prefetch` and measures from the first
+//! delivery to the last ack:
+//!
+//! 1. `raw`: a lapin consumer that only acks;
+//! 2. `handwritten`: one claim `INSERT` and one completion `UPDATE` per message (each its
+//!    own commit), 32 at a time, then the ack;
+//! 3. `idem_noop`: an idem worker with a handler that does nothing;
+//! 4. `idem_orders`: an idem worker with the orders handler (a provider-call insert and a
+//!    ledger row in the handler's transaction).
+//!
+//! It prints one line per variant and run, the medians, and a last line
+//! `idem_msgs_per_s=… raw_msgs_per_s=… ratio=…`, with p50/p99 of delivery-to-ack for idem
+//! and the peak RSS of this process while idem ran.
+
+#[allow(dead_code)]
+#[path = "orders_worker.rs"]
+mod orders_worker;
+
+#[allow(dead_code)]
+#[path = "support/outcomes.rs"]
+mod outcomes;
+
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use futures_util::StreamExt;
+use idem::{Context, Handler, HandlerError, RetryPolicy, Store, StoreConfig, Worker, WorkerConfig};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+use outcomes::Outcomes;
+use serde::Deserialize;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, PgPool};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "idem benchmark: raw consumer vs hand-written dedup vs idem")]
+struct Args {
+    /// Messages per variant and run.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Runs; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Prefetch of every consumer.
+    #[arg(long, default_value_t = 200)]
+    prefetch: u16,
+    /// idem's batch size (claims and completions per statement).
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// idem's batch linger in microseconds.
+    #[arg(long, default_value_t = 1000)]
+    linger_us: u64,
+    /// idem's batches in flight at once.
+    #[arg(long, default_value_t = 3)]
+    in_flight: usize,
+    /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "raw,handwritten,idem_noop,idem_orders"
+    )]
+    variants: Vec<String>,
+    /// Postgres server (the bench creates and drops its own database on it).
+    #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
+    amqp_url: String,
+}
+
+/// A handler that does nothing but succeed.
+struct NoOp;
+
+#[derive(Deserialize)]
+struct Event {
+    event_id: String,
+    tenant: String,
+}
+
+impl Handler for NoOp {
+    type Message = Event;
+    type Output = ();
+    const OPERATION: &'static str = "bench.noop";
+
+    fn scope(&self, e: &Event) -> String {
+        e.tenant.clone()
+    }
+
+    fn idempotency_key(&self, e: &Event) -> String {
+        e.event_id.clone()
+    }
+
+    fn volatile_fields(&self) -> &'static [&'static str] {
+        &["sent_at"]
+    }
+
+    async fn handle(&self, _: Event, _: &mut Context) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let outcomes = Outcomes::default();
+    tracing_subscriber::registry().with(outcomes.clone()).init();
+    match run(Args::parse(), outcomes).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("bench: error: {}", idem::error_line(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One measurement.
+#[derive(Debug, Clone, Copy, Default)]
+struct Measure {
+    msgs_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    peak_rss_mb: f64,
+}
+
+async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let server = PgConnectOptions::from_str(&args.database_url)?;
+    let database = format!("idem_bench_{id}");
+    let url = server
+        .clone()
+        .database(&database)
+        .to_url_lossy()
+        .to_string();
+    let pool = idem::db::connect_and_migrate(&url, 40)
+        .await
+        .context("prepare the bench database")?;
+    orders_worker::create_example_tables(&pool).await?;
+    let connection = idem::topology::connect(&args.amqp_url, "idem-bench")
+        .await
+        .context("connect to RabbitMQ")?;
+    println!(
+        "bench: {} persistent messages per variant, prefetch {}, {} runs, batch {} linger {} us, {} cores",
+        args.messages,
+        args.prefetch,
+        args.runs,
+        args.batch_size,
+        args.linger_us,
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    );
+    let mut results: Vec<(String, Vec<Measure>)> = args
+        .variants
+        .iter()
+        .map(|v| (v.clone(), Vec::new()))
+        .collect();
+    for run in 0..args.runs {
+        for (variant, measures) in &mut results {
+            let queue = format!("bench.{id}.{run}.{variant}");
+            let m = match variant.as_str() {
+                "raw" => raw(&connection, &args, &queue, run).await?,
+                "handwritten" => handwritten(&connection, &pool, &args, &queue, run).await?,
+                "idem_noop" => {
+                    idem_variant(&args, &pool, &connection, &queue, run, &outcomes, NoOp).await?
+                }
+                "idem_orders" => {
+                    let orders = orders_worker::Orders::default();
+                    idem_variant(&args, &pool, &connection, &queue, run, &outcomes, orders).await?
+                }
+                other => bail!("unknown variant {other}"),
+            };
+            println!(
+                "run {} {:<12} {:>9.0} msgs/s{}",
+                run + 1,
+                variant,
+                m.msgs_per_s,
+                if variant.starts_with("idem") {
+                    format!(
+                        "  delivery->ack p50 {:.1} ms p99 {:.1} ms  peak rss {:.0} MiB",
+                        m.p50_ms, m.p99_ms, m.peak_rss_mb
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            measures.push(m);
+            delete_queues(&connection, &queue).await;
+        }
+    }
+    let median = |name: &str| -> Option<Measure> {
+        let (_, ms) = results.iter().find(|(v, _)| v == name)?;
+        let mut ms = ms.clone();
+        ms.sort_by(|a, b| a.msgs_per_s.total_cmp(&b.msgs_per_s));
+        ms.get(ms.len() / 2).copied()
+    };
+    println!("medians of {} runs:", args.runs);
+    for (variant, _) in &results {
+        if let Some(m) = median(variant) {
+            println!("  {variant:<12} {:>9.0} msgs/s", m.msgs_per_s);
+        }
+    }
+    if let (Some(idem), Some(raw)) = (median("idem_noop"), median("raw")) {
+        let hand = median("handwritten").map(|h| h.msgs_per_s).unwrap_or(0.0);
+        println!(
+            "idem_msgs_per_s={:.0} raw_msgs_per_s={:.0} ratio={:.2} handwritten_msgs_per_s={:.0} vs_handwritten={:.1} idem_p50_ms={:.1} idem_p99_ms={:.1} idem_peak_rss_mib={:.0}",
+            idem.msgs_per_s,
+            raw.msgs_per_s,
+            idem.msgs_per_s / raw.msgs_per_s,
+            hand,
+            if hand > 0.0 {
+                idem.msgs_per_s / hand
+            } else {
+                0.0
+            },
+            idem.p50_ms,
+            idem.p99_ms,
+            idem.peak_rss_mb
+        );
+    }
+    let _ = connection.close(200, "done".into()).await;
+    pool.close().await;
+    let mut admin = server.database("postgres").connect().await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await?;
+    Ok(())
+}
+
+/// Publishes `n` orders to `queue` (declared classic and durable), confirms pipelined.
+async fn publish(connection: &Connection, queue: &str, n: usize, run: usize) -> anyhow::Result<()> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let topology = idem::Topology {
+        queue: queue.to_owned(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: vec![Duration::from_secs(5)],
+    };
+    topology.declare(&channel).await?;
+    let mut pending = Vec::with_capacity(1000);
+    for i in 0..n {
+        let body = orders_worker_body(&format!("{queue}-{run}-{i}"), i);
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                &body,
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(format!("m-{i}").as_str().into()),
+            )
+            .await?;
+        pending.push(confirm);
+        if pending.len() == 1000 {
+            for confirm in pending.drain(..) {
+                anyhow::ensure!(confirm.await?.is_ack(), "publish not confirmed");
+            }
+        }
+    }
+    for confirm in pending {
+        anyhow::ensure!(confirm.await?.is_ack(), "publish not confirmed");
+    }
+    let _ = channel.close(200, "published".into()).await;
+    Ok(())
+}
+
+fn orders_worker_body(event_id: &str, i: usize) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "event_id": event_id,
+        "tenant": if i.is_multiple_of(2) { "acme" } else { "globex" },
+        "order_id": i,
+        "amount_cents": 100 + i as i64,
+        "sent_at": "2026-11-30T00:00:00Z",
+    }))
+    .unwrap_or_default()
+}
+
+async fn consumer(
+    connection: &Connection,
+    queue: &str,
+    prefetch: u16,
+) -> anyhow::Result<(Channel, lapin::Consumer)> {
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((channel, consumer))
+}
+
+async fn raw(
+    connection: &Connection,
+    args: &Args,
+    queue: &str,
+    run: usize,
+) -> anyhow::Result<Measure> {
+    publish(connection, queue, args.messages, run).await?;
+    let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
+    let mut started = None;
+    // Acks are sent without waiting for each to be written, as a consumer that only
+    // acks would; the clock stops when the last one is written.
+    let mut acks = tokio::task::JoinSet::new();
+    for _ in 0..args.messages {
+        let Some(delivery) = consumer.next().await else {
+            bail!("consumer ended")
+        };
+        let delivery = delivery?;
+        started.get_or_insert_with(Instant::now);
+        acks.spawn(async move { delivery.ack(BasicAckOptions::default()).await });
+    }
+    while let Some(ack) = acks.join_next().await {
+        ack??;
+    }
+    let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    let _ = channel.close(200, "done".into()).await;
+    Ok(Measure {
+        msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
+        ..Measure::default()
+    })
+}
+
+async fn handwritten(
+    connection: &Connection,
+    pool: &PgPool,
+    args: &Args,
+    queue: &str,
+    run: usize,
+) -> anyhow::Result<Measure> {
+    publish(connection, queue, args.messages, run).await?;
+    let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
+    let slots = Arc::new(Semaphore::new(32));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut started = None;
+    for _ in 0..args.messages {
+        let Some(delivery) = consumer.next().await else {
+            bail!("consumer ended")
+        };
+        let delivery = delivery?;
+        started.get_or_insert_with(Instant::now);
+        let permit = slots.clone().acquire_owned().await?;
+        let (pool, done) = (pool.clone(), done.clone());
+        tokio::spawn(async move {
+            let body: serde_json::Value =
+                serde_json::from_slice(&delivery.data).unwrap_or_default();
+            let key = body["event_id"].as_str().unwrap_or_default().to_owned();
+            let claimed: Option<i64> = sqlx::query_scalar(
+                "INSERT INTO processed_operations
+                   (scope, operation, idempotency_key, payload_sha256, status, lease_token, lease_expires_at)
+                 VALUES ('bench', 'handwritten', $1, repeat('0', 64), 'processing',
+                         nextval('processed_operations_lease_token_seq'), now() + interval '30 seconds')
+                 ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING RETURNING id",
+            )
+            .bind(&key)
+            .fetch_optional(&pool)
+            .await
+            .unwrap_or(None);
+            if let Some(id) = claimed {
+                let _ = sqlx::query(
+                    "UPDATE processed_operations SET status = 'completed', completed_at = now() WHERE id = $1",
+                )
+                .bind(id)
+                .execute(&pool)
+                .await;
+            }
+            let _ = delivery.ack(BasicAckOptions::default()).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            drop(permit);
+        });
+    }
+    while done.load(Ordering::SeqCst) < args.messages as u64 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    let _ = channel.close(200, "done".into()).await;
+    Ok(Measure {
+        msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
+        ..Measure::default()
+    })
+}
+
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+async fn idem_variant<H: Handler>(
+    args: &Args,
+    pool: &PgPool,
+    connection: &Connection,
+    queue: &str,
+    run: usize,
+    outcomes: &Outcomes,
+    handler: H,
+) -> anyhow::Result<Measure> {
+    publish(connection, queue, args.messages, run).await?;
+    outcomes.reset();
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let config = WorkerConfig {
+        amqp_url: args.amqp_url.clone(),
+        queue: queue.to_owned(),
+        concurrency: usize::from(args.prefetch),
+        prefetch: args.prefetch,
+        retry: RetryPolicy {
+            delays: vec![Duration::from_secs(5)],
+            ..RetryPolicy::default()
+        },
+        batch_size: args.batch_size,
+        batch_linger: Duration::from_micros(args.linger_us),
+        batches_in_flight: args.in_flight,
+        name: format!("idem-bench-{queue}"),
+        ..WorkerConfig::default()
+    };
+    let shutdown = CancellationToken::new();
+    let worker = tokio::spawn(Worker::new(handler, store, config).run(shutdown.clone()));
+    // The clock starts when the first delivery is decided (connecting is not counted,
+    // as for the other variants), then runs until all are.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while outcomes.total() == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "idem never started");
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let started = Instant::now();
+    let mut peak = 0.0f64;
+    while outcomes.total() < args.messages {
+        anyhow::ensure!(Instant::now() < deadline, "idem did not finish");
+        peak = peak.max(rss_mb());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = started.elapsed();
+    let executed = outcomes.get("executed");
+    shutdown.cancel();
+    worker.await??;
+    anyhow::ensure!(
+        executed == args.messages,
+        "only {executed} of {} executed",
+        args.messages
+    );
+    Ok(Measure {
+        msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
+        p50_ms: outcomes.elapsed_quantile(0.5),
+        p99_ms: outcomes.elapsed_quantile(0.99),
+        peak_rss_mb: peak.max(rss_mb()),
+    })
+}
+
+async fn delete_queues(connection: &Connection, queue: &str) {
+    let Ok(channel) = connection.create_channel().await else {
+        return;
+    };
+    for suffix in ["", ".dlq", ".retry.5s"] {
+        let name = format!("{queue}{suffix}");
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = channel.close(200, "cleanup".into()).await;
+}
