@@ -7,6 +7,7 @@
 //! effect again. The contract is `DESIGN.md`.
 #![warn(missing_docs)]
 
+mod acks;
 mod batch;
 pub mod db;
 pub mod dead_letter;

@@ -15,8 +15,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
@@ -26,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
+use crate::acks::Acks;
 use crate::batch::Batcher;
 use crate::dead_letter::{self, DeadLetter, Reason};
 use crate::failpoint;
@@ -358,6 +358,7 @@ impl<H: Handler> Session<H> {
             )
             .await
             .map_err(not_connected)?;
+        let acks = Acks::spawn(consume.clone(), config.batch_linger);
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
         self.broker.set(true);
 
@@ -379,10 +380,11 @@ impl<H: Handler> Session<H> {
             };
             match next {
                 Some(Ok(delivery)) => {
+                    acks.delivered(delivery.delivery_tag);
                     let shared = self.shared.clone();
-                    let publish = publish.clone();
+                    let (publish, acks) = (publish.clone(), acks.clone());
                     tasks.spawn(async move {
-                        process(&shared, &publish, delivery).await;
+                        process(&shared, &publish, &acks, delivery).await;
                         drop(permit);
                     });
                 }
@@ -405,6 +407,7 @@ impl<H: Handler> Session<H> {
                 "shutdown timeout: closing with handlers still running; their messages will be redelivered"
             );
         }
+        acks.flush().await;
         // Deliveries prefetched but never started are requeued by the broker on close.
         let _ = consume.close(200, "shutdown".into()).await;
         let _ = publish.close(200, "shutdown".into()).await;
@@ -420,7 +423,12 @@ struct SessionError {
 }
 
 /// Decides one delivery inside its span, and requeues it if the store or broker failed.
-async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: Delivery) {
+async fn process<H: Handler>(
+    shared: &Shared<H>,
+    publish: &Channel,
+    acks: &Acks,
+    delivery: Delivery,
+) {
     let span = info_span!(
         "delivery",
         queue = %shared.config.queue,
@@ -432,19 +440,13 @@ async fn process<H: Handler>(shared: &Shared<H>, publish: &Channel, delivery: De
     );
     let received = Instant::now();
     async {
-        let outcome = match decide(shared, publish, &delivery).await {
+        let outcome = match decide(shared, publish, acks, &delivery).await {
             Ok(outcome) => outcome,
             Err(error) => {
                 error!(error = %error, "delivery not decided; requeueing it");
                 // Wait a moment so an outage does not turn into a hot redelivery loop.
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let requeue = BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                };
-                if let Err(error) = delivery.nack(requeue).await {
-                    debug!(error = %error, "nack failed; the broker redelivers on reconnect");
-                }
+                acks.nack(delivery.delivery_tag, true);
                 Outcome::Requeued
             }
         };
@@ -492,9 +494,11 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
 async fn decide<H: Handler>(
     shared: &Shared<H>,
     publish: &Channel,
+    acks: &Acks,
     delivery: &Delivery,
 ) -> Result<Outcome, WorkerError> {
     let broker = Broker {
+        acks,
         operation: H::OPERATION,
         store: &shared.store,
         channel: publish,
@@ -925,6 +929,7 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 /// Broker actions on one delivery: every publish is confirmed before the ack.
 struct Broker<'a> {
+    acks: &'a Acks,
     operation: &'static str,
     store: &'a Store,
     channel: &'a Channel,
@@ -934,9 +939,10 @@ struct Broker<'a> {
 }
 
 impl Broker<'_> {
+    /// Acks the delivery (coalesced with its neighbours). If the channel is gone by
+    /// then, the broker redelivers and the store decides again.
     async fn ack(&self) -> Result<(), WorkerError> {
-        // Ok(false) means the channel is gone: the broker redelivers, the store decides.
-        self.delivery.ack(BasicAckOptions::default()).await?;
+        self.acks.ack(self.delivery.delivery_tag);
         Ok(())
     }
 
@@ -1013,12 +1019,7 @@ impl Broker<'_> {
             }
             None => {
                 tokio::time::sleep(self.retry.max_backoff).await;
-                self.delivery
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        multiple: false,
-                    })
-                    .await?;
+                self.acks.nack(self.delivery.delivery_tag, true);
                 Ok(())
             }
         }
