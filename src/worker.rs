@@ -7,6 +7,7 @@
 //! whenever it drops; deliveries in flight at that moment come back as redeliveries and
 //! are decided by the store again.
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -689,6 +690,50 @@ enum Run {
     Pending,
 }
 
+/// The message (as parsed, or parsed again for a second run) and a fresh context for a
+/// run under `lease`.
+fn prepare<H: Handler>(
+    shared: &Shared<H>,
+    parsed: &Parsed,
+    message: Option<H::Message>,
+    lease: &Lease,
+) -> Result<(H::Message, Context), WorkerError> {
+    let message = match message {
+        Some(message) => message,
+        None => rebuild::<H>(&parsed.value)?,
+    };
+    let ctx = Context::new(
+        parsed.key.clone(),
+        lease.attempt,
+        lease.takeover,
+        shared.store.pool().clone(),
+    );
+    Ok((message, ctx))
+}
+
+/// Awaits a call into the handler while heartbeats keep `lease` alive; a panic counts
+/// as a transient failure (the message is retried, never lost, the worker lives on).
+///
+/// The heartbeat runs in the same task as the call, so a short handler costs a timer,
+/// not a task. A handler that blocks its thread stops its heartbeats too: it becomes a
+/// zombie whose outcome the fencing token refuses, as if its process had stalled.
+async fn guarded<T>(
+    store: &Store,
+    lease: &Lease,
+    call: impl Future<Output = Result<T, HandlerError>>,
+) -> Result<T, HandlerError> {
+    let call = AssertUnwindSafe(call).catch_unwind();
+    let beat = heartbeat(store, lease);
+    tokio::pin!(call, beat);
+    tokio::select! {
+        biased;
+        done = &mut call => {
+            done.unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
+        }
+        never = &mut beat => match never {},
+    }
+}
+
 /// Runs the handler under `lease` with a heartbeat, and records its outcome.
 async fn run<H: Handler>(
     shared: &Shared<H>,
@@ -696,27 +741,17 @@ async fn run<H: Handler>(
     message: Option<H::Message>,
     lease: &Lease,
 ) -> Result<Run, WorkerError> {
-    let message = match message {
-        Some(message) => message,
-        None => rebuild::<H>(&parsed.value)?,
-    };
-    let mut ctx = Context::new(
-        parsed.key.clone(),
-        lease.attempt,
-        lease.takeover,
-        shared.store.pool().clone(),
-    );
+    let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
     if lease.takeover {
         metrics::delivery(H::OPERATION, "takeover");
     }
     let started = Instant::now();
-    let result = {
-        let _heartbeat = heartbeat(&shared.store, lease);
-        AssertUnwindSafe(shared.handler.handle(message, &mut ctx))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
-    };
+    let result = guarded(
+        &shared.store,
+        lease,
+        shared.handler.handle(message, &mut ctx),
+    )
+    .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
     record(shared, &mut ctx, lease, result, false).await
@@ -730,23 +765,9 @@ async fn reconcile<H: Handler>(
     lease: &Lease,
     external_ref: Option<&str>,
 ) -> Result<Run, WorkerError> {
-    let message = match message {
-        Some(message) => message,
-        None => rebuild::<H>(&parsed.value)?,
-    };
-    let mut ctx = Context::new(
-        parsed.key.clone(),
-        lease.attempt,
-        lease.takeover,
-        shared.store.pool().clone(),
-    );
-    let answer = {
-        let _heartbeat = heartbeat(&shared.store, lease);
-        AssertUnwindSafe(shared.handler.reconcile(&message, external_ref, &mut ctx))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
-    };
+    let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
+    let reconciling = shared.handler.reconcile(&message, external_ref, &mut ctx);
+    let answer = guarded(&shared.store, lease, reconciling).await;
     match answer {
         Ok(Reconciliation::Applied(output)) => {
             record(shared, &mut ctx, lease, Ok(output), true).await
@@ -891,31 +912,23 @@ async fn collect_garbage(store: Store, every: Duration, batch: i64, shutdown: Ca
     }
 }
 
-/// Extends `lease` every third of the lease time until dropped.
-fn heartbeat(store: &Store, lease: &Lease) -> tokio_util::sync::DropGuard {
-    let stop = CancellationToken::new();
-    let (store, lease, token) = (store.clone(), lease.clone(), stop.clone());
+/// Extends `lease` every third of the lease time, forever; after the lease is lost it
+/// only waits (the outcome write will be refused).
+async fn heartbeat(store: &Store, lease: &Lease) -> std::convert::Infallible {
     let every = store.config().lease / 3;
-    tokio::spawn(
-        async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(every) => {}
-                    _ = token.cancelled() => return,
-                }
-                match store.heartbeat(&lease).await {
-                    Ok(_) => {}
-                    Err(StoreError::LeaseLost { .. }) => {
-                        warn!("heartbeat: lease lost to another worker; this run's outcome will be refused");
-                        return;
-                    }
-                    Err(error) => warn!(error = %error, "heartbeat failed; retrying"),
-                }
+    loop {
+        tokio::time::sleep(every).await;
+        match store.heartbeat(lease).await {
+            Ok(_) => {}
+            Err(StoreError::LeaseLost { .. }) => {
+                warn!(
+                    "heartbeat: lease lost to another worker; this run's outcome will be refused"
+                );
+                return std::future::pending().await;
             }
+            Err(error) => warn!(error = %error, "heartbeat failed; retrying"),
         }
-        .in_current_span(),
-    );
-    stop.drop_guard()
+    }
 }
 
 fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {

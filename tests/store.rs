@@ -538,64 +538,6 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
     ));
 }
 
-/// Counts the statements sqlx sends (its `sqlx::query` log events) while `f` runs.
-mod round_trips {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use tracing::Subscriber;
-    use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
-
-    pub struct Counter(pub Arc<AtomicUsize>);
-
-    impl<S: Subscriber> Layer<S> for Counter {
-        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-            if event.metadata().target() == "sqlx::query" {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    }
-
-    pub fn subscriber(count: Arc<AtomicUsize>) -> impl Subscriber + Send + Sync {
-        tracing_subscriber::registry()
-            .with(tracing_subscriber::filter::LevelFilter::TRACE)
-            .with(Counter(count))
-    }
-
-    pub fn take(count: &AtomicUsize) -> usize {
-        count.swap(0, Ordering::SeqCst)
-    }
-}
-
-#[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn claim_and_completion_are_one_statement_each(pool: PgPool) {
-    use std::sync::atomic::AtomicUsize;
-    let count = Arc::new(AtomicUsize::new(0));
-    let _guard = tracing::subscriber::set_default(round_trips::subscriber(count.clone()));
-    let store = store(&pool, Duration::from_secs(30));
-    // Warm the pool so connection set-up statements are not counted.
-    sqlx::query("SELECT 1").execute(&pool).await.unwrap();
-    round_trips::take(&count);
-
-    let k = key("evt-rt");
-    let payload = json!({"event_id": "evt-rt"});
-    let lease = claimed(&store, &k, &payload).await;
-    take_and_assert(&count, 1, "new claim");
-    store.complete(&lease, &json!("ok")).await.unwrap();
-    take_and_assert(&count, 1, "completion");
-    let _ = store.claim(&k, &fp(&payload), &origin()).await.unwrap();
-    take_and_assert(&count, 1, "duplicate claim");
-    let k2 = key("evt-rt2");
-    let lease = claimed(&store, &k2, &payload).await;
-    take_and_assert(&count, 1, "second claim");
-    store.heartbeat(&lease).await.unwrap();
-    take_and_assert(&count, 1, "heartbeat");
-}
-
-fn take_and_assert(count: &std::sync::atomic::AtomicUsize, n: usize, what: &str) {
-    assert_eq!(round_trips::take(count), n, "{what}");
-}
-
 fn input(k: &Key, payload: &Value) -> idem::store::ClaimInput {
     idem::store::ClaimInput {
         key: k.clone(),
