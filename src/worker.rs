@@ -67,7 +67,8 @@ pub struct WorkerConfig {
     /// Most claims (and most completions) written in one statement. Deliveries that
     /// arrive together share a statement and a commit; 1 turns batching off.
     pub batch_size: usize,
-    /// How long a batch waits for more after its first request.
+    /// How long a batch waits for more after its first request, and how long decided
+    /// acks are held to go out together.
     pub batch_linger: Duration,
     /// Batches of claims (and of completions) running at once, each on its own
     /// connection.
@@ -270,11 +271,16 @@ impl<H: Handler> Worker<H> {
         let tasks = TaskTracker::new();
         let permits = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
         let mut backoff = session.reconnect_backoff();
+        // Whether a session already waited for the handlers in flight on shutdown.
+        let mut drained = false;
         while !shutdown.is_cancelled() {
             let result = session.run(&shutdown, &tasks, &permits).await;
             session.broker.set(false);
             match result {
-                Ok(()) => break,
+                Ok(()) => {
+                    drained = true;
+                    break;
+                }
                 Err(SessionError { connected, error }) => {
                     if connected {
                         backoff = session.reconnect_backoff();
@@ -289,10 +295,12 @@ impl<H: Handler> Worker<H> {
             }
         }
         tasks.close();
-        // Handlers from a dropped connection may still be running; let them finish.
-        if tokio::time::timeout(shared.config.shutdown_timeout, tasks.wait())
-            .await
-            .is_err()
+        // Stopped while reconnecting: handlers from the dropped connection may still be
+        // running; let them finish (their acks go nowhere, their outcomes count).
+        if !drained
+            && tokio::time::timeout(shared.config.shutdown_timeout, tasks.wait())
+                .await
+                .is_err()
         {
             warn!(
                 running = tasks.len(),
