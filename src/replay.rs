@@ -64,7 +64,8 @@ pub struct DlqMessage {
 }
 
 impl DlqMessage {
-    fn new(delivery: Delivery) -> Self {
+    /// Reads a dead letter's `idem-*` headers.
+    pub fn new(delivery: Delivery) -> Self {
         let p = &delivery.properties;
         let text = |name| dead_letter::header_str(p, name);
         Self {

@@ -81,6 +81,20 @@ async fn wait_all_booked(pool: &PgPool, n: usize) {
     .await;
 }
 
+/// Waits until the `n` orders are booked, sends a sentinel order behind them and waits
+/// for it too, then checks one ledger row per order and an empty DLQ.
+async fn assert_settled_once_each(pool: &PgPool, q: &TestQueue, n: usize) {
+    wait_all_booked(pool, n).await;
+    q.publish(&order("sentinel", "globex", 1)).await;
+    wait_all_booked(pool, n + 1).await;
+    wait_until(SETTLE, "the queue drained", || async {
+        q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    assert_once_each(&ledger(pool).await, n + 1);
+    assert_eq!(q.counts(&q.dlq()).await.0, 0, "DLQ empty");
+}
+
 fn assert_once_each(ledger: &std::collections::BTreeMap<String, i64>, n: usize) {
     assert_eq!(ledger.len(), n, "none lost");
     assert!(
@@ -135,10 +149,7 @@ async fn outage_drill_replay_books_each_order_once(
     assert_eq!(code, 0);
     let again: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(again["replayed"], 0);
-    q.publish(&order("sentinel", "globex", 1)).await;
-    wait_all_booked(&pool, N + 1).await;
-    assert_once_each(&ledger(&pool).await, N + 1);
-    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    assert_settled_once_each(&pool, &q, N).await;
     let replays: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM processed_operations WHERE scope = 'acme' AND replay_count >= 1
            AND status = 'completed' AND dead_lettered_at IS NULL",
@@ -186,15 +197,7 @@ async fn two_replays_at_once_run_each_effect_once(
         total, dead as u64,
         "each dead letter handled by exactly one replay"
     );
-    wait_all_booked(&pool, N).await;
-    q.publish(&order("sentinel", "globex", 1)).await;
-    wait_all_booked(&pool, N + 1).await;
-    wait_until(SETTLE, "the queue drained", || async {
-        q.counts(&q.name).await.0 == 0
-    })
-    .await;
-    assert_once_each(&ledger(&pool).await, N + 1);
-    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    assert_settled_once_each(&pool, &q, N).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -242,15 +245,7 @@ async fn a_replay_killed_midway_loses_and_doubles_nothing(
 
     let (code, _) = idem(&url, &["dlq", "replay", "--queue", &q.name]).await;
     assert_eq!(code, 0);
-    wait_all_booked(&pool, N).await;
-    q.publish(&order("sentinel", "globex", 1)).await;
-    wait_all_booked(&pool, N + 1).await;
-    assert_once_each(&ledger(&pool).await, N + 1);
-    assert_eq!(
-        q.counts(&q.dlq()).await.0,
-        0,
-        "nothing lost in the DLQ either"
-    );
+    assert_settled_once_each(&pool, &q, N).await;
     println!("replay killed with {left} of {dead} dead letters left; rerun finished them");
 }
 

@@ -108,7 +108,7 @@ async fn same_event_with_another_amount_is_dead_lettered_as_conflict(
     assert_eq!(dead[0].original_queue.as_deref(), Some(q.name.as_str()));
     assert_eq!(dead[0].key.as_deref(), Some("evt-c"));
     assert!(dead[0].failed_at.is_some());
-    assert_eq!(dead[0].body, changed, "original body kept");
+    assert_eq!(dead[0].delivery.data, changed, "original body kept");
     let amounts: Vec<i64> = sqlx::query_scalar("SELECT amount_cents FROM example_ledger")
         .fetch_all(&pool)
         .await
@@ -169,7 +169,7 @@ async fn malformed_messages_are_dead_lettered_and_the_worker_goes_on(
         assert!(d.error.as_deref().is_some_and(|e| !e.is_empty()));
         assert_eq!(d.attempts, Some(0));
     }
-    let mut bodies: Vec<_> = dead.iter().map(|d| d.body.clone()).collect();
+    let mut bodies: Vec<_> = dead.iter().map(|d| d.delivery.data.clone()).collect();
     let mut sent: Vec<_> = kinds.iter().map(|(_, b)| b.clone()).collect();
     bodies.sort();
     sent.sort();

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use idem::dead_letter;
+use idem::replay::DlqMessage;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions,
 };
@@ -138,8 +138,8 @@ impl TestQueue {
         }
     }
 
-    /// Takes every message out of `queue`: (headers as strings, body).
-    pub async fn drain(&self, queue: &str) -> Vec<DeadLetter> {
+    /// Takes every message out of `queue`, with what its `idem-*` headers say.
+    pub async fn drain(&self, queue: &str) -> Vec<DlqMessage> {
         let mut out = Vec::new();
         while let Some(message) = self
             .channel
@@ -147,25 +147,12 @@ impl TestQueue {
             .await
             .unwrap()
         {
-            let delivery = message.delivery;
-            out.push(DeadLetter {
-                reason: dead_letter::header_str(&delivery.properties, dead_letter::REASON),
-                error: dead_letter::header_str(&delivery.properties, dead_letter::ERROR),
-                key: dead_letter::header_str(&delivery.properties, dead_letter::KEY),
-                attempts: dead_letter::header_i64(&delivery.properties, dead_letter::ATTEMPTS),
-                original_queue: dead_letter::header_str(
-                    &delivery.properties,
-                    dead_letter::ORIGINAL_QUEUE,
-                ),
-                failed_at: dead_letter::header_str(&delivery.properties, dead_letter::FAILED_AT),
-                message_id: delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.to_string()),
-                body: delivery.data.clone(),
-            });
-            delivery.ack(BasicAckOptions::default()).await.unwrap();
+            message
+                .delivery
+                .ack(BasicAckOptions::default())
+                .await
+                .unwrap();
+            out.push(DlqMessage::new(message.delivery));
         }
         out
     }
@@ -214,19 +201,6 @@ impl Drop for TestQueue {
         })
         .join();
     }
-}
-
-/// A dead letter as read back from a DLQ.
-#[derive(Debug, Clone)]
-pub struct DeadLetter {
-    pub reason: Option<String>,
-    pub error: Option<String>,
-    pub key: Option<String>,
-    pub attempts: Option<i64>,
-    pub original_queue: Option<String>,
-    pub failed_at: Option<String>,
-    pub message_id: Option<String>,
-    pub body: Vec<u8>,
 }
 
 /// An order body with its keys in the given order and a fresh `sent_at`.
