@@ -447,13 +447,13 @@ impl Store {
         }
         let mut distinct: Vec<usize> = first.values().copied().collect();
         distinct.sort_unstable();
-        let column = |f: &dyn Fn(&ClaimInput) -> Option<String>| -> Vec<Option<String>> {
+        let column = |f: &dyn Fn(&ClaimInput) -> Option<&str>| -> Vec<Option<&str>> {
             distinct.iter().map(|&i| f(&inputs[i])).collect()
         };
-        let scopes = column(&|c| Some(c.key.scope().to_owned()));
-        let operations = column(&|c| Some(c.key.operation().to_owned()));
-        let keys = column(&|c| Some(c.key.idempotency_key().to_owned()));
-        let fingerprints = column(&|c| Some(c.fingerprint.as_hex().to_owned()));
+        let scopes = column(&|c| Some(c.key.scope()));
+        let operations = column(&|c| Some(c.key.operation()));
+        let keys = column(&|c| Some(c.key.idempotency_key()));
+        let fingerprints = column(&|c| Some(c.fingerprint.as_hex()));
         let started = Instant::now();
         let inserted: Vec<(i64, String, String, String, i64, DateTime<Utc>)> =
             sqlx::query_as(CLAIM_NEW_SQL)
@@ -463,8 +463,8 @@ impl Store {
                 .bind(&fingerprints)
                 .bind(millis(self.config.lease))
                 .bind(&self.config.owner)
-                .bind(column(&|c| c.message_id.clone()))
-                .bind(column(&|c| c.correlation_id.clone()))
+                .bind(column(&|c| c.message_id.as_deref()))
+                .bind(column(&|c| c.correlation_id.as_deref()))
                 .fetch_all(&self.pool)
                 .await?;
         metrics::store_round_trip("claim_many", started);
@@ -485,7 +485,7 @@ impl Store {
             .filter(|&i| results[i].is_none())
             .collect();
         if !existing.is_empty() {
-            let pick = |f: &dyn Fn(&ClaimInput) -> String| -> Vec<String> {
+            let pick = |f: &dyn Fn(&ClaimInput) -> &str| -> Vec<&str> {
                 existing.iter().map(|&i| f(&inputs[i])).collect()
             };
             let started = Instant::now();
@@ -493,10 +493,10 @@ impl Store {
             // while the table was small would seq-scan it forever after.
             let rows: Vec<BatchClaimRow> = sqlx::query_as(CLAIM_EXISTING_SQL.as_str())
                 .persistent(false)
-                .bind(pick(&|c| c.key.scope().to_owned()))
-                .bind(pick(&|c| c.key.operation().to_owned()))
-                .bind(pick(&|c| c.key.idempotency_key().to_owned()))
-                .bind(pick(&|c| c.fingerprint.as_hex().to_owned()))
+                .bind(pick(&|c| c.key.scope()))
+                .bind(pick(&|c| c.key.operation()))
+                .bind(pick(&|c| c.key.idempotency_key()))
+                .bind(pick(&|c| c.fingerprint.as_hex()))
                 .bind(millis(self.config.lease))
                 .bind(&self.config.owner)
                 .fetch_all(&self.pool)

@@ -20,6 +20,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -481,7 +482,7 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
     if !value.is_object() {
         return Err("body is not a JSON object".into());
     }
-    let message: H::Message = serde_json::from_value(value.clone())
+    let message = H::Message::deserialize(&value)
         .map_err(|e| format!("body does not fit the message: {e}"))?;
     let key = Key::new(
         handler.scope(&message),
@@ -670,7 +671,7 @@ async fn decide<H: Handler>(
 
 /// The message again, for a second run (the handler consumed the first).
 fn rebuild<H: Handler>(value: &Value) -> Result<H::Message, WorkerError> {
-    serde_json::from_value(value.clone()).map_err(|e| {
+    H::Message::deserialize(value).map_err(|e| {
         WorkerError::Store(StoreError::Unexpected(format!(
             "message no longer parses: {e}"
         )))
