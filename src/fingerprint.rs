@@ -3,7 +3,8 @@
 //! Same key with the same fingerprint is a redelivery; same key with another
 //! fingerprint is a conflict (a changed payload is a new intent and needs a new key).
 
-use std::fmt::{self, Write as _};
+use std::fmt;
+use std::io::{self, Write};
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -20,15 +21,17 @@ impl Fingerprint {
     /// ignored. Object keys are sorted at every depth and no whitespace is written, so
     /// producers that reorder keys or pretty-print produce the same fingerprint.
     pub fn of(payload: &Value, volatile: &[&str]) -> Self {
+        // The canonical form streams straight into the hash: no copy of the payload as
+        // text. Writing to a hasher cannot fail.
         let mut digest = Sha256::new();
         if volatile.is_empty() {
-            digest.update(canonical_json(payload));
+            let _ = write_canonical(payload, &mut digest);
         } else {
             let mut stripped = payload.clone();
             for path in volatile {
                 remove_path(&mut stripped, path);
             }
-            digest.update(canonical_json(&stripped));
+            let _ = write_canonical(&stripped, &mut digest);
         }
         Self(hex::encode(digest.finalize()))
     }
@@ -56,49 +59,48 @@ impl fmt::Display for Fingerprint {
 /// Sorting is done here rather than relied on from `serde_json::Map`, whose order
 /// depends on whether any crate in the build enables `preserve_order`.
 pub fn canonical_json(value: &Value) -> String {
-    let mut out = String::new();
-    write_canonical(value, &mut out);
-    out
+    let mut out = Vec::new();
+    // Writing to a Vec cannot fail, and the output is UTF-8 (JSON text from `&str`s).
+    let _ = write_canonical(value, &mut out);
+    String::from_utf8_lossy(&out).into_owned()
 }
 
-fn write_canonical(value: &Value, out: &mut String) {
+fn write_canonical<W: Write>(value: &Value, out: &mut W) -> io::Result<()> {
     match value {
-        Value::Null => out.push_str("null"),
-        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => {
-            let _ = write!(out, "{n}");
-        }
+        Value::Null => out.write_all(b"null"),
+        Value::Bool(b) => out.write_all(if *b { b"true" } else { b"false" }),
+        Value::Number(n) => write!(out, "{n}"),
         Value::String(s) => write_string(s, out),
         Value::Array(items) => {
-            out.push('[');
+            out.write_all(b"[")?;
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.write_all(b",")?;
                 }
-                write_canonical(item, out);
+                write_canonical(item, out)?;
             }
-            out.push(']');
+            out.write_all(b"]")
         }
         Value::Object(map) => {
             let mut entries: Vec<_> = map.iter().collect();
             entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push('{');
+            out.write_all(b"{")?;
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.write_all(b",")?;
                 }
-                write_string(k, out);
-                out.push(':');
-                write_canonical(v, out);
+                write_string(k, out)?;
+                out.write_all(b":")?;
+                write_canonical(v, out)?;
             }
-            out.push('}');
+            out.write_all(b"}")
         }
     }
 }
 
-fn write_string(s: &str, out: &mut String) {
-    // serde_json's string escaping cannot fail for a &str.
-    out.push_str(&Value::String(s.to_owned()).to_string());
+/// A JSON string, escaped exactly as serde_json writes it.
+fn write_string<W: Write>(s: &str, out: &mut W) -> io::Result<()> {
+    serde_json::to_writer(out, s).map_err(io::Error::other)
 }
 
 fn remove_path(value: &mut Value, path: &str) {
@@ -204,6 +206,16 @@ mod tests {
         let v = json!({"b": 2, "a": 1});
         let expected = hex::encode(Sha256::digest(br#"{"a":1,"b":2}"#));
         assert_eq!(Fingerprint::of(&v, &[]).as_hex(), expected);
+        // Streamed into the hash, the canonical form is the same as written out; and a
+        // stored digest of this payload stays what it was before streaming.
+        let v = json!({"z": ["a\"b\n", 1.5, null, true], "é": {"y": "привіт", "x": -3}});
+        let expected = hex::encode(Sha256::digest(canonical_json(&v).as_bytes()));
+        assert_eq!(Fingerprint::of(&v, &[]).as_hex(), expected);
+        // (Computed independently: Python's sha256 of the canonical text.)
+        assert_eq!(
+            expected,
+            "2862acf414bb94c64ed9762b14d6beab71f63b7d457398e6b881c9cf68bc062e"
+        );
     }
 
     #[test]
