@@ -758,3 +758,68 @@ async fn overlapping_batches_racing_claim_each_key_once(
         );
     }
 }
+
+/// The schema's fingerprint rule: 64 lowercase hex digits, on a database migrated in
+/// two steps (rows written before the cheaper check arrived are validated by it).
+#[sqlx::test(migrations = false)]
+async fn the_fingerprint_check_keeps_its_rule_across_the_upgrade(pool: PgPool) {
+    // The schema as the first two migrations left it, with records in it.
+    let dir = std::env::temp_dir().join(format!("idem-migrations-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in [
+        "20261130000001_processed_operations.sql",
+        "20261130000002_operate.sql",
+    ] {
+        let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        std::fs::copy(from.join(name), dir.join(name)).unwrap();
+    }
+    let before = sqlx::migrate::Migrator::new(dir.as_path()).await.unwrap();
+    before.run(&pool).await.unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let store = store(&pool, Duration::from_secs(30));
+    for i in 0..3 {
+        claimed(&store, &key(&format!("old-{i}")), &json!({"n": i})).await;
+    }
+
+    idem::db::MIGRATOR.run(&pool).await.unwrap();
+    let validated: bool = sqlx::query_scalar(
+        "SELECT convalidated FROM pg_constraint
+         WHERE conname = 'processed_operations_payload_sha256_check'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(validated, "the old rows were validated by the new check");
+
+    let insert = |fingerprint: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO processed_operations
+                   (scope, operation, idempotency_key, payload_sha256, status, lease_token)
+                 VALUES ('t', 'op', md5(random()::text), $1, 'processing', 1)",
+            )
+            .bind(fingerprint)
+            .execute(&pool)
+            .await
+        }
+    };
+    let hex = "0123456789abcdef".repeat(4);
+    assert!(insert(hex.clone()).await.is_ok());
+    let refused = [
+        hex[..63].to_owned(),       // too short
+        format!("{hex}0"),          // too long
+        hex.to_uppercase(),         // not lowercase
+        format!("{}g", &hex[..63]), // not hex
+        format!("{}é", &hex[..62]), // 64 bytes, 63 characters
+        format!("{} ", &hex[..63]), // whitespace
+    ];
+    for fingerprint in refused {
+        let error = insert(fingerprint.clone()).await.unwrap_err();
+        let code = error
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("23514"), "{fingerprint:?}: {error}");
+    }
+}
