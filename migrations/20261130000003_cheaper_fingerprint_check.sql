@@ -7,7 +7,10 @@
 -- the same and cost next to nothing.
 --
 -- NOT VALID: existing rows passed the old, equivalent check; the next migration
--- validates them without blocking writers.
+-- validates them without blocking writers. The ALTER itself needs a moment of ACCESS
+-- EXCLUSIVE: if a long transaction holds the table, give up after 5 s (rerun the
+-- migration later) rather than queue every claim and completion behind the wait.
+SET LOCAL lock_timeout = '5s';
 ALTER TABLE processed_operations
     DROP CONSTRAINT IF EXISTS processed_operations_payload_sha256_check,
     ADD CONSTRAINT processed_operations_payload_sha256_check

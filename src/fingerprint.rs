@@ -22,17 +22,18 @@ impl Fingerprint {
     /// producers that reorder keys or pretty-print produce the same fingerprint.
     pub fn of(payload: &Value, volatile: &[&str]) -> Self {
         // The canonical form streams straight into the hash: no copy of the payload as
-        // text. Writing to a hasher cannot fail.
+        // text.
         let mut digest = Sha256::new();
-        if volatile.is_empty() {
-            let _ = write_canonical(payload, &mut digest);
+        let written = if volatile.is_empty() {
+            write_canonical(payload, &mut digest)
         } else {
             let mut stripped = payload.clone();
             for path in volatile {
                 remove_path(&mut stripped, path);
             }
-            let _ = write_canonical(&stripped, &mut digest);
-        }
+            write_canonical(&stripped, &mut digest)
+        };
+        written.expect("writing to a hasher cannot fail");
         Self(hex::encode(digest.finalize()))
     }
 
@@ -60,9 +61,8 @@ impl fmt::Display for Fingerprint {
 /// depends on whether any crate in the build enables `preserve_order`.
 pub fn canonical_json(value: &Value) -> String {
     let mut out = Vec::new();
-    // Writing to a Vec cannot fail, and the output is UTF-8 (JSON text from `&str`s).
-    let _ = write_canonical(value, &mut out);
-    String::from_utf8_lossy(&out).into_owned()
+    write_canonical(value, &mut out).expect("writing to a Vec cannot fail");
+    String::from_utf8(out).expect("JSON text written from `&str`s is UTF-8")
 }
 
 fn write_canonical<W: Write>(value: &Value, out: &mut W) -> io::Result<()> {

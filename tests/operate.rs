@@ -483,6 +483,31 @@ async fn migrate_creates_a_fresh_database_twice_in_a_row(
     );
 }
 
+/// A rollback: this build meets a database that a newer idem migrated further. It
+/// starts (and leaves the unknown migration alone) instead of refusing.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn an_older_build_accepts_a_database_migrated_further(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99991231000000, 'from a newer idem', true, '\\x00', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, out) = idem(&database_url(&connect), &["migrate"]).await;
+    assert_eq!(code, 0, "{out}");
+    let newer: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE version = 99991231000000")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(newer, 1, "the newer migration's record is left alone");
+}
+
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn gc_of_200k_expired_rows_never_blocks_live_claims(
     pool_options: PgPoolOptions,

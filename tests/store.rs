@@ -671,7 +671,7 @@ async fn a_batch_decides_each_claim_as_one_at_a_time_would(pool: PgPool) {
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn a_batch_shares_one_token_and_each_lease_is_still_fenced_by_its_record(pool: PgPool) {
-    let store = store(&pool, Duration::from_millis(300));
+    let store = store(&pool, Duration::from_secs(30));
     let payload = json!({"amount": 1});
     let (a, b) = (key("shared-a"), key("shared-b"));
     let claims = store
@@ -687,8 +687,15 @@ async fn a_batch_shares_one_token_and_each_lease_is_still_fenced_by_its_record(p
     );
     assert_ne!(lease_a.id, lease_b.id);
 
-    // A's lease lapses and another claim takes it over with a greater token.
-    wait_for_lease_expiry(&pool, &a).await;
+    // A's lease lapses (B's stays live) and another claim takes A over.
+    sqlx::query(
+        "UPDATE processed_operations SET lease_expires_at = now() - interval '1 second'
+         WHERE id = $1",
+    )
+    .bind(lease_a.id)
+    .execute(&pool)
+    .await
+    .unwrap();
     let taken = claimed(&store, &a, &payload).await;
     assert!(taken.takeover && taken.token > lease_a.token);
 
@@ -773,9 +780,10 @@ async fn the_fingerprint_check_keeps_its_rule_across_the_upgrade(pool: PgPool) {
         let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
         std::fs::copy(from.join(name), dir.join(name)).unwrap();
     }
-    let before = sqlx::migrate::Migrator::new(dir.as_path()).await.unwrap();
-    before.run(&pool).await.unwrap();
+    let before = sqlx::migrate::Migrator::new(dir.as_path()).await;
+    // The migrator holds the files' text: the directory goes before anything can fail.
     std::fs::remove_dir_all(&dir).unwrap();
+    before.unwrap().run(&pool).await.unwrap();
     let store = store(&pool, Duration::from_secs(30));
     for i in 0..3 {
         claimed(&store, &key(&format!("old-{i}")), &json!({"n": i})).await;
