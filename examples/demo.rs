@@ -176,6 +176,11 @@ async fn run(outcomes: &Outcomes) -> anyhow::Result<()> {
         outcomes.get("malformed"),
         outcomes.get("failed_permanent")
     );
+    if outcomes.get("conflict") > published.conflicts {
+        println!(
+            "  (a conflicting resend that arrived first was booked; the original's copies are the conflicts: the first payload seen for a key wins)"
+        );
+    }
     println!();
     println!(
         "ledger rows for this run: {booked} for {} orders, {doubled} orders booked twice",
