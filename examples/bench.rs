@@ -19,7 +19,9 @@
 //!
 //! It prints one line per variant and run, the medians, and a last line
 //! `idem_msgs_per_s=… raw_msgs_per_s=… ratio=…`, with p50/p99 of delivery-to-ack for idem
-//! and the peak RSS of this process while idem ran.
+//! and the peak RSS of this process while idem ran. Each variant's lines also give the
+//! CPU time per message of RabbitMQ, of Postgres and of this process (the consumer)
+//! while the messages were consumed, read from `/proc`: where the time goes.
 
 #[allow(dead_code)]
 #[path = "orders_worker.rs"]
@@ -141,6 +143,91 @@ struct Measure {
     p50_ms: f64,
     p99_ms: f64,
     peak_rss_mb: f64,
+    /// CPU per message while the messages were consumed.
+    cpu: CpuPerMessage,
+}
+
+/// CPU time per message, in microseconds, of the broker, of Postgres, and of this
+/// process (the consumer: the raw loop, the hand-written one, or the idem worker).
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuPerMessage {
+    rabbitmq: f64,
+    postgres: f64,
+    consumer: f64,
+}
+
+impl std::fmt::Display for CpuPerMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cpu/msg rabbitmq {:.0} us postgres {:.0} us consumer {:.0} us",
+            self.rabbitmq, self.postgres, self.consumer
+        )
+    }
+}
+
+/// CPU clock ticks used so far by RabbitMQ's VM, by Postgres processes, and by this
+/// process, read from `/proc` (Linux; elsewhere all zero). Processes that exit between
+/// two readings take their ticks with them; the variants' connections stay open.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuTicks {
+    rabbitmq: u64,
+    postgres: u64,
+    consumer: u64,
+}
+
+impl CpuTicks {
+    fn now() -> Self {
+        let mut ticks = CpuTicks::default();
+        let me = std::process::id().to_string();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return ticks;
+        };
+        for entry in dir.flatten() {
+            let pid = entry.file_name();
+            let Some(pid) = pid
+                .to_str()
+                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // `pid (comm) state ...`: comm may hold spaces, so split at the last ')'.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let comm = &stat[open + 1..close];
+            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            // utime and stime are fields 14 and 15 of the line, 12 and 13 after comm.
+            let used = fields
+                .get(11..13)
+                .map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum())
+                .unwrap_or(0);
+            if pid == me {
+                ticks.consumer += used;
+            } else if comm.starts_with("beam") {
+                ticks.rabbitmq += used;
+            } else if comm.starts_with("postgres") || comm.starts_with("postmaster") {
+                ticks.postgres += used;
+            }
+        }
+        ticks
+    }
+
+    /// Microseconds per message since `self` (Linux clock ticks are 10 ms).
+    fn per_message(self, messages: usize) -> CpuPerMessage {
+        let now = CpuTicks::now();
+        let us = |before: u64, after: u64| {
+            after.saturating_sub(before) as f64 * 10_000.0 / messages.max(1) as f64
+        };
+        CpuPerMessage {
+            rabbitmq: us(self.rabbitmq, now.rabbitmq),
+            postgres: us(self.postgres, now.postgres),
+            consumer: us(self.consumer, now.consumer),
+        }
+    }
 }
 
 async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
@@ -191,10 +278,11 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                 other => bail!("unknown variant {other}"),
             };
             println!(
-                "run {} {:<12} {:>9.0} msgs/s{}",
+                "run {} {:<12} {:>9.0} msgs/s  {}{}",
                 run + 1,
                 variant,
                 m.msgs_per_s,
+                m.cpu,
                 if variant.starts_with("idem") {
                     format!(
                         "  delivery->ack p50 {:.1} ms p99 {:.1} ms  peak rss {:.0} MiB",
@@ -217,7 +305,7 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
     println!("medians of {} runs:", args.runs);
     for (variant, _) in &results {
         if let Some(m) = median(variant) {
-            println!("  {variant:<12} {:>9.0} msgs/s", m.msgs_per_s);
+            println!("  {variant:<12} {:>9.0} msgs/s  {}", m.msgs_per_s, m.cpu);
         }
     }
     if let (Some(idem), Some(raw)) = (median("idem_noop"), median("raw")) {
@@ -325,6 +413,7 @@ async fn raw(
     run: usize,
 ) -> anyhow::Result<Measure> {
     publish(connection, queue, args.messages, run).await?;
+    let cpu = CpuTicks::now();
     let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
     let mut started = None;
     // Acks are sent without waiting for each to be written, as a consumer that only
@@ -342,9 +431,11 @@ async fn raw(
         ack??;
     }
     let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    let cpu = cpu.per_message(args.messages);
     let _ = channel.close(200, "done".into()).await;
     Ok(Measure {
         msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
+        cpu,
         ..Measure::default()
     })
 }
@@ -357,6 +448,7 @@ async fn handwritten(
     run: usize,
 ) -> anyhow::Result<Measure> {
     publish(connection, queue, args.messages, run).await?;
+    let cpu = CpuTicks::now();
     let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
     let slots = Arc::new(Semaphore::new(32));
     let done = Arc::new(AtomicU64::new(0));
@@ -401,9 +493,11 @@ async fn handwritten(
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
+    let cpu = cpu.per_message(args.messages);
     let _ = channel.close(200, "done".into()).await;
     Ok(Measure {
         msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
+        cpu,
         ..Measure::default()
     })
 }
@@ -431,6 +525,7 @@ async fn idem_variant<H: Handler>(
     handler: H,
 ) -> anyhow::Result<Measure> {
     publish(connection, queue, args.messages, run).await?;
+    let cpu = CpuTicks::now();
     outcomes.reset();
     let store = Store::new(pool.clone(), StoreConfig::default());
     let config = WorkerConfig {
@@ -471,6 +566,7 @@ async fn idem_variant<H: Handler>(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = started.elapsed();
+    let cpu = cpu.per_message(args.messages);
     let executed = outcomes.get("executed");
     shutdown.cancel();
     worker.await??;
@@ -484,6 +580,7 @@ async fn idem_variant<H: Handler>(
         p50_ms: outcomes.elapsed_quantile(0.5),
         p99_ms: outcomes.elapsed_quantile(0.99),
         peak_rss_mb: peak.max(rss_mb()),
+        cpu,
     })
 }
 
