@@ -25,7 +25,6 @@ use idem::{
 };
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 /// One order, as producers publish it.
 #[derive(Debug, Deserialize)]
@@ -253,8 +252,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         fail_tenant: args.fail_tenant,
         provider_delay: Duration::from_millis(args.provider_delay_ms),
     };
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let shutdown = idem::shutdown::on_signal();
     let pool = store.pool().clone();
     let worker = Worker::new(handler, store, config);
     if let Some(addr) = &args.metrics_addr {
@@ -265,28 +263,4 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     worker.run(shutdown).await.context("worker")?;
     Ok(())
-}
-
-/// Cancels `shutdown` on SIGTERM or Ctrl-C.
-async fn stop_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("stop requested");
-    shutdown.cancel();
 }

@@ -13,6 +13,11 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// The database URL used when neither `DATABASE_URL` nor a flag gives one.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/idem";
 
+/// `DATABASE_URL` from the environment, or [`DEFAULT_DATABASE_URL`].
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into())
+}
+
 /// Why the database could not be prepared.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -41,6 +46,12 @@ pub enum DbError {
     /// A migration failed to apply.
     #[error("cannot apply migrations")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The database exists but holds no idem schema (`idem migrate` was never run).
+    #[error("{target} has no processed_operations table; run `idem migrate` first")]
+    NotMigrated {
+        /// `host:port/database`, without credentials.
+        target: String,
+    },
 }
 
 /// Where a connection goes, for error messages: never includes the password.
@@ -97,8 +108,16 @@ pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
 /// applies the migrations. Applying them again is harmless.
 pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
     create_database_if_missing(url).await?;
+    let pool = connect(url, max_connections).await?;
+    migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// Opens a pool of at most `max_connections` on a database that must exist already;
+/// creates and migrates nothing. For tools that only inspect or operate.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
     let options = PgConnectOptions::from_str(url).map_err(DbError::InvalidUrl)?;
-    let pool = PgPoolOptions::new()
+    PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
         // A ping before every acquire would double the round trips of every claim;
@@ -109,9 +128,28 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
         .map_err(|source| DbError::Connect {
             target: target(&options),
             source,
-        })?;
-    migrate(&pool).await?;
-    Ok(pool)
+        })
+}
+
+/// Fails with [`DbError::NotMigrated`] unless `processed_operations` exists in the
+/// database `pool` is on.
+pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
+    let options = pool.connect_options();
+    let connect_error = |source| DbError::Connect {
+        target: target(&options),
+        source,
+    };
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('processed_operations') IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .map_err(connect_error)?;
+    if exists {
+        Ok(())
+    } else {
+        Err(DbError::NotMigrated {
+            target: target(&options),
+        })
+    }
 }
 
 /// Applies the embedded migrations. Migrations that a newer idem applied and this build

@@ -88,6 +88,12 @@ impl Key {
         hex::encode(hasher.finalize())
     }
 
+    /// Whether `text` has the shape of a [`Key::short_hash`] (12 hex digits), so a tool
+    /// that asks for a key can take the hash that logs show instead.
+    pub fn looks_like_short_hash(text: &str) -> bool {
+        text.len() == 12 && text.bytes().all(|b| b.is_ascii_hexdigit())
+    }
+
     /// The first 12 hex digits of [`Key::digest`], for logs and metrics, so that keys,
     /// which may carry customer data, never appear in logs in clear.
     pub fn short_hash(&self) -> String {

@@ -1,16 +1,61 @@
 //! idem: at-least-once RabbitMQ consumers that never repeat a side effect.
 //!
 //! A worker derives a stable [`Key`] from each message's business event ID, claims it
-//! in the Postgres table `processed_operations` through the [`Store`], runs the
-//! handler, records the outcome, and only then acks. A redelivery, a duplicate publish,
-//! a crashed worker or a replayed dead letter finds the record and does not run the
-//! effect again. The contract is `DESIGN.md`.
-#![warn(missing_docs)]
+//! in the Postgres table `processed_operations` through the [`Store`], runs your
+//! [`Handler`], records the outcome, and only then acks. A redelivery, a duplicate
+//! publish, a crashed worker or a replayed dead letter finds the record and does not
+//! run the effect again. The contract is `docs/DESIGN.md` in the repository.
+//!
+//! # Quick start
+//!
+//! A job type is a [`Handler`]; a worker is a few lines around it:
+//!
+//! ```no_run
+//! use idem::{Context, Handler, HandlerError, Store, StoreConfig, Worker, WorkerConfig};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Welcome { event_id: String, tenant: String, email: String }
+//!
+//! struct SendWelcome;
+//!
+//! impl Handler for SendWelcome {
+//!     type Message = Welcome;
+//!     type Output = serde_json::Value;
+//!     const OPERATION: &'static str = "emails.welcome";
+//!
+//!     fn scope(&self, m: &Welcome) -> String { m.tenant.clone() }
+//!     fn idempotency_key(&self, m: &Welcome) -> String { m.event_id.clone() }
+//!
+//!     async fn handle(&self, m: Welcome, ctx: &mut Context) -> Result<serde_json::Value, HandlerError> {
+//!         // Give the mail provider ctx.provider_key() as its idempotency key.
+//!         let _ = (m.email, ctx.provider_key());
+//!         Ok(serde_json::json!({"sent": true}))
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let pool = idem::db::connect_and_migrate(&idem::db::database_url(), 20).await?;
+//!     let store = Store::new(pool, StoreConfig::default());
+//!     let config = WorkerConfig { queue: "emails".into(), ..WorkerConfig::default() };
+//!     Worker::new(SendWelcome, store, config)
+//!         .run(idem::shutdown::on_signal())   // SIGTERM or Ctrl-C: drain, ack, return
+//!         .await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # Where things are
+//!
+//! [`key`] and [`fingerprint`] name an intent; [`handler`] is where you plug in;
+//! [`store`] is the Postgres record; [`worker`] consumes, decides and settles;
+//! [`topology`], [`retry`] and [`dead_letter`] are the queues and what travels through
+//! them; [`replay`] brings dead letters back; [`metrics`] and [`db`] serve operators.
+#![warn(missing_docs, unreachable_pub)]
 
-mod acks;
-mod batch;
 pub mod db;
 pub mod dead_letter;
+#[doc(hidden)]
 pub mod failpoint;
 pub mod fingerprint;
 pub mod handler;
@@ -18,6 +63,7 @@ pub mod key;
 pub mod metrics;
 pub mod replay;
 pub mod retry;
+pub mod shutdown;
 pub mod store;
 pub mod topology;
 pub mod worker;
@@ -26,13 +72,15 @@ pub use fingerprint::Fingerprint;
 pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
 pub use key::{Key, KeyError};
 pub use retry::RetryPolicy;
+pub use shutdown::CancellationToken;
 pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
-pub use worker::{Outcome, Worker, WorkerConfig, WorkerError};
+pub use worker::{Worker, WorkerConfig, WorkerError};
 
-/// An error and its causes on one line (`a: b: c`), skipping a cause whose text the
-/// previous message already contains (drivers often repeat their source). For the one
-/// readable line a binary prints when it fails.
+/// An error and its causes on one line (`a: b: c`), for the one line a binary prints
+/// when it fails and for logs. idem's own errors never repeat their source in their
+/// message; a cause whose text the previous message already contains is skipped anyway,
+/// because drivers (sqlx, lapin, std::io wrappers) often do.
 pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
     let mut line = error.to_string();
     let mut last = line.clone();

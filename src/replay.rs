@@ -28,10 +28,10 @@ use crate::topology::{self, PublishError};
 #[non_exhaustive]
 pub enum ReplayError {
     /// The broker failed or could not be reached.
-    #[error("broker: {0}")]
+    #[error("broker")]
     Broker(#[from] lapin::Error),
     /// The store failed or could not be reached.
-    #[error("store: {0}")]
+    #[error("store")]
     Store(#[from] StoreError),
     /// A republish was not confirmed.
     #[error(transparent)]
@@ -235,6 +235,17 @@ pub struct Summary {
     pub dry_run: bool,
 }
 
+impl Summary {
+    /// Counts what `action` would do with a dead letter whose key is `done` or not.
+    fn count_dry_run(&mut self, action: Action, done: bool) {
+        match action {
+            Action::Replay if done => self.already_done += 1,
+            Action::Replay => self.replayed += 1,
+            Action::Discard => self.discarded += 1,
+        }
+    }
+}
+
 /// What to do with each selected dead letter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -273,7 +284,7 @@ pub async fn run(
     };
     let mut selected = 0;
     let mut held = Vec::new();
-    let default_queue = dlq.strip_suffix(".dlq").unwrap_or(dlq).to_owned();
+    let default_queue = dlq.strip_suffix(".dlq").unwrap_or(dlq);
     while options.filter.limit.is_none_or(|limit| selected < limit) {
         let Some(delivery) = get(&channel, dlq).await? else {
             break;
@@ -298,55 +309,32 @@ pub async fn run(
         }
         if options.dry_run {
             let done = match &key {
-                Some(key) => store
-                    .get(key)
-                    .await?
-                    .is_some_and(|r| r.status.0 == Status::Completed),
+                Some(key) => is_completed(store, key).await?,
                 None => false,
             };
-            match action {
-                Action::Replay if done => summary.already_done += 1,
-                Action::Replay => summary.replayed += 1,
-                Action::Discard => summary.discarded += 1,
-            }
+            summary.count_dry_run(action, done);
             held.push(m);
             continue;
         }
-        match action {
-            Action::Discard => {
+        match (action, key) {
+            (Action::Discard, key) => {
                 if let Some(key) = &key {
                     store.discard(key).await?;
                 }
                 m.delivery.ack(BasicAckOptions::default()).await?;
                 summary.discarded += 1;
             }
-            Action::Replay => {
-                let Some(key) = key else {
-                    held.push(m); // counted as malformed above
-                    continue;
-                };
-                let prepared = store.prepare_replay(&key).await?;
-                let completed = prepared.is_none()
-                    && store
-                        .get(&key)
-                        .await?
-                        .is_some_and(|r| r.status.0 == Status::Completed);
-                if completed {
-                    // Done already: nothing to run. Unpin only once the ack is sent.
-                    m.delivery.ack(BasicAckOptions::default()).await?;
-                    store.unpin(&key).await?;
-                    summary.already_done += 1;
-                } else {
-                    let queue = m
-                        .original_queue
-                        .clone()
-                        .unwrap_or_else(|| default_queue.clone());
-                    let properties = dead_letter::replay_properties(&m.delivery.properties);
-                    topology::publish_confirmed(&channel, &queue, &m.delivery.data, properties)
-                        .await?;
-                    m.delivery.ack(BasicAckOptions::default()).await?;
-                    summary.replayed += 1;
+            (Action::Replay, Some(key)) => {
+                let queue = m.original_queue.as_deref().unwrap_or(default_queue);
+                match replay_one(store, &channel, &m, &key, queue).await? {
+                    Replayed::AlreadyDone => summary.already_done += 1,
+                    Replayed::Republished => summary.replayed += 1,
                 }
+            }
+            // Counted as malformed above.
+            (Action::Replay, None) => {
+                held.push(m);
+                continue;
             }
         }
         if let Some(pace) = options.pace {
@@ -357,4 +345,41 @@ pub async fn run(
     drop(held);
     let _ = channel.close(200, "replay done".into()).await;
     Ok(summary)
+}
+
+/// What a replay did with one dead letter.
+enum Replayed {
+    /// Its key is completed: acked, nothing to run.
+    AlreadyDone,
+    /// Republished to `queue` (confirmed), then acked.
+    Republished,
+}
+
+/// Replays one dead letter: a `failed` record is made retryable, then the message is
+/// republished and acked; a completed key is only acked.
+async fn replay_one(
+    store: &Store,
+    channel: &Channel,
+    m: &DlqMessage,
+    key: &Key,
+    queue: &str,
+) -> Result<Replayed, ReplayError> {
+    let prepared = store.prepare_replay(key).await?;
+    if prepared.is_none() && is_completed(store, key).await? {
+        // Done already: nothing to run. Unpin only once the ack is sent.
+        m.delivery.ack(BasicAckOptions::default()).await?;
+        store.unpin(key).await?;
+        return Ok(Replayed::AlreadyDone);
+    }
+    let properties = dead_letter::replay_properties(&m.delivery.properties);
+    topology::publish_confirmed(channel, queue, &m.delivery.data, properties).await?;
+    m.delivery.ack(BasicAckOptions::default()).await?;
+    Ok(Replayed::Republished)
+}
+
+async fn is_completed(store: &Store, key: &Key) -> Result<bool, StoreError> {
+    Ok(store
+        .get(key)
+        .await?
+        .is_some_and(|r| r.status == Status::Completed))
 }

@@ -11,6 +11,11 @@ use crate::retry::retry_queue_name;
 /// The AMQP URL used when neither `AMQP_URL` nor a flag gives one.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// `AMQP_URL` from the environment, or [`DEFAULT_AMQP_URL`].
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.into())
+}
+
 /// Classic or quorum queues (quorum: replicated, for clusters; needs RabbitMQ 3.8+).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QueueType {

@@ -75,11 +75,10 @@ async fn claim_and_completion_are_one_statement_each(pool: PgPool) {
 
     // A batch of new keys: one statement for all of them, one for their completions.
     let inputs: Vec<_> = (0..50)
-        .map(|i| idem::store::ClaimInput {
+        .map(|i| idem::store::ClaimRequest {
             key: Key::new("tenant-a", "orders.create", format!("batch-{i}")).unwrap(),
             fingerprint: fingerprint.clone(),
-            message_id: None,
-            correlation_id: None,
+            origin: Origin::default(),
         })
         .collect();
     let claims = store.claim_many(&inputs).await.unwrap();

@@ -30,10 +30,10 @@ fn fp(payload: &Value) -> Fingerprint {
     Fingerprint::of(payload, VOLATILE)
 }
 
-fn origin() -> Origin<'static> {
+fn origin() -> Origin {
     Origin {
-        message_id: Some("msg-1"),
-        correlation_id: Some("corr-1"),
+        message_id: Some("msg-1".into()),
+        correlation_id: Some("corr-1".into()),
     }
 }
 
@@ -99,7 +99,7 @@ async fn first_claim_runs_then_completed_result_is_returned_unchanged(pool: PgPo
     store.complete(&lease, &result).await.unwrap();
 
     let before = store.get(&k).await.unwrap().unwrap();
-    assert_eq!(before.status.0, Status::Completed);
+    assert_eq!(before.status, Status::Completed);
     assert_eq!(before.message_id.as_deref(), Some("msg-1"));
     assert_eq!(before.correlation_id.as_deref(), Some("corr-1"));
     assert_eq!(before.owner.as_deref(), Some("test-worker"));
@@ -240,7 +240,7 @@ async fn identical_payloads_under_other_keys_are_independent_intents(pool: PgPoo
     assert_eq!(tokens.len(), keys.len());
     for k in &keys {
         let record = store.get(k).await.unwrap().unwrap();
-        assert_eq!(record.status.0, Status::Completed);
+        assert_eq!(record.status, Status::Completed);
         assert_eq!(record.result, Some(json!(k.short_hash())));
     }
 }
@@ -304,7 +304,7 @@ async fn expired_lease_is_taken_over_by_exactly_one_and_the_old_token_is_fenced(
         Err(StoreError::LeaseLost { .. })
     ));
     let record = long.get(&k).await.unwrap().unwrap();
-    assert_eq!(record.status.0, Status::Processing);
+    assert_eq!(record.status, Status::Processing);
     assert_eq!(record.lease_token, new.token);
     assert_eq!(record.attempts, 2);
     assert_eq!(record.result, None);
@@ -349,7 +349,7 @@ async fn atomic_completion_commits_or_rolls_back_with_the_callers_writes(pool: P
     tx.commit().await.unwrap();
     assert_eq!(ledger_rows("evt-ok").await, 1);
     assert_eq!(
-        store.get(&k).await.unwrap().unwrap().status.0,
+        store.get(&k).await.unwrap().unwrap().status,
         Status::Completed
     );
 
@@ -368,7 +368,7 @@ async fn atomic_completion_commits_or_rolls_back_with_the_callers_writes(pool: P
     tx.rollback().await.unwrap();
     assert_eq!(ledger_rows("evt-rollback").await, 0);
     assert_eq!(
-        store.get(&k).await.unwrap().unwrap().status.0,
+        store.get(&k).await.unwrap().unwrap().status,
         Status::Processing
     );
 
@@ -389,7 +389,7 @@ async fn atomic_completion_commits_or_rolls_back_with_the_callers_writes(pool: P
     assert_eq!(ledger_rows("evt-stale").await, 0);
     let record = store.get(&k).await.unwrap().unwrap();
     assert_eq!(
-        (record.status.0, record.lease_token),
+        (record.status, record.lease_token),
         (Status::Processing, fresh.token)
     );
 }
@@ -509,7 +509,7 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
         Claim::InProgress { .. }
     ));
     assert_eq!(
-        store.get(&k).await.unwrap().unwrap().status.0,
+        store.get(&k).await.unwrap().unwrap().status,
         Status::Pending
     );
     // Still unknown: back to pending, reconciled again by the next delivery.
@@ -538,12 +538,14 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
     ));
 }
 
-fn input(k: &Key, payload: &Value) -> idem::store::ClaimInput {
-    idem::store::ClaimInput {
+fn input(k: &Key, payload: &Value) -> idem::store::ClaimRequest {
+    idem::store::ClaimRequest {
         key: k.clone(),
         fingerprint: fp(payload),
-        message_id: Some("m".into()),
-        correlation_id: None,
+        origin: Origin {
+            message_id: Some("m".into()),
+            correlation_id: None,
+        },
     }
 }
 
@@ -654,7 +656,7 @@ async fn a_batch_decides_each_claim_as_one_at_a_time_would(pool: PgPool) {
     );
     let record = store.get(&lapsed).await.unwrap().unwrap();
     assert_eq!(
-        record.status.0,
+        record.status,
         Status::Processing,
         "the stale completion changed nothing"
     );
@@ -710,12 +712,12 @@ async fn a_batch_shares_one_token_and_each_lease_is_still_fenced_by_its_record(p
     assert_eq!(done, vec![false, true]);
     let record_a = store.get(&a).await.unwrap().unwrap();
     assert_eq!(
-        (record_a.status.0, record_a.lease_token, record_a.result),
+        (record_a.status, record_a.lease_token, record_a.result),
         (Status::Processing, taken.token, None)
     );
     let record_b = store.get(&b).await.unwrap().unwrap();
     assert_eq!(
-        (record_b.status.0, record_b.result),
+        (record_b.status, record_b.result),
         (Status::Completed, Some(json!("b")))
     );
 }

@@ -286,7 +286,10 @@ async fn start_in_process<H: Handler>(
             immediate: 2,
             min_backoff: Duration::from_millis(10),
             max_backoff: Duration::from_millis(50),
-            delays: vec![Duration::from_millis(100), Duration::from_millis(200)],
+            delays: common::RETRY_DELAYS_MS[..2]
+                .iter()
+                .map(|&ms| Duration::from_millis(ms))
+                .collect(),
         },
         shutdown_timeout: Duration::from_secs(10),
         ..WorkerConfig::default()

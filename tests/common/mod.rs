@@ -179,20 +179,17 @@ impl Drop for TestQueue {
             runtime.block_on(async move {
                 let connection = idem::topology::connect(&url, "test-cleanup").await.ok()?;
                 let channel = connection.create_channel().await.ok()?;
-                for suffix in [
-                    "",
-                    ".dlq",
-                    ".retry.100ms",
-                    ".retry.200ms",
-                    ".retry.300ms",
-                    ".retry.500ms",
-                    ".retry.1s",
-                ] {
+                let topology = idem::Topology {
+                    queue: base.clone(),
+                    queue_type: idem::QueueType::Classic,
+                    retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+                };
+                let queues = [base, topology.dlq()]
+                    .into_iter()
+                    .chain(topology.retry_queues());
+                for queue in queues {
                     let _ = channel
-                        .queue_delete(
-                            format!("{base}{suffix}").as_str().into(),
-                            QueueDeleteOptions::default(),
-                        )
+                        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                         .await;
                 }
                 let _ = connection.close(200, "cleanup".into()).await;
@@ -293,6 +290,14 @@ pub fn spawn_orders_worker(database_url: &str, queue: &str, extra: &[&str]) -> W
     spawn_orders_worker_with_env(database_url, queue, extra, &[])
 }
 
+/// The retry queue delays of every worker a test starts (the in-process workers of
+/// `tests/worker.rs` use the first ones): the queues a test's cleanup deletes.
+pub const RETRY_DELAYS_MS: [u64; 3] = [100, 200, 300];
+
+fn retry_delays_arg() -> String {
+    RETRY_DELAYS_MS.map(|ms| ms.to_string()).join(",")
+}
+
 /// [`spawn_orders_worker`] with extra environment variables.
 pub fn spawn_orders_worker_with_env(
     database_url: &str,
@@ -305,7 +310,7 @@ pub fn spawn_orders_worker_with_env(
     let log = log_dir.join(format!("{queue}-{}.log", uuid::Uuid::new_v4().simple()));
     let file = std::fs::File::create(&log).unwrap();
     let child = Command::new(orders_worker_path())
-        .args(["--queue", queue, "--retry-delays-ms", "100,200,300"])
+        .args(["--queue", queue, "--retry-delays-ms", &retry_delays_arg()])
         .args(extra)
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", amqp_url())

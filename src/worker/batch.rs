@@ -87,13 +87,11 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     pub(crate) async fn call(&self, request: Req) -> Result<Resp, StoreError> {
         let (reply, answer) = oneshot::channel();
         if self.tx.send((request, reply)).await.is_err() {
-            return Err(StoreError::Unexpected("batching loop stopped".into()));
+            return Err(StoreError::BatchLoopStopped);
         }
         match answer.await {
             Ok(result) => result.map_err(StoreError::Batch),
-            Err(_) => Err(StoreError::Unexpected(
-                "batching loop dropped a request".into(),
-            )),
+            Err(_) => Err(StoreError::BatchLoopStopped),
         }
     }
 }

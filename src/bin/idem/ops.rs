@@ -1,0 +1,229 @@
+//! `idem ops`: inspect operations by key, find stuck ones, release leases.
+
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::{Args, Subcommand};
+use idem::{Key, Record, Status, Store};
+
+use crate::{Cli, store};
+
+#[derive(Subcommand)]
+pub(crate) enum Ops {
+    /// One operation's record in full.
+    Show {
+        #[command(flatten)]
+        key: KeyArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unresolved operations in a status, oldest first.
+    List {
+        /// processing, pending or failed (completed works too).
+        #[arg(long, value_parser = parse_status)]
+        status: Status,
+        /// Only those not updated for this long: 30s, 10m, 2h, 1d.
+        #[arg(long, default_value = "0s", value_parser = parse_duration)]
+        older_than: Duration,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Expire a lease by hand, for a worker known to be dead: the next delivery takes
+    /// the operation over with a new fencing token.
+    Release {
+        #[command(flatten)]
+        key: KeyArgs,
+    },
+}
+
+#[derive(Args)]
+pub(crate) struct KeyArgs {
+    /// Tenant or actor.
+    #[arg(long)]
+    scope: String,
+    /// Operation name, e.g. orders.create.
+    #[arg(long)]
+    operation: String,
+    /// The idempotency key (business event ID), or the 12-digit key hash logs show.
+    #[arg(long)]
+    key: String,
+}
+
+impl KeyArgs {
+    /// The key as given, or, when no record has it and it looks like a key hash, the
+    /// key of the one record in the scope and operation with that hash.
+    async fn resolve(&self, store: &Store) -> anyhow::Result<Key> {
+        let key = Key::new(&self.scope, &self.operation, &self.key)?;
+        if !Key::looks_like_short_hash(&self.key) || store.get(&key).await?.is_some() {
+            return Ok(key);
+        }
+        let found = store
+            .find_by_short_hash(&self.scope, &self.operation, &self.key)
+            .await?;
+        match found.as_slice() {
+            [] => Ok(key),
+            [record] => Ok(Key::new(
+                &record.scope,
+                &record.operation,
+                &record.idempotency_key,
+            )?),
+            _ => bail!(
+                "{} records in scope {} share the key hash {}: give the key itself",
+                found.len(),
+                self.scope,
+                self.key
+            ),
+        }
+    }
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?}: expected a number and a unit, e.g. 10m"))?;
+    let secs = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "s" | "" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        other => return Err(format!("{other:?}: unit must be ms, s, m, h or d")),
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+fn parse_status(text: &str) -> Result<Status, String> {
+    text.parse().map_err(|e: idem::store::UnknownStatus| {
+        format!("{e}: expected processing, pending, failed or completed")
+    })
+}
+
+/// Runs one `idem ops` command.
+pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
+    let store = store(cli).await?;
+    match command {
+        Ops::Show { key, json } => {
+            let key = key.resolve(&store).await?;
+            let Some(record) = store.get(&key).await? else {
+                bail!(
+                    "no record for {key} (scope {}, key {})",
+                    key.scope(),
+                    key.idempotency_key()
+                );
+            };
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&record)?);
+            } else {
+                print_record(&record);
+            }
+        }
+        Ops::List {
+            status,
+            older_than,
+            limit,
+            json,
+        } => {
+            let records = store.list(*status, *older_than, *limit).await?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&records)?);
+            } else {
+                println!(
+                    "{} {} operations not updated for {:?}, oldest first",
+                    records.len(),
+                    status,
+                    older_than
+                );
+                for r in &records {
+                    println!(
+                        "  {}  {} / {} / {}  attempts {}  owner {}  lease until {}  {}",
+                        r.updated_at.to_rfc3339(),
+                        r.scope,
+                        r.operation,
+                        r.idempotency_key,
+                        r.attempts,
+                        r.owner.as_deref().unwrap_or("-"),
+                        r.lease_expires_at
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_else(|| "-".into()),
+                        r.error.as_ref().map(|e| e.to_string()).unwrap_or_default(),
+                    );
+                }
+            }
+        }
+        Ops::Release { key } => {
+            let key = key.resolve(&store).await?;
+            match store.release(&key).await? {
+                Some(r) => println!(
+                    "released {} / {} / {}: status {}, lease token {} expired now; the next delivery takes it over",
+                    r.scope, r.operation, r.idempotency_key, r.status, r.lease_token
+                ),
+                None => bail!("no processing or pending record for {key}"),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_record(r: &Record) {
+    let t = |t: Option<chrono::DateTime<chrono::Utc>>| {
+        t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into())
+    };
+    println!("scope             {}", r.scope);
+    println!("operation         {}", r.operation);
+    println!("idempotency_key   {}", r.idempotency_key);
+    println!(
+        "status            {}{}",
+        r.status,
+        if r.retryable { " (retryable)" } else { "" }
+    );
+    println!("attempts          {}", r.attempts);
+    println!("payload_sha256    {}", r.payload_sha256);
+    println!("lease_token       {}", r.lease_token);
+    println!("lease_expires_at  {}", t(r.lease_expires_at));
+    println!("owner             {}", r.owner.as_deref().unwrap_or("-"));
+    println!(
+        "result            {}",
+        r.result
+            .as_ref()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| "-".into())
+    );
+    println!(
+        "error             {}",
+        r.error
+            .as_ref()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| "-".into())
+    );
+    println!(
+        "external_ref      {}",
+        r.external_ref.as_deref().unwrap_or("-")
+    );
+    println!(
+        "message_id        {}",
+        r.message_id.as_deref().unwrap_or("-")
+    );
+    println!(
+        "correlation_id    {}",
+        r.correlation_id.as_deref().unwrap_or("-")
+    );
+    println!("dead_lettered_at  {}", t(r.dead_lettered_at));
+    println!(
+        "replay_count      {}  (last {})",
+        r.replay_count,
+        t(r.last_replayed_at)
+    );
+    println!("discarded_at      {}", t(r.discarded_at));
+    println!("created_at        {}", r.created_at.to_rfc3339());
+    println!("updated_at        {}", r.updated_at.to_rfc3339());
+    println!("completed_at      {}", t(r.completed_at));
+    println!("expires_at        {}", t(r.expires_at));
+}

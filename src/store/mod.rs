@@ -1,0 +1,112 @@
+//! The Postgres idempotency store: claims, fences and finishes each operation's record.
+//!
+//! Every call is one short statement (one round trip, autocommit) except where the
+//! caller passes its own transaction. Time always comes from the database clock
+//! (`now()`), so workers with skewed clocks agree on when a lease expires.
+//!
+//! - `record`: what the store holds and answers ([`Status`], [`Record`], [`Lease`],
+//!   [`Claim`]);
+//! - `claim`: the statements that decide whether a delivery may run;
+//! - `outcome`: the lease holder's fenced writes (heartbeat, complete, fail, pending);
+//! - `operate`: what operators do (get, list, release, replay, discard, gc).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+mod claim;
+mod operate;
+mod outcome;
+mod record;
+
+pub(crate) use record::StoredError;
+pub use record::{Claim, ClaimRequest, Lease, Origin, Record, Status, UnknownStatus};
+
+/// What the store failed at.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The caller no longer holds the lease: another worker took the operation over (or
+    /// an operator released it). Its outcome was not written; a caller that wrote in
+    /// its own transaction must roll it back.
+    #[error("lease lost: lease token {token} no longer owns the record")]
+    LeaseLost {
+        /// The stale token.
+        token: i64,
+    },
+    /// The claim kept racing with concurrent inserts and deletes and did not settle.
+    #[error("claim did not settle after {0} tries (concurrent writers on the same key)")]
+    Contention(u32),
+    /// A claimed record came back without a lease expiry (the schema forbids none, but
+    /// a hand-edited row can).
+    #[error("record {id} was claimed but has no lease expiry")]
+    NoLeaseExpiry {
+        /// The record's primary key.
+        id: i64,
+    },
+    /// The claim statement returned a row of a kind this version does not know.
+    #[error("claim statement returned an unknown row kind {0:?}")]
+    UnknownClaimRow(String),
+    /// The worker's batching loop is gone (the worker is shutting down).
+    #[error("the batching loop stopped before answering")]
+    BatchLoopStopped,
+    /// Postgres failed or could not be reached.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// The batched statement this call was part of failed.
+    #[error(transparent)]
+    Batch(Arc<StoreError>),
+}
+
+/// Store settings.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Worker id written to `owner` on claims.
+    pub owner: String,
+    /// How long a claim is owned without a heartbeat.
+    pub lease: Duration,
+    /// How long a completed record is kept (docs/DESIGN.md, "Retention": default 7
+    /// days). It must exceed the longest redelivery and replay horizon, or a late
+    /// duplicate runs again.
+    pub retention: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            owner: format!("pid-{}", std::process::id()),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// The idempotency store on Postgres: one table, `processed_operations`.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+    config: StoreConfig,
+}
+
+impl Store {
+    /// A store on `pool` (already migrated, see [`crate::db::connect_and_migrate`]).
+    pub fn new(pool: PgPool, config: StoreConfig) -> Self {
+        Self { pool, config }
+    }
+
+    /// The pool, for callers that open their own transactions.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+}
+
+/// A duration as whole milliseconds for SQL intervals, saturating.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,187 @@
+//! Fenced writes: the lease holder extends its lease and records the outcome. Every
+//! write names the record's id and the lease's fencing token, so a worker whose lease
+//! was taken over writes nothing (docs/DESIGN.md, "Vocabulary": lease).
+
+use std::collections::HashSet;
+use std::sync::LazyLock;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::PgExecutor;
+
+use super::record::Lease;
+use super::{Store, StoreError, millis};
+use crate::metrics;
+
+/// The lease still owns the record: the condition of every fenced write on one row
+/// (`$1` id, `$2` token).
+const FENCED: &str = "id = $1 AND lease_token = $2 AND status IN ('processing', 'pending')";
+
+/// What a success writes, with the stored result taken from `result` and the retention
+/// in milliseconds from `$4`.
+fn completed_set(result: &str) -> String {
+    format!(
+        "SET status = 'completed', result = {result}, error = NULL, retryable = false,
+             lease_expires_at = NULL, completed_at = now(), updated_at = now(),
+             expires_at = now() + $4::bigint * interval '1 millisecond'"
+    )
+}
+
+static COMPLETE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations {} WHERE {FENCED}",
+        completed_set("$3")
+    )
+});
+
+/// Many successes in one statement, each fenced by its own lease; rows are updated in
+/// id order, so concurrent batches cannot deadlock.
+static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations p {}
+         FROM (SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::jsonb[])
+               AS u(id, token, result) ORDER BY id) t
+         WHERE p.id = t.id AND p.lease_token = t.token
+           AND p.status IN ('processing', 'pending')
+         RETURNING p.id, p.lease_token",
+        completed_set("t.result")
+    )
+});
+
+impl Store {
+    /// Extends the lease by the configured lease time (heartbeat) while a handler runs.
+    /// Returns the new expiry, or [`StoreError::LeaseLost`] if another worker took over.
+    pub async fn heartbeat(&self, lease: &Lease) -> Result<DateTime<Utc>, StoreError> {
+        let started = Instant::now();
+        let expires: Option<DateTime<Utc>> = sqlx::query_scalar(&format!(
+            "UPDATE processed_operations
+             SET lease_expires_at = now() + $3::bigint * interval '1 millisecond'
+             WHERE {FENCED}
+             RETURNING lease_expires_at"
+        ))
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(millis(self.config.lease))
+        .fetch_optional(&self.pool)
+        .await?;
+        metrics::store_round_trip("heartbeat", started);
+        expires.ok_or(StoreError::LeaseLost { token: lease.token })
+    }
+
+    /// Records success with `result`, if `lease` still owns the record. The record
+    /// expires after the configured retention.
+    pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<(), StoreError> {
+        self.complete_in(&self.pool, lease, result).await
+    }
+
+    /// Records success inside the caller's transaction (or on any executor), so the
+    /// caller's own writes and the `completed` record commit or roll back together.
+    ///
+    /// On [`StoreError::LeaseLost`] the caller must roll its transaction back: another
+    /// worker owns the operation now. The row lock taken here is held until the caller
+    /// commits, so a concurrent takeover waits for the commit and then sees `completed`.
+    pub async fn complete_in<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        lease: &Lease,
+        result: &Value,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let done = sqlx::query(COMPLETE_SQL.as_str())
+            .bind(lease.id)
+            .bind(lease.token)
+            .bind(result)
+            .bind(millis(self.config.retention))
+            .execute(executor)
+            .await?;
+        metrics::store_round_trip("complete", started);
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Records many successes in one statement, each fenced by its own lease: returns,
+    /// in order, whether each lease still owned its record (false: lease lost, nothing
+    /// written for it). A lease is matched by its id *and* token.
+    #[doc(hidden)]
+    pub async fn complete_many(&self, items: &[(Lease, Value)]) -> Result<Vec<bool>, StoreError> {
+        let ids: Vec<i64> = items.iter().map(|(lease, _)| lease.id).collect();
+        let tokens: Vec<i64> = items.iter().map(|(lease, _)| lease.token).collect();
+        let results: Vec<&Value> = items.iter().map(|(_, result)| result).collect();
+        let started = Instant::now();
+        let done: Vec<(i64, i64)> = sqlx::query_as(COMPLETE_MANY_SQL.as_str())
+            // Planned on every run, with the real array sizes: a generic plan cached
+            // while the table was small hash-joins against a full scan of it.
+            .persistent(false)
+            .bind(&ids)
+            .bind(&tokens)
+            .bind(&results)
+            .bind(millis(self.config.retention))
+            .fetch_all(&self.pool)
+            .await?;
+        metrics::store_round_trip("complete_many", started);
+        let done: HashSet<(i64, i64)> = done.into_iter().collect();
+        Ok(items
+            .iter()
+            .map(|(lease, _)| done.contains(&(lease.id, lease.token)))
+            .collect())
+    }
+
+    /// Records a failure, if `lease` still owns the record. A `retryable` failure may be
+    /// claimed again by a later delivery; a failure for good never runs again.
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        retryable: bool,
+        error: &Value,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let done = sqlx::query(&format!(
+            "UPDATE processed_operations
+             SET status = 'failed', retryable = $3, error = $4,
+                 lease_expires_at = NULL, updated_at = now()
+             WHERE {FENCED}"
+        ))
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(retryable)
+        .bind(error)
+        .execute(&self.pool)
+        .await?;
+        metrics::store_round_trip("fail", started);
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Records an uncertain outcome with the provider's reference, if `lease` still owns
+    /// the record, and gives the lease up: the next delivery reconciles instead of
+    /// re-running.
+    pub async fn mark_pending(
+        &self,
+        lease: &Lease,
+        external_ref: Option<&str>,
+        error: &Value,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let done = sqlx::query(&format!(
+            "UPDATE processed_operations
+             SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
+                 retryable = false, lease_expires_at = NULL, updated_at = now()
+             WHERE {FENCED}"
+        ))
+        .bind(lease.id)
+        .bind(lease.token)
+        .bind(external_ref)
+        .bind(error)
+        .execute(&self.pool)
+        .await?;
+        metrics::store_round_trip("mark_pending", started);
+        fenced(done.rows_affected(), lease)
+    }
+}
+
+fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LeaseLost { token: lease.token })
+    }
+}

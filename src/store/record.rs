@@ -1,0 +1,273 @@
+//! What the store holds and answers: a record's status, the record itself, the lease a
+//! claim grants, and what a claim found.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::encode::IsNull;
+use sqlx::error::BoxDynError;
+use sqlx::postgres::{PgArgumentBuffer, PgTypeInfo, PgValueRef};
+use sqlx::{Decode, Encode, Postgres, Type};
+
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+
+/// A record's status (docs/DESIGN.md, "The record"), stored as text in `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// A worker holds a lease and runs the handler.
+    Processing,
+    /// The handler succeeded; `result` is stored for replay.
+    Completed,
+    /// The handler failed; `retryable` says whether a later delivery may run it again.
+    Failed,
+    /// The external outcome is uncertain; reconcile with `external_ref`, never re-run blindly.
+    Pending,
+}
+
+impl Status {
+    /// Every status, in the order a record usually goes through them.
+    pub const ALL: [Status; 4] = [
+        Status::Processing,
+        Status::Pending,
+        Status::Failed,
+        Status::Completed,
+    ];
+
+    /// The value stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Processing => "processing",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Pending => "pending",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A `status` value this version does not know (a status added by a newer idem).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown status {0:?}")]
+pub struct UnknownStatus(pub String);
+
+impl FromStr for Status {
+    type Err = UnknownStatus;
+
+    fn from_str(s: &str) -> Result<Self, UnknownStatus> {
+        Status::ALL
+            .into_iter()
+            .find(|status| status.as_str() == s)
+            .ok_or_else(|| UnknownStatus(s.to_owned()))
+    }
+}
+
+impl Type<Postgres> for Status {
+    fn type_info() -> PgTypeInfo {
+        <&str as Type<Postgres>>::type_info()
+    }
+
+    fn compatible(ty: &PgTypeInfo) -> bool {
+        <&str as Type<Postgres>>::compatible(ty)
+    }
+}
+
+impl<'r> Decode<'r, Postgres> for Status {
+    fn decode(value: PgValueRef<'r>) -> Result<Self, BoxDynError> {
+        Ok(<&str as Decode<Postgres>>::decode(value)?.parse()?)
+    }
+}
+
+impl Encode<'_, Postgres> for Status {
+    fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
+        <&str as Encode<Postgres>>::encode_by_ref(&self.as_str(), buf)
+    }
+}
+
+/// One row of `processed_operations`, as loaded by [`crate::Store::get`].
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[allow(missing_docs)]
+pub struct Record {
+    pub id: i64,
+    pub scope: String,
+    pub operation: String,
+    pub idempotency_key: String,
+    pub payload_sha256: String,
+    pub status: Status,
+    pub retryable: bool,
+    pub attempts: i32,
+    pub lease_token: i64,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub owner: Option<String>,
+    pub result: Option<Value>,
+    pub error: Option<Value>,
+    pub external_ref: Option<String>,
+    pub correlation_id: Option<String>,
+    pub message_id: Option<String>,
+    pub dead_lettered_at: Option<DateTime<Utc>>,
+    pub replay_count: i32,
+    pub last_replayed_at: Option<DateTime<Utc>>,
+    pub discarded_at: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub completed_at: Option<DateTime<Utc>>,
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+impl Record {
+    /// The stored error's text (`error.error`), if the record holds one.
+    pub fn error_text(&self) -> Option<String> {
+        self.error.as_ref().map(StoredError::text_of)
+    }
+}
+
+/// The `error` column: what failed, and of which kind (`transient`, `permanent`,
+/// `uncertain`). Built in one place so every writer stores the same shape.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoredError<'a> {
+    pub(crate) kind: &'static str,
+    pub(crate) error: &'a str,
+}
+
+impl StoredError<'_> {
+    pub(crate) fn to_json(self) -> Value {
+        serde_json::json!({"error": self.error, "kind": self.kind})
+    }
+
+    /// The text of a stored error, whatever its shape (older rows included).
+    pub(crate) fn text_of(stored: &Value) -> String {
+        match stored.get("error") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => stored.to_string(),
+        }
+    }
+}
+
+/// Proof that the caller owns an operation until `expires_at`: pass it to every write.
+///
+/// `token` is the fencing token. It is new on every claim or takeover of the record and
+/// only grows, and every outcome write checks it together with `id`, so a worker whose
+/// lease was taken over can no longer write an outcome. New records claimed by one
+/// batch statement share a token value: a token identifies a lease only together with
+/// `id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The record's primary key.
+    pub id: i64,
+    /// The fencing token.
+    pub token: i64,
+    /// Which claim of this key this is, from 1.
+    pub attempt: i32,
+    /// True when the previous owner's lease expired while it was `processing`: it may
+    /// have crashed half-way, so effects must be idempotent by the key.
+    pub takeover: bool,
+    /// When the lease lapses unless extended (database clock).
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What a claim found, deciding what the worker does with a delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// The caller owns the operation (new, taken over after an expired lease, or a
+    /// retryable failure re-claimed): run the handler.
+    Claimed(Lease),
+    /// Already done with this payload: do not run; the stored result is replayable.
+    Completed {
+        /// The stored result.
+        result: Option<Value>,
+    },
+    /// Another worker holds a live lease: do not run, retry later.
+    InProgress {
+        /// When that lease lapses, if known.
+        lease_expires_at: Option<DateTime<Utc>>,
+    },
+    /// The key was used with another payload: never run, never retry.
+    Conflict {
+        /// The fingerprint stored with the key.
+        stored: Fingerprint,
+    },
+    /// Failed and not retryable: do not run.
+    FailedForGood {
+        /// The record's primary key.
+        id: i64,
+        /// The stored error.
+        error: Option<Value>,
+        /// How many claims the key had.
+        attempts: i32,
+        /// Whether its dead letter was published. A worker that died between recording
+        /// the failure and publishing leaves this false: publish it then.
+        dead_lettered: bool,
+    },
+    /// The outcome is uncertain. The caller now holds a lease for reconciling it (call
+    /// the handler's `reconcile` with `external_ref`); it must not re-run the handler
+    /// unless reconcile says the effect was not applied.
+    Pending {
+        /// The lease for reconciling.
+        lease: Lease,
+        /// The provider's reference stored when the operation became pending.
+        external_ref: Option<String>,
+    },
+}
+
+/// Delivery details kept on a new record for inspection.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Origin {
+    /// The broker message id of the first delivery.
+    pub message_id: Option<String>,
+    /// The correlation id, if the producer set one.
+    pub correlation_id: Option<String>,
+}
+
+/// One claim of a batch: the arguments of [`crate::Store::claim`] as one value.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The key.
+    pub key: Key,
+    /// The payload's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Where the delivery came from.
+    pub origin: Origin,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_text_round_trips_and_unknown_is_an_error() {
+        for status in Status::ALL {
+            assert_eq!(status.as_str().parse::<Status>(), Ok(status));
+            assert_eq!(status.to_string(), status.as_str());
+        }
+        assert_eq!(
+            "archived".parse::<Status>(),
+            Err(UnknownStatus("archived".into()))
+        );
+    }
+
+    #[test]
+    fn stored_errors_have_one_shape_and_read_back() {
+        let stored = StoredError {
+            kind: "permanent",
+            error: "invalid amount",
+        }
+        .to_json();
+        assert_eq!(
+            stored,
+            serde_json::json!({"error": "invalid amount", "kind": "permanent"})
+        );
+        assert_eq!(StoredError::text_of(&stored), "invalid amount");
+        assert_eq!(StoredError::text_of(&serde_json::json!("raw")), "\"raw\"");
+    }
+}

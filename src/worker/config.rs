@@ -1,0 +1,64 @@
+//! Worker settings.
+
+use std::time::Duration;
+
+use crate::retry::RetryPolicy;
+use crate::topology::{self, QueueType};
+
+/// Worker settings.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// AMQP URL of the broker (default: `AMQP_URL`, else [`topology::DEFAULT_AMQP_URL`]).
+    pub amqp_url: String,
+    /// The work queue.
+    pub queue: String,
+    /// Classic or quorum queues.
+    pub queue_type: QueueType,
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Unacked deliveries the broker sends ahead (basic.qos).
+    pub prefetch: u16,
+    /// How transient failures are retried.
+    pub retry: RetryPolicy,
+    /// How long a shutdown waits for in-flight handlers before closing anyway.
+    pub shutdown_timeout: Duration,
+    /// Longest wait between reconnection attempts to the broker.
+    pub max_reconnect_delay: Duration,
+    /// The connection name shown by the broker.
+    pub name: String,
+    /// Run garbage collection of expired records this often (`None`: leave it to
+    /// `idem gc`).
+    pub gc_every: Option<Duration>,
+    /// Rows deleted per short transaction by the periodic garbage collection.
+    pub gc_batch: i64,
+    /// Most claims (and most completions) written in one statement. Deliveries that
+    /// arrive together share a statement and a commit; 1 turns batching off.
+    pub batch_size: usize,
+    /// How long a batch waits for more after its first request, and the longest that
+    /// decided acks are held to go out together (they go as soon as requests pause).
+    pub batch_linger: Duration,
+    /// Batches of claims (and of completions) running at once, each on its own
+    /// connection.
+    pub batches_in_flight: usize,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            amqp_url: topology::amqp_url(),
+            queue: "idem".into(),
+            queue_type: QueueType::Classic,
+            concurrency: 16,
+            prefetch: 64,
+            retry: RetryPolicy::default(),
+            shutdown_timeout: Duration::from_secs(30),
+            max_reconnect_delay: Duration::from_secs(5),
+            name: format!("idem-worker-{}", std::process::id()),
+            gc_every: None,
+            gc_batch: 1000,
+            batch_size: 128,
+            batch_linger: Duration::from_millis(1),
+            batches_in_flight: 3,
+        }
+    }
+}

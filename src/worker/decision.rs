@@ -1,0 +1,287 @@
+//! The decision table of docs/DESIGN.md ("One delivery, decided by the record") as
+//! pure functions: what the store found, or how a run of the handler was recorded, in;
+//! the next [`Step`] out. Nothing here waits, reads or writes: `execute` does what a
+//! step says and `settle` talks to the broker, so every row is a unit test.
+
+use std::time::Duration;
+
+use crate::dead_letter::Reason;
+use crate::retry::RetryPolicy;
+use crate::store::{Claim, Lease, StoredError};
+
+/// What a conflicting delivery's dead letter says.
+pub(crate) const CONFLICT: &str =
+    "the key was already used with another payload; a changed payload needs a new key";
+/// What a pending operation's dead letter says once its retries are used up.
+pub(crate) const STILL_PENDING: &str = "outcome still unknown after every retry; reconcile by hand";
+
+/// The next thing to do with a delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Step {
+    /// Run the handler under this lease (a new claim, a takeover or a re-claim).
+    Run(Lease),
+    /// Ask the handler's `reconcile` what became of a pending operation; never run it
+    /// blindly.
+    Reconcile {
+        lease: Lease,
+        external_ref: Option<String>,
+    },
+    /// A transient failure with immediate retries left: claim again after this pause,
+    /// in this process.
+    ClaimAgain { after: Duration },
+    /// Done deciding.
+    Settle(Verdict),
+}
+
+/// The end of a decision: what the broker is told, and what is reported.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Verdict {
+    pub(crate) action: Settle,
+    pub(crate) outcome: Outcome,
+}
+
+/// What the broker is told about a delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Settle {
+    /// Ack it: done, or nothing to do.
+    Ack,
+    /// Publish a copy through the retry queue of this delay, carrying `retries` in
+    /// `idem-retries`, then ack.
+    Retry { delay: Duration, retries: i64 },
+    /// No retry queues are configured: put it back in the queue after this pause.
+    Requeue { after: Duration },
+    /// Publish it to the DLQ, then ack.
+    DeadLetter(DeadLetterOrder),
+}
+
+/// A dead letter to publish, with what its headers say.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct DeadLetterOrder {
+    pub(crate) reason: Reason,
+    /// `idem-error`.
+    pub(crate) error: String,
+    /// `idem-attempts`: claims made on the key, 0 when none was.
+    pub(crate) attempts: i64,
+    /// The record to pin once the dead letter is confirmed, so retention keeps it while
+    /// the dead letter waits (none when there is no record, or it is not the cause).
+    pub(crate) pin: Option<i64>,
+}
+
+/// How a run of the handler, or a reconciliation, ended once its outcome was written.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Ran {
+    /// `completed` committed; `reconciled` when `reconcile` found the effect applied.
+    Completed { reconciled: bool },
+    /// Another worker took the operation over; nothing of this run was written.
+    LeaseLost,
+    /// Recorded as `failed`, retryable.
+    Transient { lease: Lease, error: String },
+    /// Recorded as `failed` for good.
+    Permanent { lease: Lease, error: String },
+    /// Recorded as `pending`: reconcile on a later delivery.
+    Pending { lease: Lease },
+}
+
+/// What became of one delivery: the `outcome` of the `delivery decided` event and of
+/// `idem_deliveries_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The handler ran and its result was recorded.
+    Executed,
+    /// Already completed: acked without running.
+    DuplicateCompleted,
+    /// Another worker holds the lease: sent to a retry queue.
+    DuplicateInProgress,
+    /// Failed for good earlier: acked without running.
+    DuplicateFailed,
+    /// Same key, other payload: dead-lettered.
+    Conflict,
+    /// Not a valid message: dead-lettered.
+    Malformed,
+    /// Transient failure: sent to a retry queue.
+    FailedTransient,
+    /// Permanent failure: dead-lettered.
+    FailedPermanent,
+    /// Transient failures outlasted the retries: dead-lettered.
+    RetriesExhausted,
+    /// Uncertain outcome: recorded as pending, sent to a retry queue to reconcile.
+    Pending,
+    /// A pending operation was reconciled as applied and completed.
+    Reconciled,
+    /// The lease was lost to another worker before the outcome was written.
+    LeaseLost,
+    /// The store or broker failed: requeued for another try.
+    Requeued,
+}
+
+impl Outcome {
+    /// The name used in logs and metrics.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::DuplicateCompleted => "duplicate_completed",
+            Outcome::DuplicateInProgress => "duplicate_in_progress",
+            Outcome::DuplicateFailed => "duplicate_failed",
+            Outcome::Conflict => "conflict",
+            Outcome::Malformed => "malformed",
+            Outcome::FailedTransient => "failed_transient",
+            Outcome::FailedPermanent => "failed_permanent",
+            Outcome::RetriesExhausted => "retries_exhausted",
+            Outcome::Pending => "pending",
+            Outcome::Reconciled => "reconciled",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::Requeued => "requeued",
+        }
+    }
+}
+
+/// The delayed retries left to a delivery: the policy's tiers and the `idem-retries`
+/// it already went through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Retries<'a> {
+    pub(crate) policy: &'a RetryPolicy,
+    /// Delayed retries this message already went through (`idem-retries`).
+    pub(crate) used: i64,
+}
+
+impl Retries<'_> {
+    /// Looks again later without spending a retry (another worker is on it).
+    fn later(self) -> Settle {
+        match self.policy.delays.first() {
+            Some(&delay) => Settle::Retry {
+                delay,
+                retries: self.used,
+            },
+            None => Settle::Requeue {
+                after: self.policy.max_backoff,
+            },
+        }
+    }
+
+    /// Spends the next delayed retry; `None` when they are used up.
+    fn next(self) -> Option<Settle> {
+        let delay = self.policy.delay(usize::try_from(self.used).ok()?)?;
+        Some(Settle::Retry {
+            delay,
+            retries: self.used + 1,
+        })
+    }
+}
+
+fn settle(action: Settle, outcome: Outcome) -> Step {
+    Step::Settle(Verdict { action, outcome })
+}
+
+fn dead_letter(
+    reason: Reason,
+    error: impl Into<String>,
+    attempts: i32,
+    pin: Option<i64>,
+    outcome: Outcome,
+) -> Step {
+    let order = DeadLetterOrder {
+        reason,
+        error: error.into(),
+        attempts: i64::from(attempts),
+        pin,
+    };
+    settle(Settle::DeadLetter(order), outcome)
+}
+
+/// A body that is not a JSON object, does not fit the message, or has no valid key:
+/// dead-lettered, no record.
+pub(crate) fn malformed(why: String) -> Verdict {
+    let order = DeadLetterOrder {
+        reason: Reason::Malformed,
+        error: why,
+        attempts: 0,
+        pin: None,
+    };
+    Verdict {
+        action: Settle::DeadLetter(order),
+        outcome: Outcome::Malformed,
+    }
+}
+
+/// What a claim found decides the delivery (one arm per row of the table).
+pub(crate) fn on_claim(claim: Claim, retries: Retries<'_>) -> Step {
+    match claim {
+        // No record, an expired lease (takeover) or a retryable failure: ours to run.
+        Claim::Claimed(lease) => Step::Run(lease),
+        Claim::Pending {
+            lease,
+            external_ref,
+        } => Step::Reconcile {
+            lease,
+            external_ref,
+        },
+        Claim::Completed { .. } => settle(Settle::Ack, Outcome::DuplicateCompleted),
+        Claim::InProgress { .. } => settle(retries.later(), Outcome::DuplicateInProgress),
+        Claim::Conflict { .. } => dead_letter(
+            Reason::FingerprintConflict,
+            CONFLICT,
+            0,
+            None,
+            Outcome::Conflict,
+        ),
+        Claim::FailedForGood {
+            dead_lettered: true,
+            ..
+        } => settle(Settle::Ack, Outcome::DuplicateFailed),
+        // The worker that failed it died before publishing the dead letter: publish it.
+        Claim::FailedForGood {
+            id,
+            error,
+            attempts,
+            dead_lettered: false,
+        } => {
+            let error = error
+                .as_ref()
+                .map_or_else(|| "unknown error".to_owned(), StoredError::text_of);
+            let outcome = Outcome::FailedPermanent;
+            dead_letter(Reason::PermanentFailure, error, attempts, Some(id), outcome)
+        }
+    }
+}
+
+/// How the run was recorded decides the rest. `immediate` is the pause before the next
+/// in-process retry, `None` once those are used up.
+pub(crate) fn after_run(ran: Ran, immediate: Option<Duration>, retries: Retries<'_>) -> Step {
+    match ran {
+        Ran::Completed { reconciled: false } => settle(Settle::Ack, Outcome::Executed),
+        Ran::Completed { reconciled: true } => settle(Settle::Ack, Outcome::Reconciled),
+        Ran::LeaseLost => settle(retries.later(), Outcome::LeaseLost),
+        Ran::Transient { lease, error } => match (immediate, retries.next()) {
+            (Some(after), _) => Step::ClaimAgain { after },
+            (None, Some(retry)) => settle(retry, Outcome::FailedTransient),
+            (None, None) => dead_letter(
+                Reason::RetriesExhausted,
+                error,
+                lease.attempt,
+                Some(lease.id),
+                Outcome::RetriesExhausted,
+            ),
+        },
+        Ran::Permanent { lease, error } => dead_letter(
+            Reason::PermanentFailure,
+            error,
+            lease.attempt,
+            Some(lease.id),
+            Outcome::FailedPermanent,
+        ),
+        Ran::Pending { lease } => match retries.next() {
+            Some(retry) => settle(retry, Outcome::Pending),
+            None => dead_letter(
+                Reason::RetriesExhausted,
+                STILL_PENDING,
+                lease.attempt,
+                Some(lease.id),
+                Outcome::RetriesExhausted,
+            ),
+        },
+    }
+}
+
+#[cfg(test)]
+#[path = "decision_tests.rs"]
+mod tests;

@@ -1,0 +1,409 @@
+//! Doing what the decision says for one delivery: parse it, claim its key, run or
+//! reconcile the handler under the lease with heartbeats, record the outcome (fenced),
+//! and hand the last step to `settle`.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use lapin::Channel;
+use lapin::message::Delivery;
+use serde::Deserialize;
+use serde_json::Value;
+use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
+
+use super::acks::Acks;
+use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
+use super::settle::Settler;
+use super::{Shared, WorkerError};
+use crate::failpoint;
+use crate::fingerprint::Fingerprint;
+use crate::handler::{Context, Handler, HandlerError, Reconciliation};
+use crate::key::Key;
+use crate::metrics;
+use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError};
+
+/// How long a delivery that could not be decided waits before it is requeued, so an
+/// outage does not turn into a hot redelivery loop.
+const REQUEUE_PAUSE: Duration = Duration::from_millis(500);
+
+/// Decides one delivery inside its span, and requeues it if the store or broker failed.
+pub(super) async fn process<H: Handler>(
+    shared: &Shared<H>,
+    publish: &Channel,
+    acks: &Acks,
+    delivery: Delivery,
+) {
+    let span = info_span!(
+        "delivery",
+        queue = %shared.config.queue,
+        operation = H::OPERATION,
+        scope = field::Empty,
+        key = field::Empty,
+        attempt = field::Empty,
+        redelivered = delivery.redelivered,
+    );
+    let received = Instant::now();
+    let settler = Settler {
+        acks,
+        operation: H::OPERATION,
+        store: &shared.store,
+        channel: publish,
+        delivery: &delivery,
+        queue: &shared.config.queue,
+    };
+    async {
+        let outcome = match decide(shared, &settler).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                error!(error = %crate::error_line(&error), "delivery not decided; requeueing it");
+                tokio::time::sleep(REQUEUE_PAUSE).await;
+                settler.requeue();
+                Outcome::Requeued
+            }
+        };
+        metrics::delivery(H::OPERATION, outcome.as_str());
+        info!(
+            outcome = outcome.as_str(),
+            elapsed_ms = rounded_ms(received.elapsed()),
+            "delivery decided"
+        );
+    }
+    .instrument(span)
+    .await
+}
+
+/// Milliseconds with one decimal, for logs (`10.2`, not `10.247793999999999`).
+fn rounded_ms(elapsed: Duration) -> f64 {
+    (elapsed.as_secs_f64() * 10_000.0).round() / 10.0
+}
+
+/// A message that passed parsing; the typed message travels beside it, since the
+/// handler consumes it.
+struct Parsed {
+    value: Value,
+    key: Key,
+    fingerprint: Fingerprint,
+}
+
+fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), String> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
+    if !value.is_object() {
+        return Err("body is not a JSON object".into());
+    }
+    let message = H::Message::deserialize(&value)
+        .map_err(|e| format!("body does not fit the message: {e}"))?;
+    let key = Key::new(
+        handler.scope(&message),
+        H::OPERATION,
+        handler.idempotency_key(&message),
+    )
+    .map_err(|e| format!("invalid key: {e}"))?;
+    let fingerprint = Fingerprint::of(&value, handler.volatile_fields());
+    let parsed = Parsed {
+        value,
+        key,
+        fingerprint,
+    };
+    Ok((parsed, message))
+}
+
+/// Walks the decision table for one delivery: claim, then run or reconcile as the
+/// decision says, until it says how to settle.
+async fn decide<H: Handler>(
+    shared: &Shared<H>,
+    settler: &Settler<'_>,
+) -> Result<Outcome, WorkerError> {
+    let (parsed, message) = match parse(&shared.handler, &settler.delivery.data) {
+        Ok(parsed) => parsed,
+        Err(why) => return settle(settler, decision::malformed(why), None).await,
+    };
+    let span = Span::current();
+    span.record("scope", parsed.key.scope());
+    span.record("key", parsed.key.short_hash());
+    let properties = &settler.delivery.properties;
+    let request = ClaimRequest {
+        key: parsed.key.clone(),
+        fingerprint: parsed.fingerprint.clone(),
+        origin: Origin {
+            message_id: properties.message_id().as_ref().map(|s| s.to_string()),
+            correlation_id: properties.correlation_id().as_ref().map(|s| s.to_string()),
+        },
+    };
+    let retries = Retries {
+        policy: &shared.config.retry,
+        used: settler.retries(),
+    };
+    let mut immediate = shared.config.retry.immediate_backoff();
+    let mut message = Some(message);
+    let mut step = decision::on_claim(shared.claims.call(request.clone()).await?, retries);
+    loop {
+        step = match step {
+            Step::Run(lease) => {
+                span.record("attempt", lease.attempt);
+                failpoint::hit("after-claim");
+                let ran = run(shared, &parsed, message.take(), &lease).await?;
+                decision::after_run(ran, immediate.next(), retries)
+            }
+            Step::Reconcile {
+                lease,
+                external_ref,
+            } => {
+                span.record("attempt", lease.attempt);
+                let external_ref = external_ref.as_deref();
+                let ran = reconcile(shared, &parsed, message.take(), &lease, external_ref).await?;
+                decision::after_run(ran, immediate.next(), retries)
+            }
+            Step::ClaimAgain { after } => {
+                debug!(
+                    delay_ms = after.as_millis() as u64,
+                    "transient failure, retrying in process"
+                );
+                tokio::time::sleep(after).await;
+                decision::on_claim(shared.claims.call(request.clone()).await?, retries)
+            }
+            Step::Settle(verdict) => return settle(settler, verdict, Some(&parsed.key)).await,
+        };
+    }
+}
+
+/// Carries out the verdict on the broker and returns its outcome.
+async fn settle(
+    settler: &Settler<'_>,
+    verdict: Verdict,
+    key: Option<&Key>,
+) -> Result<Outcome, WorkerError> {
+    if verdict.outcome == Outcome::LeaseLost {
+        warn!("lease lost to another worker; its outcome decides");
+    }
+    settler.apply(verdict.action, key).await?;
+    Ok(verdict.outcome)
+}
+
+/// The message, or the message again for a second run (the handler consumed the
+/// first), and a fresh context for a run under `lease`.
+fn prepare<H: Handler>(
+    shared: &Shared<H>,
+    parsed: &Parsed,
+    message: Option<H::Message>,
+    lease: &Lease,
+) -> Result<(H::Message, Context), WorkerError> {
+    let message = match message {
+        Some(message) => message,
+        None => H::Message::deserialize(&parsed.value).map_err(WorkerError::Reparse)?,
+    };
+    let ctx = Context::new(
+        parsed.key.clone(),
+        lease.attempt,
+        lease.takeover,
+        shared.store.pool().clone(),
+    );
+    Ok((message, ctx))
+}
+
+/// Runs the handler under `lease` with a heartbeat, and records its outcome.
+async fn run<H: Handler>(
+    shared: &Shared<H>,
+    parsed: &Parsed,
+    message: Option<H::Message>,
+    lease: &Lease,
+) -> Result<Ran, WorkerError> {
+    let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
+    if lease.takeover {
+        metrics::delivery(H::OPERATION, "takeover");
+    }
+    let started = Instant::now();
+    let handling = shared.handler.handle(message, &mut ctx);
+    let result = guarded(&shared.store, lease, handling).await;
+    metrics::handler_duration(H::OPERATION, started.elapsed());
+    failpoint::hit("after-effect");
+    record(shared, &mut ctx, lease, result, false).await
+}
+
+/// Asks the handler what became of a pending operation, and acts on the answer.
+async fn reconcile<H: Handler>(
+    shared: &Shared<H>,
+    parsed: &Parsed,
+    message: Option<H::Message>,
+    lease: &Lease,
+    external_ref: Option<&str>,
+) -> Result<Ran, WorkerError> {
+    let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
+    let reconciling = shared.handler.reconcile(&message, external_ref, &mut ctx);
+    let answer = match guarded(&shared.store, lease, reconciling).await {
+        Ok(Reconciliation::Applied(output)) => Ok(output),
+        Ok(Reconciliation::NotApplied) => {
+            info!("reconcile: not applied, running the handler again");
+            drop(ctx);
+            return run(shared, parsed, Some(message), lease).await;
+        }
+        Ok(Reconciliation::Unknown) => Err(HandlerError::uncertain(
+            None,
+            "reconcile: outcome still unknown",
+        )),
+        // A failing reconciliation says nothing about the effect: stay pending.
+        Err(HandlerError::Permanent(e)) => Err(HandlerError::Permanent(e)),
+        Err(other) => Err(HandlerError::uncertain(
+            None,
+            format!("reconcile failed: {}", other.message()),
+        )),
+    };
+    record(shared, &mut ctx, lease, answer, true).await
+}
+
+/// Writes the outcome, fenced by the lease; a success commits the handler's transaction
+/// together with the `completed` record.
+async fn record<H: Handler>(
+    shared: &Shared<H>,
+    ctx: &mut Context,
+    lease: &Lease,
+    result: Result<H::Output, HandlerError>,
+    reconciled: bool,
+) -> Result<Ran, WorkerError> {
+    let store = &shared.store;
+    let tx = ctx.take_tx();
+    let output = result.and_then(|output| {
+        serde_json::to_value(output)
+            .map_err(|e| HandlerError::permanent(format!("handler output does not serialize: {e}")))
+    });
+    let output = match output {
+        Ok(output) => output,
+        Err(error) => {
+            drop(tx); // the handler's writes roll back
+            return record_failure(store, lease, error).await;
+        }
+    };
+    let done = Ran::Completed { reconciled };
+    let ran = match tx {
+        None => match shared.completions.call((lease.clone(), output)).await? {
+            true => done,
+            false => Ran::LeaseLost,
+        },
+        Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
+            Ok(()) => {
+                failpoint::hit("before-commit");
+                tx.commit().await.map_err(StoreError::from)?;
+                done
+            }
+            Err(StoreError::LeaseLost { .. }) => {
+                // A zombie: another worker owns the operation; undo our writes.
+                let _ = tx.rollback().await;
+                Ran::LeaseLost
+            }
+            Err(e) => return Err(e.into()),
+        },
+    };
+    if matches!(ran, Ran::Completed { .. }) {
+        failpoint::hit("after-complete");
+    }
+    Ok(ran)
+}
+
+/// Records a failed run by its kind: `failed` (retryable or not) or `pending`.
+async fn record_failure(
+    store: &Store,
+    lease: &Lease,
+    error: HandlerError,
+) -> Result<Ran, WorkerError> {
+    let text = error.message().to_owned();
+    let stored = |kind| StoredError { kind, error: &text }.to_json();
+    let (written, ran) = match &error {
+        HandlerError::Transient(_) => {
+            warn!(error = %text, "handler failed, transient");
+            let written = store.fail(lease, true, &stored("transient")).await;
+            let ran = Ran::Transient {
+                lease: lease.clone(),
+                error: text.clone(),
+            };
+            (written, ran)
+        }
+        HandlerError::Permanent(_) => {
+            warn!(error = %text, "handler failed, permanent");
+            let written = store.fail(lease, false, &stored("permanent")).await;
+            let ran = Ran::Permanent {
+                lease: lease.clone(),
+                error: text.clone(),
+            };
+            (written, ran)
+        }
+        HandlerError::Uncertain { external_ref, .. } => {
+            warn!(error = %text, "outcome uncertain, pending reconciliation");
+            let written = store
+                .mark_pending(lease, external_ref.as_deref(), &stored("uncertain"))
+                .await;
+            let ran = Ran::Pending {
+                lease: lease.clone(),
+            };
+            (written, ran)
+        }
+    };
+    match written {
+        Ok(()) => Ok(ran),
+        Err(StoreError::LeaseLost { .. }) => Ok(Ran::LeaseLost),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Awaits a call into the handler while heartbeats keep `lease` alive; a panic counts
+/// as a transient failure (the message is retried, never lost, the worker lives on).
+///
+/// The heartbeat runs in the same task as the call, so a short handler costs a timer,
+/// not a task. A handler that blocks its thread stops its heartbeats too: it becomes a
+/// zombie whose outcome the fencing token refuses, as if its process had stalled.
+async fn guarded<T>(
+    store: &Store,
+    lease: &Lease,
+    call: impl Future<Output = Result<T, HandlerError>>,
+) -> Result<T, HandlerError> {
+    let call = AssertUnwindSafe(call).catch_unwind();
+    let beat = heartbeat(store, lease);
+    tokio::pin!(call, beat);
+    tokio::select! {
+        biased;
+        done = &mut call => {
+            done.unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
+        }
+        never = &mut beat => match never {},
+    }
+}
+
+/// Extends `lease` every third of the lease time, forever; after the lease is lost it
+/// only waits (the outcome write will be refused).
+async fn heartbeat(store: &Store, lease: &Lease) -> std::convert::Infallible {
+    let every = store.config().lease / 3;
+    loop {
+        tokio::time::sleep(every).await;
+        match store.heartbeat(lease).await {
+            Ok(_) => {}
+            Err(StoreError::LeaseLost { .. }) => {
+                warn!(
+                    "heartbeat: lease lost to another worker; this run's outcome will be refused"
+                );
+                return std::future::pending().await;
+            }
+            Err(error) => warn!(error = %crate::error_line(&error), "heartbeat failed; retrying"),
+        }
+    }
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    format!("handler panicked: {text}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_durations_are_rounded_to_a_tenth_of_a_millisecond() {
+        assert_eq!(rounded_ms(Duration::from_nanos(10_247_793)), 10.2);
+        assert_eq!(rounded_ms(Duration::from_micros(1_950)), 2.0);
+    }
+}

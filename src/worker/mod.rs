@@ -1,0 +1,229 @@
+//! The worker: consumes a queue and decides every delivery by its record.
+//!
+//! For each delivery (docs/DESIGN.md, "One delivery, decided by the record"): parse,
+//! derive the key, claim it, run the handler only when the store says so, record the
+//! outcome, and only then ack. Retries and dead letters are published with publisher
+//! confirms before the original is acked. The broker connection is re-established with
+//! backoff whenever it drops; deliveries in flight at that moment come back as
+//! redeliveries and are decided by the store again.
+//!
+//! - `config`: [`WorkerConfig`];
+//! - `session`: one broker connection (declare, consume, dispatch, drain);
+//! - `decision`: the decision table as pure functions;
+//! - `execute`: parse, claim, run or reconcile under the lease, record;
+//! - `settle`: ack, retry, requeue or dead-letter on the broker;
+//! - `batch` and `acks`: claims, completions and acks that share a round trip.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+mod acks;
+mod batch;
+mod config;
+mod decision;
+mod execute;
+mod session;
+mod settle;
+
+pub use config::WorkerConfig;
+
+use crate::handler::Handler;
+use crate::metrics::BrokerHealth;
+use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
+use crate::topology::{self, Topology};
+use batch::Batcher;
+use session::{Session, SessionError};
+
+/// Why a delivery could not be decided (it is requeued), or why a session ended (the
+/// worker reconnects).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// The broker failed or could not be reached.
+    #[error("broker")]
+    Broker(#[source] lapin::Error),
+    /// The store failed or could not be reached.
+    #[error("store")]
+    Store(#[from] StoreError),
+    /// A retry or dead letter was not published.
+    #[error("publish")]
+    Publish(#[from] topology::PublishError),
+    /// The broker ended the consumer (queue deleted, or the channel closed).
+    #[error("the broker cancelled the consumer")]
+    ConsumerCancelled,
+    /// The message parsed for its first run but not for a second one (a handler
+    /// whose `Message` type deserializes differently from the same JSON).
+    #[error("the message no longer deserializes for another run")]
+    Reparse(#[source] serde_json::Error),
+}
+
+impl From<lapin::Error> for WorkerError {
+    fn from(error: lapin::Error) -> Self {
+        WorkerError::Broker(error)
+    }
+}
+
+/// Consumes one queue with one [`Handler`].
+pub struct Worker<H: Handler> {
+    handler: H,
+    store: Store,
+    config: WorkerConfig,
+    topology: Topology,
+    broker: BrokerHealth,
+}
+
+/// What every delivery's task shares.
+struct Shared<H> {
+    handler: H,
+    store: Store,
+    config: WorkerConfig,
+    /// Claims of deliveries that arrive together, in one statement.
+    claims: Batcher<ClaimRequest, Claim>,
+    /// Completions without a handler transaction, in one statement.
+    completions: Batcher<(Lease, Value), bool>,
+}
+
+impl<H: Handler> Worker<H> {
+    /// A worker running `handler` on `store` (whose lease time is the claim lease).
+    pub fn new(handler: H, store: Store, config: WorkerConfig) -> Self {
+        let topology = Topology {
+            queue: config.queue.clone(),
+            queue_type: config.queue_type,
+            retry_delays: config.retry.delays.clone(),
+        };
+        Self {
+            handler,
+            store,
+            config,
+            topology,
+            broker: BrokerHealth::default(),
+        }
+    }
+
+    /// Whether the worker is connected to the broker and consuming (for `/healthz`).
+    pub fn broker_health(&self) -> BrokerHealth {
+        self.broker.clone()
+    }
+
+    /// The queues this worker declares.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// Consumes until `shutdown` is cancelled, reconnecting to the broker with backoff
+    /// whenever the connection drops. On shutdown it stops consuming, lets in-flight
+    /// handlers finish (up to the shutdown timeout), acks them and closes cleanly.
+    ///
+    /// Every broker and store error is retried, so today it returns `Ok` once
+    /// `shutdown` is cancelled; the `Result` is for errors retrying cannot fix.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        let Worker {
+            handler,
+            store,
+            config,
+            topology,
+            broker,
+        } = self;
+        if let Some(every) = config.gc_every {
+            let gc = collect_garbage(store.clone(), every, config.gc_batch, shutdown.clone());
+            tokio::spawn(gc);
+        }
+        let shared = Arc::new(Shared {
+            claims: batched(&store, &config, |store, requests| async move {
+                store.claim_many(&requests).await
+            }),
+            completions: batched(&store, &config, |store, items| async move {
+                store.complete_many(&items).await
+            }),
+            handler,
+            store,
+            config,
+        });
+        let session = Session {
+            shared: shared.clone(),
+            topology,
+            broker,
+        };
+        let tasks = TaskTracker::new();
+        let permits = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
+        let mut backoff = session.reconnect_backoff();
+        // Whether a session already waited for the handlers in flight on shutdown.
+        let mut drained = false;
+        while !shutdown.is_cancelled() {
+            let result = session.run(&shutdown, &tasks, &permits).await;
+            session.broker.set(false);
+            let SessionError { connected, error } = match result {
+                Ok(()) => {
+                    drained = true;
+                    break;
+                }
+                Err(lost) => lost,
+            };
+            if connected {
+                backoff = session.reconnect_backoff();
+            }
+            let delay = backoff.next().unwrap_or(shared.config.max_reconnect_delay);
+            warn!(error = %crate::error_line(&error), retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown.cancelled() => {}
+            }
+        }
+        // Stopped while reconnecting: handlers from the dropped connection may still be
+        // running; let them finish (their acks go nowhere, their outcomes count).
+        if !drained {
+            drain(&tasks, shared.config.shutdown_timeout).await;
+        }
+        info!("worker stopped");
+        Ok(())
+    }
+}
+
+/// A batching loop of `config`'s size, linger and parallelism around a store call.
+fn batched<Req, Resp, F, Fut>(store: &Store, config: &WorkerConfig, call: F) -> Batcher<Req, Resp>
+where
+    Req: Send + 'static,
+    Resp: Send + 'static,
+    F: Fn(Store, Vec<Req>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Vec<Resp>, StoreError>> + Send + 'static,
+{
+    let store = store.clone();
+    Batcher::spawn(
+        config.batch_size,
+        config.batch_linger,
+        config.batches_in_flight,
+        move |requests| call(store.clone(), requests),
+    )
+}
+
+/// Stops taking tasks and waits for the running ones, at most `timeout`.
+async fn drain(tasks: &TaskTracker, timeout: Duration) {
+    tasks.close();
+    if tokio::time::timeout(timeout, tasks.wait()).await.is_err() {
+        warn!(
+            running = tasks.len(),
+            "shutdown timeout: handlers still running are abandoned; their messages will be redelivered"
+        );
+    }
+}
+
+/// Deletes expired records every `every` until shutdown.
+async fn collect_garbage(store: Store, every: Duration, batch: i64, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match store.gc(batch).await {
+            Ok(0) => {}
+            Ok(deleted) => info!(deleted, "garbage collection"),
+            Err(error) => warn!(error = %crate::error_line(&error), "garbage collection failed"),
+        }
+    }
+}
