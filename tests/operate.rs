@@ -325,6 +325,98 @@ async fn discard_removes_dead_letters_and_records_the_decision(
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let key = Key::new("acme", "orders.create", "evt-hashed").unwrap();
+    let fingerprint = Fingerprint::of(&json!({"event_id": "evt-hashed"}), &[]);
+    store
+        .claim(&key, &fingerprint, &Origin::default())
+        .await
+        .unwrap();
+    // A neighbour in the same scope and operation that the hash must not pick.
+    let other = Key::new("acme", "orders.create", "evt-other").unwrap();
+    store
+        .claim(&other, &fingerprint, &Origin::default())
+        .await
+        .unwrap();
+    let hash = key.short_hash();
+    let by_hash = [
+        "--scope",
+        "acme",
+        "--operation",
+        "orders.create",
+        "--key",
+        &hash,
+    ];
+
+    let (code, out) = idem(
+        &url,
+        &[&["ops", "show"][..], &by_hash, &["--json"]].concat(),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    let record: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(record["idempotency_key"], "evt-hashed");
+    let (code, out) = idem(&url, &[&["ops", "release"][..], &by_hash].concat()).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("evt-hashed"), "{out}");
+
+    // A database that does not exist: an error that names it, and still no database.
+    let missing = format!("idem_missing_{}", uuid::Uuid::new_v4().simple());
+    let missing_url = database_url(&connect.clone().database(&missing));
+    for args in [
+        &["ops", "list", "--status", "processing"][..],
+        &[
+            "ops",
+            "show",
+            "--scope",
+            "a",
+            "--operation",
+            "b",
+            "--key",
+            "c",
+        ],
+        &["gc"],
+    ] {
+        let out = idem_command(&missing_url, args).output().await.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(&missing), "{args:?}: {stderr}");
+    }
+    let created: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&missing)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!created, "an inspecting command created {missing}");
+
+    // A database without idem's schema: told to migrate, not answered "no record".
+    let empty = format!("idem_empty_{}", uuid::Uuid::new_v4().simple());
+    sqlx::query(&format!("CREATE DATABASE {empty}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let empty_url = database_url(&connect.clone().database(&empty));
+    let out = idem_command(&empty_url, &["ops", "list", "--status", "pending"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("run `idem migrate` first"), "{stderr}");
+    sqlx::query(&format!("DROP DATABASE {empty}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConnectOptions) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     let url = database_url(&connect);
