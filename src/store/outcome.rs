@@ -49,22 +49,48 @@ static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// Extends the lease by `$3` milliseconds.
+static HEARTBEAT_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations
+         SET lease_expires_at = now() + $3::bigint * interval '1 millisecond'
+         WHERE {FENCED}
+         RETURNING lease_expires_at"
+    )
+});
+
+/// A failure: retryable (`$3`) or not, with the stored error `$4`.
+static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations
+         SET status = 'failed', retryable = $3, error = $4,
+             lease_expires_at = NULL, updated_at = now()
+         WHERE {FENCED}"
+    )
+});
+
+/// An uncertain outcome with the provider's reference `$3` and the stored error `$4`;
+/// the lease is given up.
+static PENDING_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations
+         SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
+             retryable = false, lease_expires_at = NULL, updated_at = now()
+         WHERE {FENCED}"
+    )
+});
+
 impl Store {
     /// Extends the lease by the configured lease time (heartbeat) while a handler runs.
     /// Returns the new expiry, or [`StoreError::LeaseLost`] if another worker took over.
     pub async fn heartbeat(&self, lease: &Lease) -> Result<DateTime<Utc>, StoreError> {
         let started = Instant::now();
-        let expires: Option<DateTime<Utc>> = sqlx::query_scalar(&format!(
-            "UPDATE processed_operations
-             SET lease_expires_at = now() + $3::bigint * interval '1 millisecond'
-             WHERE {FENCED}
-             RETURNING lease_expires_at"
-        ))
-        .bind(lease.id)
-        .bind(lease.token)
-        .bind(millis(self.config.lease))
-        .fetch_optional(&self.pool)
-        .await?;
+        let expires: Option<DateTime<Utc>> = sqlx::query_scalar(HEARTBEAT_SQL.as_str())
+            .bind(lease.id)
+            .bind(lease.token)
+            .bind(millis(self.config.lease))
+            .fetch_optional(&self.pool)
+            .await?;
         metrics::store_round_trip("heartbeat", started);
         expires.ok_or(StoreError::LeaseLost { token: lease.token })
     }
@@ -135,18 +161,13 @@ impl Store {
         error: &Value,
     ) -> Result<(), StoreError> {
         let started = Instant::now();
-        let done = sqlx::query(&format!(
-            "UPDATE processed_operations
-             SET status = 'failed', retryable = $3, error = $4,
-                 lease_expires_at = NULL, updated_at = now()
-             WHERE {FENCED}"
-        ))
-        .bind(lease.id)
-        .bind(lease.token)
-        .bind(retryable)
-        .bind(error)
-        .execute(&self.pool)
-        .await?;
+        let done = sqlx::query(FAIL_SQL.as_str())
+            .bind(lease.id)
+            .bind(lease.token)
+            .bind(retryable)
+            .bind(error)
+            .execute(&self.pool)
+            .await?;
         metrics::store_round_trip("fail", started);
         fenced(done.rows_affected(), lease)
     }
@@ -161,18 +182,13 @@ impl Store {
         error: &Value,
     ) -> Result<(), StoreError> {
         let started = Instant::now();
-        let done = sqlx::query(&format!(
-            "UPDATE processed_operations
-             SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
-                 retryable = false, lease_expires_at = NULL, updated_at = now()
-             WHERE {FENCED}"
-        ))
-        .bind(lease.id)
-        .bind(lease.token)
-        .bind(external_ref)
-        .bind(error)
-        .execute(&self.pool)
-        .await?;
+        let done = sqlx::query(PENDING_SQL.as_str())
+            .bind(lease.id)
+            .bind(lease.token)
+            .bind(external_ref)
+            .bind(error)
+            .execute(&self.pool)
+            .await?;
         metrics::store_round_trip("mark_pending", started);
         fenced(done.rows_affected(), lease)
     }

@@ -308,39 +308,33 @@ async fn record_failure(
     error: HandlerError,
 ) -> Result<Ran, WorkerError> {
     let text = error.message().to_owned();
-    let stored = |kind| StoredError { kind, error: &text }.to_json();
-    let (written, ran) = match &error {
-        HandlerError::Transient(_) => {
-            warn!(error = %text, "handler failed, transient");
-            let written = store.fail(lease, true, &stored("transient")).await;
-            let ran = Ran::Transient {
-                lease: lease.clone(),
-                error: text.clone(),
-            };
-            (written, ran)
-        }
-        HandlerError::Permanent(_) => {
-            warn!(error = %text, "handler failed, permanent");
-            let written = store.fail(lease, false, &stored("permanent")).await;
-            let ran = Ran::Permanent {
-                lease: lease.clone(),
-                error: text.clone(),
-            };
-            (written, ran)
+    let written = match &error {
+        HandlerError::Transient(_) | HandlerError::Permanent(_) => {
+            let retryable = matches!(error, HandlerError::Transient(_));
+            let kind = if retryable { "transient" } else { "permanent" };
+            warn!(error = %text, "handler failed, {kind}");
+            let stored = StoredError { kind, error: &text }.to_json();
+            store.fail(lease, retryable, &stored).await
         }
         HandlerError::Uncertain { external_ref, .. } => {
             warn!(error = %text, "outcome uncertain, pending reconciliation");
-            let written = store
-                .mark_pending(lease, external_ref.as_deref(), &stored("uncertain"))
-                .await;
-            let ran = Ran::Pending {
-                lease: lease.clone(),
+            let stored = StoredError {
+                kind: "uncertain",
+                error: &text,
             };
-            (written, ran)
+            let external_ref = external_ref.as_deref();
+            store
+                .mark_pending(lease, external_ref, &stored.to_json())
+                .await
         }
     };
+    let lease = lease.clone();
     match written {
-        Ok(()) => Ok(ran),
+        Ok(()) => Ok(match error {
+            HandlerError::Transient(_) => Ran::Transient { lease, error: text },
+            HandlerError::Permanent(_) => Ran::Permanent { lease, error: text },
+            HandlerError::Uncertain { .. } => Ran::Pending { lease },
+        }),
         Err(StoreError::LeaseLost { .. }) => Ok(Ran::LeaseLost),
         Err(e) => Err(e.into()),
     }
