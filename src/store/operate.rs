@@ -3,6 +3,10 @@
 
 use std::time::{Duration, Instant};
 
+use sqlx::Postgres;
+use sqlx::postgres::PgArguments;
+use sqlx::query::QueryAs;
+
 use super::record::{Record, Status};
 use super::{Store, StoreError, millis};
 use crate::key::Key;
@@ -29,17 +33,15 @@ impl Store {
     /// retention delete it). Returns the record as it is now, or `None` if there is
     /// none or it is completed.
     pub async fn prepare_replay(&self, key: &Key) -> Result<Option<Record>, StoreError> {
-        Ok(sqlx::query_as(
+        Ok(record_by_key(
             "UPDATE processed_operations
              SET retryable = (status = 'failed') OR retryable, dead_lettered_at = NULL,
                  replay_count = replay_count + 1, last_replayed_at = now(), updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
                AND status <> 'completed'
              RETURNING *",
+            key,
         )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.idempotency_key())
         .fetch_optional(&self.pool)
         .await?)
     }
@@ -65,16 +67,14 @@ impl Store {
     /// Records an operator's decision to discard the operation's dead letter: the
     /// record is unpinned and expires after the retention like a completed one.
     pub async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
-        Ok(sqlx::query_as(
+        Ok(record_by_key(
             "UPDATE processed_operations
              SET discarded_at = now(), dead_lettered_at = NULL, updated_at = now(),
                  expires_at = COALESCE(expires_at, now() + $4::bigint * interval '1 millisecond')
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
              RETURNING *",
+            key,
         )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.idempotency_key())
         .bind(millis(self.config.retention))
         .fetch_optional(&self.pool)
         .await?)
@@ -84,16 +84,14 @@ impl Store {
     /// known to be dead): the next delivery takes it over with a new fencing token, so
     /// the dead worker could not write an outcome even if it came back.
     pub async fn release(&self, key: &Key) -> Result<Option<Record>, StoreError> {
-        Ok(sqlx::query_as(
+        Ok(record_by_key(
             "UPDATE processed_operations
              SET lease_expires_at = now(), updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
                AND status IN ('processing', 'pending')
              RETURNING *",
+            key,
         )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.idempotency_key())
         .fetch_optional(&self.pool)
         .await?)
     }
@@ -154,13 +152,11 @@ impl Store {
 
     /// Loads the record of `key`, if any.
     pub async fn get(&self, key: &Key) -> Result<Option<Record>, StoreError> {
-        Ok(sqlx::query_as(
+        Ok(record_by_key(
             "SELECT * FROM processed_operations
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
+            key,
         )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.idempotency_key())
         .fetch_optional(&self.pool)
         .await?)
     }
@@ -192,4 +188,13 @@ impl Store {
         .fetch_all(&self.pool)
         .await?)
     }
+}
+
+/// One record addressed by its key: `sql`'s `$1`, `$2` and `$3` are bound to the
+/// key's scope, operation and idempotency key.
+fn record_by_key<'q>(sql: &'q str, key: &'q Key) -> QueryAs<'q, Postgres, Record, PgArguments> {
+    sqlx::query_as(sql)
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
 }
