@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use idem::{
-    Context, Handler, HandlerError, QueueType, ResultExt, RetryPolicy, Store, StoreConfig, Worker,
+    Context, Handler, HandlerError, QueueType, RetryPolicy, Store, StoreConfig, Worker,
     WorkerConfig,
 };
 use serde::{Deserialize, Deserializer};
@@ -87,12 +87,13 @@ impl Handler for Orders {
         .bind(ctx.provider_key())
         .bind(&order.event_id)
         .execute(ctx.pool())
-        .await
-        .transient()?;
+        .await?;
         if !self.provider_delay.is_zero() {
             tokio::time::sleep(self.provider_delay).await;
         }
-        // The database effect, committed atomically with the `completed` record.
+        // The database effect, committed atomically with the `completed` record. `?`
+        // sorts database errors by cause: an order whose data Postgres refuses (a NUL
+        // in `order_id`, say) fails for good at once; an outage is retried.
         sqlx::query(
             "INSERT INTO example_ledger (event_id, tenant, order_id, amount_cents, created_at)
              VALUES ($1, $2, $3, $4, now())",
@@ -101,9 +102,8 @@ impl Handler for Orders {
         .bind(&order.tenant)
         .bind(&order.order_id)
         .bind(order.amount_cents)
-        .execute(ctx.tx().await.transient()?)
-        .await
-        .transient()?;
+        .execute(ctx.tx().await?)
+        .await?;
         Ok(json!({"order_id": order.order_id, "booked_cents": order.amount_cents}))
     }
 }

@@ -36,7 +36,7 @@ pub const RETRIES: &str = "idem-retries";
 /// Why a message was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
-    /// Not JSON, not an object, or no valid key.
+    /// Not JSON, not an object, no valid key, or data the database refuses.
     Malformed,
     /// The key was already used with another payload.
     FingerprintConflict,
@@ -44,6 +44,9 @@ pub enum Reason {
     PermanentFailure,
     /// Transient failures outlasted every retry.
     RetriesExhausted,
+    /// The delivery could not be decided many times in a row while the store decided
+    /// others: an error nobody foresaw, stopped from looping forever. Replayable.
+    Undecidable,
 }
 
 impl Reason {
@@ -54,6 +57,7 @@ impl Reason {
             Reason::FingerprintConflict => "fingerprint_conflict",
             Reason::PermanentFailure => "permanent_failure",
             Reason::RetriesExhausted => "retries_exhausted",
+            Reason::Undecidable => "undecidable",
         }
     }
 }

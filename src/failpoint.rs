@@ -11,6 +11,7 @@
 //! | `before-commit` | the completion is written in the handler's transaction, not committed |
 //! | `after-complete` | the completion committed, the delivery not acked |
 //! | `after-publish` | a retry or dead letter published and confirmed, the original not acked |
+//! | `discard-acked` | `idem dlq discard` acked a dead letter, its record not yet unpinned |
 
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).
 #[cfg(feature = "failpoints")]

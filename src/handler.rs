@@ -7,6 +7,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
+use crate::fault::Fault;
 use crate::key::Key;
 
 /// One job type: how to read its messages, name their intent, and run the effect.
@@ -147,6 +148,21 @@ impl HandlerError {
         match self {
             Self::Transient(e) | Self::Permanent(e) => e,
             Self::Uncertain { error, .. } => error,
+        }
+    }
+}
+
+/// A database error fails the run by its cause (see [`crate::fault`]), so `?` works on
+/// sqlx calls in a handler: the data's fault (a NUL in text, a number out of range, a
+/// violated check: SQLSTATE classes 22, 23, 54) is permanent, and the message goes to
+/// the DLQ at once instead of through every retry tier; an outage or anything else is
+/// transient.
+impl From<sqlx::Error> for HandlerError {
+    fn from(error: sqlx::Error) -> Self {
+        let text = crate::fault::describe(&error);
+        match crate::fault::classify(&error) {
+            Fault::Message => Self::Permanent(text),
+            Fault::Outage | Fault::Unknown => Self::Transient(text),
         }
     }
 }

@@ -29,6 +29,26 @@ pub enum KeyError {
         /// The limit in bytes.
         max: usize,
     },
+    /// A part held a NUL or another control character (a line break, an escape). Postgres
+    /// cannot store NUL in text at all, and the others are never part of a business ID:
+    /// they come from a broken producer, and would make keys that look alike in logs
+    /// differ.
+    #[error("{part} contains {}", describe(*.character))]
+    ControlCharacter {
+        /// Which part: `scope`, `operation` or `idempotency_key`.
+        part: &'static str,
+        /// The first such character.
+        character: char,
+    },
+}
+
+/// How an error names a control character: NUL by name, the others by code point.
+fn describe(character: char) -> String {
+    if character == '\0' {
+        "a NUL character".into()
+    } else {
+        format!("the control character U+{:04X}", u32::from(character))
+    }
 }
 
 /// One intent's identity: `(scope, operation, idempotency_key)`.
@@ -45,7 +65,8 @@ pub struct Key {
 }
 
 impl Key {
-    /// Builds a key, rejecting empty or oversized parts.
+    /// Builds a key, rejecting empty or oversized parts and parts with control
+    /// characters.
     pub fn new(
         scope: impl Into<String>,
         operation: impl Into<String>,
@@ -121,6 +142,9 @@ fn checked(part: &'static str, value: String, max: usize) -> Result<String, KeyE
             max,
         });
     }
+    if let Some(character) = value.chars().find(|c| c.is_control()) {
+        return Err(KeyError::ControlCharacter { part, character });
+    }
     Ok(value)
 }
 
@@ -148,6 +172,36 @@ mod tests {
             })
         );
         assert!(Key::new("t", "op", "x".repeat(MAX_KEY_LEN)).is_ok());
+        // Bytes, not characters: 167 three-byte characters are 501 bytes.
+        let wide = "€".repeat(167);
+        assert_eq!(
+            Key::new("t", "op", wide),
+            Err(KeyError::TooLong {
+                part: "idempotency_key",
+                len: 501,
+                max: MAX_KEY_LEN
+            })
+        );
+    }
+
+    #[test]
+    fn rejects_nul_and_other_control_characters() {
+        let nul = Key::new("ten\0ant", "op", "k").unwrap_err();
+        assert_eq!(
+            nul,
+            KeyError::ControlCharacter {
+                part: "scope",
+                character: '\0'
+            }
+        );
+        assert_eq!(nul.to_string(), "scope contains a NUL character");
+        let escape = Key::new("t", "op", "evt-\u{1b}[31m").unwrap_err();
+        assert_eq!(
+            escape.to_string(),
+            "idempotency_key contains the control character U+001B"
+        );
+        assert!(Key::new("t", "op", "evt\n1").is_err());
+        assert!(Key::new("t", "op", "Straße-ü-✓").is_ok());
     }
 
     #[test]

@@ -57,6 +57,7 @@ pub mod db;
 pub mod dead_letter;
 #[doc(hidden)]
 pub mod failpoint;
+pub mod fault;
 pub mod fingerprint;
 pub mod handler;
 pub mod key;
@@ -68,6 +69,7 @@ pub mod store;
 pub mod topology;
 pub mod worker;
 
+pub use fault::Fault;
 pub use fingerprint::Fingerprint;
 pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
 pub use key::{Key, KeyError};

@@ -3,7 +3,7 @@
 //! The worker and the store record through the `metrics` macros, which cost nothing
 //! until a recorder is installed. [`serve`] installs the Prometheus recorder and answers
 //! `GET /metrics` (Prometheus text format) and `GET /healthz` (200 only while the
-//! broker and the database are reachable).
+//! broker and the database are reachable; a 503 says which is down and why).
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
@@ -171,17 +171,15 @@ async fn answer(
             ("200 OK", "text/plain; version=0.0.4", handle.render())
         }
         "/healthz" => {
-            let database = tokio::time::timeout(
-                Duration::from_secs(2),
-                sqlx::query("SELECT 1").execute(pool),
-            )
-            .await
-            .is_ok_and(|r| r.is_ok());
-            let up = database && broker.is_up();
+            let database = database_health(pool).await;
+            let up = database.is_ok() && broker.is_up();
             let body = format!(
                 "broker: {}\ndatabase: {}\n",
                 if broker.is_up() { "up" } else { "down" },
-                if database { "up" } else { "down" }
+                match &database {
+                    Ok(()) => "up".to_owned(),
+                    Err(why) => format!("down ({why})"),
+                }
             );
             if up {
                 ("200 OK", "text/plain", body)
@@ -197,6 +195,16 @@ async fn answer(
     );
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await
+}
+
+/// Whether Postgres answers a trivial query within two seconds, and if not, why.
+async fn database_health(pool: &PgPool) -> Result<(), String> {
+    let query = sqlx::query("SELECT 1").execute(pool);
+    match tokio::time::timeout(Duration::from_secs(2), query).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(error)) => Err(crate::error_line(&error)),
+        Err(_) => Err("no answer within 2 s".into()),
+    }
 }
 
 /// Sets the age gauges of the oldest pending and processing records.

@@ -19,6 +19,7 @@ use lapin::{Channel, Connection};
 use serde::Serialize;
 
 use crate::dead_letter::{self, Reason};
+use crate::failpoint;
 use crate::key::Key;
 use crate::store::{Status, Store, StoreError};
 use crate::topology::{self, PublishError};
@@ -298,7 +299,10 @@ pub async fn run(
         selected += 1;
         let key = m.key();
         let conflict = m.reason.as_deref() == Some(Reason::FingerprintConflict.as_str());
-        if action == Action::Replay && (conflict || key.is_none()) {
+        // Malformed by its own data (even with a valid key: the database refused it):
+        // the same bytes would fail the same way.
+        let malformed = key.is_none() || m.reason.as_deref() == Some(Reason::Malformed.as_str());
+        if action == Action::Replay && (conflict || malformed) {
             if conflict {
                 summary.conflicts_left += 1;
             } else {
@@ -318,10 +322,14 @@ pub async fn run(
         }
         match (action, key) {
             (Action::Discard, key) => {
+                // Ack first: a record unpinned while its dead letter still waited could
+                // expire, and a later replay of that dead letter would run it again.
+                // A crash between the two leaves the record pinned, which is safe.
+                m.delivery.ack(BasicAckOptions::default()).await?;
+                failpoint::hit("discard-acked");
                 if let Some(key) = &key {
                     store.discard(key).await?;
                 }
-                m.delivery.ack(BasicAckOptions::default()).await?;
                 summary.discarded += 1;
             }
             (Action::Replay, Some(key)) => {

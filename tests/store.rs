@@ -293,7 +293,7 @@ async fn expired_lease_is_taken_over_by_exactly_one_and_the_old_token_is_fenced(
     // The old owner is told, on every kind of write.
     let lost = |r: Result<(), StoreError>| matches!(r, Err(StoreError::LeaseLost { token }) if token == old.token);
     assert!(lost(short.complete(&old, &json!("zombie")).await));
-    assert!(lost(short.fail(&old, true, &json!("zombie")).await));
+    assert!(lost(short.fail(&old, true, &json!("zombie"), false).await));
     assert!(lost(
         short
             .mark_pending(&old, Some("ref"), &json!("zombie"))
@@ -448,7 +448,7 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
     let k = key("evt-retry");
     let first = claimed(&store, &k, &payload).await;
     store
-        .fail(&first, true, &json!({"error": "timeout"}))
+        .fail(&first, true, &json!({"error": "timeout"}), false)
         .await
         .unwrap();
     let second = claimed(&store, &k, &payload).await;
@@ -456,7 +456,7 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
     assert!(!second.takeover);
     assert!(second.token > first.token);
     assert!(matches!(
-        store.fail(&first, true, &json!("stale")).await,
+        store.fail(&first, true, &json!("stale"), false).await,
         Err(StoreError::LeaseLost { .. })
     ));
     store.complete(&second, &json!("ok")).await.unwrap();
@@ -465,7 +465,7 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
     let k = key("evt-permanent");
     let lease = claimed(&store, &k, &payload).await;
     store
-        .fail(&lease, false, &json!({"error": "invalid amount"}))
+        .fail(&lease, false, &json!({"error": "invalid amount"}), false)
         .await
         .unwrap();
     store.mark_dead_lettered(lease.id).await.unwrap();
@@ -538,6 +538,121 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
     ));
 }
 
+/// An operation that was ever uncertain is handed out for reconciliation, never for a
+/// run, whatever path leads back to it: a reconcile that failed for good and a replay,
+/// a result that could not be stored and a replay, a released lease, a takeover, and a
+/// batch claim.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn an_operation_ever_uncertain_is_only_ever_handed_out_to_reconcile(pool: PgPool) {
+    let short = store(&pool, Duration::from_millis(200));
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"event_id": "e"});
+    let reconcile = |claim: Claim| match claim {
+        Claim::Pending { lease, .. } => lease,
+        other => panic!("expected a lease to reconcile, got {other:?}"),
+    };
+
+    // Pending, then reconcile fails for good; an operator replays it.
+    let k = key("evt-reconcile-failed");
+    let lease = claimed(&store, &k, &payload).await;
+    store
+        .mark_pending(&lease, Some("psp-1"), &json!("timeout"))
+        .await
+        .unwrap();
+    let lease = reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
+    store
+        .fail(&lease, false, &json!("lookup refused"), false)
+        .await
+        .unwrap();
+    assert!(store.get(&k).await.unwrap().unwrap().reconcile_first);
+    store.prepare_replay(&k).await.unwrap().unwrap();
+    let lease = reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
+
+    // Reconcile said "not applied" and the run failed transiently: still reconciled
+    // first next time (the run's own effect may be the uncertain one now).
+    store
+        .fail(&lease, true, &json!("blip"), false)
+        .await
+        .unwrap();
+    reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
+
+    // The handler returned but its result could not be stored; an operator replays it.
+    let k = key("evt-unstorable");
+    let lease = claimed(&store, &k, &payload).await;
+    store
+        .fail(&lease, false, &json!("result refused"), true)
+        .await
+        .unwrap();
+    store.prepare_replay(&k).await.unwrap().unwrap();
+    reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
+
+    // Its reconciler is known dead: an operator releases the lease.
+    store.release(&k).await.unwrap().unwrap();
+    let lease = reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
+    assert!(lease.attempt >= 3);
+
+    // A reconciler that dies: its lease lapses and another takes over, to reconcile.
+    let k = key("evt-takeover");
+    let first = claimed(&short, &k, &payload).await;
+    short
+        .mark_pending(&first, None, &json!("timeout"))
+        .await
+        .unwrap();
+    reconcile(short.claim(&k, &fp(&payload), &origin()).await.unwrap());
+    wait_for_lease_expiry(&pool, &k).await;
+    reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
+
+    // A batch decides the same.
+    let k = key("evt-batch");
+    let lease = claimed(&store, &k, &payload).await;
+    store
+        .fail(&lease, true, &json!("result refused"), true)
+        .await
+        .unwrap();
+    let claims = store.claim_many(&[input(&k, &payload)]).await.unwrap();
+    reconcile(claims.into_iter().next().unwrap());
+}
+
+/// A discarded failure counts as dead-lettered: a later duplicate is acked, not
+/// dead-lettered again; a replay takes the decision back.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_discarded_failure_is_settled_until_replayed(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"event_id": "e"});
+    let k = key("evt-discarded");
+    let lease = claimed(&store, &k, &payload).await;
+    store
+        .fail(&lease, false, &json!("invalid amount"), false)
+        .await
+        .unwrap();
+    store.mark_dead_lettered(lease.id).await.unwrap();
+    store.discard(&k).await.unwrap().unwrap();
+    assert!(matches!(
+        store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
+        Claim::FailedForGood {
+            dead_lettered: true,
+            ..
+        }
+    ));
+    let replayed = store.prepare_replay(&k).await.unwrap().unwrap();
+    assert!(replayed.discarded_at.is_none());
+    let again = claimed(&store, &k, &payload).await;
+    store
+        .fail(&again, false, &json!("invalid amount"), false)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
+            Claim::FailedForGood {
+                dead_lettered: false,
+                ..
+            }
+        ),
+        "a replayed failure's new dead letter is published"
+    );
+}
+
 fn input(k: &Key, payload: &Value) -> idem::store::ClaimRequest {
     idem::store::ClaimRequest {
         key: k.clone(),
@@ -565,10 +680,16 @@ async fn a_batch_decides_each_claim_as_one_at_a_time_would(pool: PgPool) {
     wait_for_lease_expiry(&pool, &lapsed).await;
     let retry = key("retry");
     let lease = claimed(&store, &retry, &a).await;
-    store.fail(&lease, true, &json!("blip")).await.unwrap();
+    store
+        .fail(&lease, true, &json!("blip"), false)
+        .await
+        .unwrap();
     let dead = key("dead");
     let lease = claimed(&store, &dead, &a).await;
-    store.fail(&lease, false, &json!("bad")).await.unwrap();
+    store
+        .fail(&lease, false, &json!("bad"), false)
+        .await
+        .unwrap();
     let pending = key("pending");
     let lease = claimed(&store, &pending, &a).await;
     store
@@ -786,9 +907,18 @@ async fn the_fingerprint_check_keeps_its_rule_across_the_upgrade(pool: PgPool) {
     // The migrator holds the files' text: the directory goes before anything can fail.
     std::fs::remove_dir_all(&dir).unwrap();
     before.unwrap().run(&pool).await.unwrap();
-    let store = store(&pool, Duration::from_secs(30));
+    // Written as that schema's code wrote them (today's claim needs today's schema).
     for i in 0..3 {
-        claimed(&store, &key(&format!("old-{i}")), &json!({"n": i})).await;
+        sqlx::query(
+            "INSERT INTO processed_operations
+               (scope, operation, idempotency_key, payload_sha256, status, lease_token)
+             VALUES ('t', 'op', $1, $2, 'processing', 1)",
+        )
+        .bind(format!("old-{i}"))
+        .bind(Fingerprint::of(&json!({"n": i}), &[]).as_hex())
+        .execute(&pool)
+        .await
+        .unwrap();
     }
 
     idem::db::MIGRATOR.run(&pool).await.unwrap();

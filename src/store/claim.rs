@@ -26,11 +26,14 @@ const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= 
      OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))";
 
 /// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`.
+/// A record that is or ever was uncertain (`reconcile_first`) is taken as `pending`, so
+/// the taker reconciles it instead of running it (a replay or a released lease brings
+/// it back here too).
 ///
 /// The token is drawn per row, when the row is written: a takeover that waited for
 /// another writer's lock draws it after the wait, so a record's tokens only grow.
-const TAKE: &str =
-    "SET status = CASE WHEN p.status = 'pending' THEN 'pending' ELSE 'processing' END,
+const TAKE: &str = "SET status = CASE WHEN p.status = 'pending' OR p.reconcile_first THEN 'pending'
+                       ELSE 'processing' END,
         attempts = p.attempts + 1,
         lease_token = nextval('processed_operations_lease_token_seq'),
         lease_expires_at = now() + $5::bigint * interval '1 millisecond',
@@ -44,7 +47,7 @@ const TAKEN_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at
        NULL::jsonb AS error, NULL::boolean AS claimable, NULL::boolean AS dead_lettered";
 const EXISTING_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, external_ref, payload_sha256, result, error, claimable,
-       dead_lettered_at IS NOT NULL AS dead_lettered";
+       (dead_lettered_at IS NOT NULL OR discarded_at IS NOT NULL) AS dead_lettered";
 
 /// One statement decides the claim: insert a new record, or take over an expired /
 /// retryable / pending one, or report the existing one. Each CTE runs on the same

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+use crate::fault::{self, Fault};
+
 mod claim;
 mod operate;
 mod outcome;
@@ -57,6 +59,31 @@ pub enum StoreError {
     /// The batched statement this call was part of failed.
     #[error(transparent)]
     Batch(Arc<StoreError>),
+}
+
+impl StoreError {
+    /// Whose fault the error is: Postgres's SQLSTATE decides for a database error (see
+    /// [`crate::fault`]); a lost lease, contention or a stopped batch loop heal by
+    /// trying again; a row the store cannot read is nobody's known fault.
+    pub fn fault(&self) -> Fault {
+        match self {
+            StoreError::Database(error) => fault::classify(error),
+            StoreError::Batch(error) => error.fault(),
+            StoreError::LeaseLost { .. }
+            | StoreError::Contention(_)
+            | StoreError::BatchLoopStopped => Fault::Outage,
+            StoreError::NoLeaseExpiry { .. } | StoreError::UnknownClaimRow(_) => Fault::Unknown,
+        }
+    }
+
+    /// What Postgres said, with its SQLSTATE, when the error came from Postgres.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            StoreError::Database(error) => fault::describe(error),
+            StoreError::Batch(error) => error.describe(),
+            other => other.to_string(),
+        }
+    }
 }
 
 /// Store settings.

@@ -28,14 +28,15 @@ impl Store {
     }
 
     /// Takes a dead-lettered operation that is not completed back for a replay: a
-    /// `failed` record becomes retryable, the replay is counted on the record, and the
-    /// record is unpinned (an unfinished record has no expiry, so this cannot let
+    /// `failed` record becomes retryable (one that was ever uncertain is reconciled
+    /// before it runs), the replay is counted on the record, and the record is unpinned (an unfinished record has no expiry, so this cannot let
     /// retention delete it). Returns the record as it is now, or `None` if there is
     /// none or it is completed.
     pub async fn prepare_replay(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
             "UPDATE processed_operations
              SET retryable = (status = 'failed') OR retryable, dead_lettered_at = NULL,
+                 discarded_at = NULL,
                  replay_count = replay_count + 1, last_replayed_at = now(), updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
                AND status <> 'completed'
@@ -65,7 +66,9 @@ impl Store {
     }
 
     /// Records an operator's decision to discard the operation's dead letter: the
-    /// record is unpinned and expires after the retention like a completed one.
+    /// record is unpinned and expires after the retention like a completed one, and a
+    /// later duplicate of a failed operation is acked, not dead-lettered again. Like
+    /// [`Store::unpin`], call it only after the dead letter is acked.
     pub async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
             "UPDATE processed_operations

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::PgExecutor;
 
-use super::record::Lease;
+use super::record::{Lease, storable};
 use super::{Store, StoreError, millis};
 use crate::metrics;
 
@@ -59,23 +59,28 @@ static HEARTBEAT_SQL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// A failure: retryable (`$3`) or not, with the stored error `$4`.
+/// A failure: retryable (`$3`) or not, with the stored error `$4`; `$5` when the
+/// effect may have happened, so the operation is reconciled before it runs again (a
+/// record that was ever uncertain stays so).
 static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations
          SET status = 'failed', retryable = $3, error = $4,
+             reconcile_first = reconcile_first OR $5,
              lease_expires_at = NULL, updated_at = now()
          WHERE {FENCED}"
     )
 });
 
 /// An uncertain outcome with the provider's reference `$3` and the stored error `$4`;
-/// the lease is given up.
+/// the lease is given up, and the operation is marked to be reconciled before it may
+/// ever run again.
 static PENDING_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations
          SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
-             retryable = false, lease_expires_at = NULL, updated_at = now()
+             retryable = false, reconcile_first = true, lease_expires_at = NULL,
+             updated_at = now()
          WHERE {FENCED}"
     )
 });
@@ -153,12 +158,16 @@ impl Store {
     }
 
     /// Records a failure, if `lease` still owns the record. A `retryable` failure may be
-    /// claimed again by a later delivery; a failure for good never runs again.
+    /// claimed again by a later delivery; a failure for good never runs again unless
+    /// replayed. `uncertain` says the effect may have happened all the same (the
+    /// handler returned, but its result could not be stored): then, as for an operation
+    /// that was ever `pending`, the next run of it starts with `reconcile`.
     pub async fn fail(
         &self,
         lease: &Lease,
         retryable: bool,
         error: &Value,
+        uncertain: bool,
     ) -> Result<(), StoreError> {
         let started = Instant::now();
         let done = sqlx::query(FAIL_SQL.as_str())
@@ -166,6 +175,7 @@ impl Store {
             .bind(lease.token)
             .bind(retryable)
             .bind(error)
+            .bind(uncertain)
             .execute(&self.pool)
             .await?;
         metrics::store_round_trip("fail", started);
@@ -185,7 +195,7 @@ impl Store {
         let done = sqlx::query(PENDING_SQL.as_str())
             .bind(lease.id)
             .bind(lease.token)
-            .bind(external_ref)
+            .bind(external_ref.map(storable))
             .bind(error)
             .execute(&self.pool)
             .await?;

@@ -111,6 +111,9 @@ pub struct Record {
     pub result: Option<Value>,
     pub error: Option<Value>,
     pub external_ref: Option<String>,
+    /// The outcome was uncertain once (`pending`, or an effect whose result could not
+    /// be stored): the operation is reconciled before it may run again.
+    pub reconcile_first: bool,
     pub correlation_id: Option<String>,
     pub message_id: Option<String>,
     pub dead_lettered_at: Option<DateTime<Utc>>,
@@ -140,7 +143,7 @@ pub(crate) struct StoredError<'a> {
 
 impl StoredError<'_> {
     pub(crate) fn to_json(self) -> Value {
-        serde_json::json!({"error": self.error, "kind": self.kind})
+        serde_json::json!({"error": storable(self.error), "kind": self.kind})
     }
 
     /// The text of a stored error, whatever its shape (older rows included).
@@ -150,6 +153,17 @@ impl StoredError<'_> {
             Some(other) => other.to_string(),
             None => stored.to_string(),
         }
+    }
+}
+
+/// `text` as Postgres can store it: text and jsonb cannot hold a NUL character, so an
+/// error message or provider reference that carries one (echoing a hostile message)
+/// gets U+FFFD in its place instead of failing the write that records the outcome.
+pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        std::borrow::Cow::Owned(text.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
     }
 }
 
@@ -269,5 +283,10 @@ mod tests {
         );
         assert_eq!(StoredError::text_of(&stored), "invalid amount");
         assert_eq!(StoredError::text_of(&serde_json::json!("raw")), "\"raw\"");
+        let hostile = StoredError {
+            kind: "permanent",
+            error: "bad id \0x",
+        };
+        assert_eq!(StoredError::text_of(&hostile.to_json()), "bad id \u{FFFD}x");
     }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use lapin::Channel;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use tokio::sync::{mpsc, oneshot};
-use tracing::debug;
+use tracing::warn;
 
 enum Command {
     Delivered(u64),
@@ -118,7 +118,7 @@ async fn run(channel: Channel, mut rx: mpsc::UnboundedReceiver<Command>, linger:
                     multiple: false,
                 };
                 if let Err(error) = channel.basic_nack(tag, options).await {
-                    debug!(error = %error, "nack failed; the broker redelivers on reconnect");
+                    warn!(error = %error, delivery_tag = tag, "nack failed; the broker redelivers on reconnect");
                 }
             }
             Command::Flush(done) => {
@@ -140,7 +140,7 @@ async fn send(channel: &Channel, outstanding: &mut BTreeSet<u64>, decided: &mut 
         .chain(singles.into_iter().map(|tag| (tag, false)));
     for (tag, multiple) in acks {
         if let Err(error) = channel.basic_ack(tag, BasicAckOptions { multiple }).await {
-            debug!(error = %error, "ack failed; the broker redelivers on reconnect");
+            warn!(error = %error, delivery_tag = tag, multiple, "ack failed; the broker redelivers on reconnect");
         }
     }
 }

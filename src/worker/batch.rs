@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::fault::Fault;
 use crate::store::StoreError;
 
 type Reply<T> = oneshot::Sender<Result<T, Arc<StoreError>>>;
@@ -29,12 +30,12 @@ impl<Req, Resp> Clone for Batcher<Req, Resp> {
     }
 }
 
-impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
+impl<Req: Clone + Send + Sync + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// Spawns the loop: `run` gets up to `max` requests and answers each, in order.
     /// The loop ends when every `Batcher` handle is dropped.
     pub(crate) fn spawn<F, Fut>(max: usize, linger: Duration, in_flight: usize, run: F) -> Self
     where
-        F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
+        F: Fn(Arc<[Req]>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<Resp>, StoreError>> + Send + 'static,
     {
         let max = max.max(1);
@@ -63,19 +64,7 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                 };
                 let run = run.clone();
                 tokio::spawn(async move {
-                    match run(requests).await {
-                        Ok(responses) => {
-                            for (reply, response) in replies.into_iter().zip(responses) {
-                                let _ = reply.send(Ok(response));
-                            }
-                        }
-                        Err(error) => {
-                            let error = Arc::new(error);
-                            for reply in replies {
-                                let _ = reply.send(Err(error.clone()));
-                            }
-                        }
-                    }
+                    answer(&*run, requests.into(), replies).await;
                     drop(slot);
                 });
             }
@@ -93,5 +82,40 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
             Ok(result) => result.map_err(StoreError::Batch),
             Err(_) => Err(StoreError::BatchLoopStopped),
         }
+    }
+}
+
+/// Runs one batch and answers each request. A batch that fails for anything but an
+/// outage is run again one request at a time, so that one request the database
+/// refuses (a hostile message) fails alone instead of failing its neighbours with it;
+/// during an outage every request gets the error at once.
+async fn answer<Req, Resp, F, Fut>(run: &F, requests: Arc<[Req]>, replies: Vec<Reply<Resp>>)
+where
+    Req: Clone,
+    F: Fn(Arc<[Req]>) -> Fut,
+    Fut: Future<Output = Result<Vec<Resp>, StoreError>>,
+{
+    let error = match run(requests.clone()).await {
+        Ok(responses) => {
+            for (reply, response) in replies.into_iter().zip(responses) {
+                let _ = reply.send(Ok(response));
+            }
+            return;
+        }
+        Err(error) => Arc::new(error),
+    };
+    if requests.len() == 1 || error.fault() == Fault::Outage {
+        for reply in replies {
+            let _ = reply.send(Err(error.clone()));
+        }
+        return;
+    }
+    for (request, reply) in requests.iter().zip(replies) {
+        let alone: Arc<[Req]> = Arc::from([request.clone()]);
+        let response = match run(alone).await {
+            Ok(mut responses) => responses.pop().ok_or(StoreError::BatchLoopStopped),
+            Err(error) => Err(error),
+        };
+        let _ = reply.send(response.map_err(Arc::new));
     }
 }

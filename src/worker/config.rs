@@ -40,6 +40,11 @@ pub struct WorkerConfig {
     /// Batches of claims (and of completions) running at once, each on its own
     /// connection.
     pub batches_in_flight: usize,
+    /// The safety net: a delivery that could not be decided this many times in a row,
+    /// each time after the store decided other deliveries, is dead-lettered as
+    /// `undecidable` with its last error. During an outage, when nothing is decided,
+    /// nothing is dead-lettered.
+    pub undecidable_after: u32,
 }
 
 impl Default for WorkerConfig {
@@ -59,6 +64,7 @@ impl Default for WorkerConfig {
             batch_size: 128,
             batch_linger: Duration::from_millis(1),
             batches_in_flight: 3,
+            undecidable_after: 20,
         }
     }
 }

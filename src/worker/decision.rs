@@ -112,6 +112,8 @@ pub(crate) enum Outcome {
     LeaseLost,
     /// The store or broker failed: requeued for another try.
     Requeued,
+    /// Not decidable many times in a row while others were: dead-lettered.
+    Undecidable,
 }
 
 impl Outcome {
@@ -131,6 +133,7 @@ impl Outcome {
             Outcome::Reconciled => "reconciled",
             Outcome::LeaseLost => "lease_lost",
             Outcome::Requeued => "requeued",
+            Outcome::Undecidable => "undecidable",
         }
     }
 }
@@ -188,8 +191,8 @@ fn dead_letter(
     settle(Settle::DeadLetter(order), outcome)
 }
 
-/// A body that is not a JSON object, does not fit the message, or has no valid key:
-/// dead-lettered, no record.
+/// A body that is not a JSON object, does not fit the message, has no valid key, or
+/// holds data the database refuses: dead-lettered, no record pinned.
 pub(crate) fn malformed(why: String) -> Verdict {
     let order = DeadLetterOrder {
         reason: Reason::Malformed,
@@ -200,6 +203,21 @@ pub(crate) fn malformed(why: String) -> Verdict {
     Verdict {
         action: Settle::DeadLetter(order),
         outcome: Outcome::Malformed,
+    }
+}
+
+/// A delivery the safety net gives up (see `undecided`): dead-lettered with the last
+/// error, no record pinned (none may exist, or it is not the cause). Replayable.
+pub(crate) fn undecidable(last_error: String) -> Verdict {
+    let order = DeadLetterOrder {
+        reason: Reason::Undecidable,
+        error: last_error,
+        attempts: 0,
+        pin: None,
+    };
+    Verdict {
+        action: Settle::DeadLetter(order),
+        outcome: Outcome::Undecidable,
     }
 }
 

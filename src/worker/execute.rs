@@ -18,17 +18,15 @@ use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
 use super::settle::Settler;
 use super::{Shared, WorkerError};
 use crate::failpoint;
+use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError};
 
-/// How long a delivery that could not be decided waits before it is requeued, so an
-/// outage does not turn into a hot redelivery loop.
-const REQUEUE_PAUSE: Duration = Duration::from_millis(500);
-
-/// Decides one delivery inside its span, and requeues it if the store or broker failed.
+/// Decides one delivery inside its span; one that could not be decided goes to
+/// [`undecided`].
 pub(super) async fn process<H: Handler>(
     shared: &Shared<H>,
     publish: &Channel,
@@ -55,13 +53,11 @@ pub(super) async fn process<H: Handler>(
     };
     async {
         let outcome = match decide(shared, &settler).await {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                error!(error = %crate::error_line(&error), "delivery not decided; requeueing it");
-                tokio::time::sleep(REQUEUE_PAUSE).await;
-                settler.requeue();
-                Outcome::Requeued
+            Ok(outcome) => {
+                shared.undecided.decided(&settler.delivery.data);
+                outcome
             }
+            Err(error) => undecided(shared, &settler, error).await,
         };
         metrics::delivery(H::OPERATION, outcome.as_str());
         info!(
@@ -72,6 +68,47 @@ pub(super) async fn process<H: Handler>(
     }
     .instrument(span)
     .await
+}
+
+/// A delivery that could not be decided (docs/DESIGN.md, "Errors by cause"). The
+/// message's own fault is dead-lettered at once as `malformed`: the same bytes would
+/// fail the same way. Anything else is requeued after a pause that grows while nothing
+/// gets decided (an outage), unless the safety net gives the delivery up as
+/// `undecidable`: it failed again and again while the store decided others.
+async fn undecided<H: Handler>(
+    shared: &Shared<H>,
+    settler: &Settler<'_>,
+    error: WorkerError,
+) -> Outcome {
+    let fault = error.fault();
+    let line = crate::error_line(&error);
+    let verdict = match &error {
+        WorkerError::Store(store) if fault == Fault::Message => Some(refused(store)),
+        _ if fault == Fault::Message => Some(decision::malformed(line.clone())),
+        _ if shared.undecided.failed(&settler.delivery.data) => {
+            Some(decision::undecidable(line.clone()))
+        }
+        _ => None,
+    };
+    if let Some(verdict) = verdict {
+        match settle(settler, verdict, None).await {
+            Ok(outcome) => return outcome,
+            Err(e) => error!(error = %crate::error_line(&e), "dead letter not published"),
+        }
+    }
+    error!(error = %line, %fault, "delivery not decided; requeueing it");
+    tokio::time::sleep(shared.undecided.pause()).await;
+    settler.requeue();
+    Outcome::Requeued
+}
+
+/// A delivery whose data the database refuses: dead-lettered as malformed, saying what
+/// Postgres said.
+fn refused(error: &StoreError) -> Verdict {
+    decision::malformed(format!(
+        "the database refused the message: {}",
+        error.describe()
+    ))
 }
 
 /// Milliseconds with one decimal, for logs (`10.2`, not `10.247793999999999`).
@@ -138,7 +175,7 @@ async fn decide<H: Handler>(
     };
     let mut immediate = shared.config.retry.immediate_backoff();
     let mut message = Some(message);
-    let mut step = decision::on_claim(shared.claims.call(request.clone()).await?, retries);
+    let mut step = claim(shared, &request, retries).await?;
     loop {
         step = match step {
             Step::Run(lease) => {
@@ -162,10 +199,24 @@ async fn decide<H: Handler>(
                     "transient failure, retrying in process"
                 );
                 tokio::time::sleep(after).await;
-                decision::on_claim(shared.claims.call(request.clone()).await?, retries)
+                claim(shared, &request, retries).await?
             }
             Step::Settle(verdict) => return settle(settler, verdict, Some(&parsed.key)).await,
         };
+    }
+}
+
+/// Claims the key and decides by what the claim found. A claim the database refuses
+/// for the message's own data (a property Postgres cannot store) ends as malformed.
+async fn claim<H: Handler>(
+    shared: &Shared<H>,
+    request: &ClaimRequest,
+    retries: Retries<'_>,
+) -> Result<Step, WorkerError> {
+    match shared.claims.call(request.clone()).await {
+        Ok(claim) => Ok(decision::on_claim(claim, retries)),
+        Err(error) if error.fault() == Fault::Message => Ok(Step::Settle(refused(&error))),
+        Err(error) => Err(error.into()),
     }
 }
 
@@ -264,36 +315,45 @@ async fn record<H: Handler>(
 ) -> Result<Ran, WorkerError> {
     let store = &shared.store;
     let tx = ctx.take_tx();
-    let output = result.and_then(|output| {
-        serde_json::to_value(output)
-            .map_err(|e| HandlerError::permanent(format!("handler output does not serialize: {e}")))
-    });
-    let output = match output {
-        Ok(output) => output,
+    let output = match result {
+        Ok(output) => serde_json::to_value(output)
+            .map_err(|e| format!("handler output does not serialize: {e}")),
         Err(error) => {
             drop(tx); // the handler's writes roll back
-            return record_failure(store, lease, error).await;
+            return record_failure(store, lease, error, false).await;
+        }
+    };
+    let output = match output {
+        Ok(output) => output,
+        Err(why) => {
+            drop(tx);
+            return unstorable(store, lease, why).await;
         }
     };
     let done = Ran::Completed { reconciled };
-    let ran = match tx {
-        None => match shared.completions.call((lease.clone(), output)).await? {
-            true => done,
-            false => Ran::LeaseLost,
-        },
+    let completed: Result<bool, StoreError> = match tx {
+        None => shared.completions.call((lease.clone(), output)).await,
         Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
             Ok(()) => {
                 failpoint::hit("before-commit");
-                tx.commit().await.map_err(StoreError::from)?;
-                done
+                tx.commit().await.map(|()| true).map_err(StoreError::from)
             }
             Err(StoreError::LeaseLost { .. }) => {
                 // A zombie: another worker owns the operation; undo our writes.
                 let _ = tx.rollback().await;
-                Ran::LeaseLost
+                Ok(false)
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => Err(e), // the transaction rolls back when dropped
         },
+    };
+    let ran = match completed {
+        Ok(true) => done,
+        Ok(false) => Ran::LeaseLost,
+        Err(error) if error.fault() == Fault::Message => {
+            let why = format!("the result could not be stored: {}", error.describe());
+            return unstorable(store, lease, why).await;
+        }
+        Err(error) => return Err(error.into()),
     };
     if matches!(ran, Ran::Completed { .. }) {
         failpoint::hit("after-complete");
@@ -301,11 +361,20 @@ async fn record<H: Handler>(
     Ok(ran)
 }
 
+/// The handler returned but its result cannot be stored (it does not serialize, or
+/// Postgres refuses it): a failure for good, and an uncertain one, since the effect
+/// happened but nothing records it. Dead-lettered; a replay reconciles first.
+async fn unstorable(store: &Store, lease: &Lease, why: String) -> Result<Ran, WorkerError> {
+    record_failure(store, lease, HandlerError::Permanent(why), true).await
+}
+
 /// Records a failed run by its kind: `failed` (retryable or not) or `pending`.
+/// `uncertain` when the effect may have happened all the same.
 async fn record_failure(
     store: &Store,
     lease: &Lease,
     error: HandlerError,
+    uncertain: bool,
 ) -> Result<Ran, WorkerError> {
     let text = error.message().to_owned();
     let written = match &error {
@@ -314,7 +383,7 @@ async fn record_failure(
             let kind = if retryable { "transient" } else { "permanent" };
             warn!(error = %text, "handler failed, {kind}");
             let stored = StoredError { kind, error: &text }.to_json();
-            store.fail(lease, retryable, &stored).await
+            store.fail(lease, retryable, &stored, uncertain).await
         }
         HandlerError::Uncertain { external_ref, .. } => {
             warn!(error = %text, "outcome uncertain, pending reconciliation");

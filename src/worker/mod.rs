@@ -12,7 +12,8 @@
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, run or reconcile under the lease, record;
 //! - `settle`: ack, retry, requeue or dead-letter on the broker;
-//! - `batch` and `acks`: claims, completions and acks that share a round trip.
+//! - `batch` and `acks`: claims, completions and acks that share a round trip;
+//! - `undecided`: the pause while the store fails, and the safety net.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,15 +31,18 @@ mod decision;
 mod execute;
 mod session;
 mod settle;
+mod undecided;
 
 pub use config::WorkerConfig;
 
+use crate::fault::Fault;
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
 use crate::topology::{self, Topology};
 use batch::Batcher;
 use session::{Session, SessionError};
+use undecided::Undecided;
 
 /// Why a delivery could not be decided (it is requeued), or why a session ended (the
 /// worker reconnects).
@@ -61,6 +65,46 @@ pub enum WorkerError {
     /// whose `Message` type deserializes differently from the same JSON).
     #[error("the message no longer deserializes for another run")]
     Reparse(#[source] serde_json::Error),
+    /// The broker refused the worker's queues or access for a reason retrying cannot
+    /// fix: a queue that exists with other arguments (406 PRECONDITION_FAILED), or a
+    /// user without the permissions (403 ACCESS_REFUSED). The worker stops with it.
+    #[error("the broker refused the topology of queue {queue}: {reason}")]
+    Refused {
+        /// The worker's queue.
+        queue: String,
+        /// What the broker said; it names the queue and the argument that differs.
+        reason: String,
+    },
+}
+
+impl WorkerError {
+    /// Whose fault the error is: the store's errors by their cause; the broker's are
+    /// outages (the connection heals); a message that no longer deserializes is the
+    /// message's; a refused topology is nobody's the worker knows.
+    pub fn fault(&self) -> Fault {
+        match self {
+            WorkerError::Store(error) => error.fault(),
+            WorkerError::Broker(_) | WorkerError::Publish(_) | WorkerError::ConsumerCancelled => {
+                Fault::Outage
+            }
+            WorkerError::Reparse(_) => Fault::Message,
+            WorkerError::Refused { .. } => Fault::Unknown,
+        }
+    }
+
+    /// The broker's answer to declaring or consuming `queue`, as an error: a refusal
+    /// that retrying cannot fix becomes [`WorkerError::Refused`].
+    fn opening(error: lapin::Error, queue: &str) -> Self {
+        if let lapin::ErrorKind::ProtocolError(amqp) = error.kind()
+            && matches!(amqp.get_id(), 403 | 406)
+        {
+            return WorkerError::Refused {
+                queue: queue.to_owned(),
+                reason: amqp.get_message().to_string(),
+            };
+        }
+        WorkerError::Broker(error)
+    }
 }
 
 impl From<lapin::Error> for WorkerError {
@@ -87,6 +131,8 @@ struct Shared<H> {
     claims: Batcher<ClaimRequest, Claim>,
     /// Completions without a handler transaction, in one statement.
     completions: Batcher<(Lease, Value), bool>,
+    /// Deliveries that could not be decided: the outage pause and the safety net.
+    undecided: Undecided,
 }
 
 impl<H: Handler> Worker<H> {
@@ -120,8 +166,9 @@ impl<H: Handler> Worker<H> {
     /// whenever the connection drops. On shutdown it stops consuming, lets in-flight
     /// handlers finish (up to the shutdown timeout), acks them and closes cleanly.
     ///
-    /// Every broker and store error is retried, so today it returns `Ok` once
-    /// `shutdown` is cancelled; the `Result` is for errors retrying cannot fix.
+    /// Every broker and store error that can heal is retried; it returns `Ok` once
+    /// `shutdown` is cancelled, and [`WorkerError::Refused`] when the broker refuses the
+    /// topology for good (a queue declared with other arguments, missing permissions).
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         let Worker {
             handler,
@@ -141,6 +188,7 @@ impl<H: Handler> Worker<H> {
             completions: batched(&store, &config, |store, items| async move {
                 store.complete_many(&items).await
             }),
+            undecided: Undecided::new(config.undecidable_after),
             handler,
             store,
             config,
@@ -165,6 +213,10 @@ impl<H: Handler> Worker<H> {
                 }
                 Err(lost) => lost,
             };
+            if let WorkerError::Refused { .. } = error {
+                drain(&tasks, shared.config.shutdown_timeout).await;
+                return Err(error);
+            }
             if connected {
                 backoff = session.reconnect_backoff();
             }
@@ -188,9 +240,9 @@ impl<H: Handler> Worker<H> {
 /// A batching loop of `config`'s size, linger and parallelism around a store call.
 fn batched<Req, Resp, F, Fut>(store: &Store, config: &WorkerConfig, call: F) -> Batcher<Req, Resp>
 where
-    Req: Send + 'static,
+    Req: Clone + Send + Sync + 'static,
     Resp: Send + 'static,
-    F: Fn(Store, Vec<Req>) -> Fut + Send + Sync + 'static,
+    F: Fn(Store, Arc<[Req]>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Vec<Resp>, StoreError>> + Send + 'static,
 {
     let store = store.clone();

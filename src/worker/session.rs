@@ -39,7 +39,13 @@ impl<H: Handler> Session<H> {
     }
 
     /// Connects, declares the topology and starts consuming.
-    async fn open(&self) -> Result<Open, lapin::Error> {
+    async fn open(&self) -> Result<Open, WorkerError> {
+        self.try_open()
+            .await
+            .map_err(|error| WorkerError::opening(error, &self.shared.config.queue))
+    }
+
+    async fn try_open(&self) -> Result<Open, lapin::Error> {
         let config = &self.shared.config;
         let connection = topology::connect(&config.amqp_url, &config.name).await?;
         let consume = connection.create_channel().await?;
@@ -82,7 +88,7 @@ impl<H: Handler> Session<H> {
             mut consumer,
         } = self.open().await.map_err(|error| SessionError {
             connected: false,
-            error: WorkerError::Broker(error),
+            error,
         })?;
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");

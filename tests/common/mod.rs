@@ -376,3 +376,5 @@ pub async fn unacked(queue: &str) -> u64 {
         .and_then(|(_, n)| n.trim().parse().ok())
         .unwrap_or(0)
 }
+
+pub mod proxy;

@@ -72,7 +72,8 @@ pub(crate) struct QueueArg {
 
 #[derive(Args)]
 pub(crate) struct FilterArgs {
-    /// Only this reason: malformed, fingerprint_conflict, permanent_failure, retries_exhausted.
+    /// Only this reason: malformed, fingerprint_conflict, permanent_failure,
+    /// retries_exhausted, undecidable.
     #[arg(long)]
     reason: Option<String>,
     /// Only this key: the idempotency key, or the key hash logs show.

@@ -180,9 +180,14 @@ fn print_record(r: &Record) {
     println!("operation         {}", r.operation);
     println!("idempotency_key   {}", r.idempotency_key);
     println!(
-        "status            {}{}",
+        "status            {}{}{}",
         r.status,
-        if r.retryable { " (retryable)" } else { "" }
+        if r.retryable { " (retryable)" } else { "" },
+        if r.reconcile_first && r.status != Status::Completed {
+            " (was uncertain: reconciled before any run)"
+        } else {
+            ""
+        }
     );
     println!("attempts          {}", r.attempts);
     println!("payload_sha256    {}", r.payload_sha256);

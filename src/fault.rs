@@ -1,0 +1,122 @@
+//! Whose fault a database error is: the message's, or the world's (docs/DESIGN.md,
+//! "Errors by cause").
+//!
+//! The worker and handlers meet the same errors in different places; what to do with
+//! one depends on its cause, never on where it surfaced. Postgres says the cause in the
+//! SQLSTATE's class:
+//!
+//! | class | meaning | fault |
+//! |---|---|---|
+//! | 22 | data exception (NUL in text, a number out of range, bad encoding) | the message |
+//! | 23 | integrity violation (a check or foreign key the data breaks) | the message |
+//! | 54 | program limit exceeded (an index row too large, too many columns) | the message |
+//! | 08, 57, 53, 58 | connection failure, shutdown or crash recovery, no resources, system error | an outage |
+//! | 40 | serialization failure, deadlock | an outage (try again) |
+//!
+//! A connection that cannot be opened, broke, or timed out in the pool is an outage
+//! too. Anything else (a syntax error, a missing table: a deploy's fault) is
+//! [`Fault::Unknown`]: retried, and bounded by the retry tiers or the worker's safety
+//! net, never dead-lettered at first sight.
+//!
+//! The message's fault cannot heal by retrying: the same bytes fail the same way, so
+//! the worker dead-letters it at once. An outage heals by waiting.
+
+use std::fmt;
+
+/// Who caused an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The data: the same message fails the same way every time.
+    Message,
+    /// The database is unreachable, restarting, overloaded or asked us to try again:
+    /// waiting heals it.
+    Outage,
+    /// Neither is known (a bug or a deploy's fault): retry, but not forever.
+    Unknown,
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Fault::Message => "the message's fault",
+            Fault::Outage => "an outage",
+            Fault::Unknown => "of unknown cause",
+        })
+    }
+}
+
+/// Classifies a database error by its SQLSTATE class, or by the driver's error kind
+/// when Postgres never answered.
+pub fn classify(error: &sqlx::Error) -> Fault {
+    match error {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => by_sqlstate(&code),
+            None => Fault::Unknown,
+        },
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => Fault::Outage,
+        // A value the driver could not encode came from the caller's data.
+        sqlx::Error::Encode(_) => Fault::Message,
+        _ => Fault::Unknown,
+    }
+}
+
+/// Classifies a SQLSTATE (five characters) by its class, its first two.
+pub fn by_sqlstate(code: &str) -> Fault {
+    match code.get(..2) {
+        Some("22" | "23" | "54") => Fault::Message,
+        Some("08" | "57" | "53" | "58" | "40") => Fault::Outage,
+        _ => Fault::Unknown,
+    }
+}
+
+/// What Postgres said, with its SQLSTATE, for a dead letter's `idem-error`:
+/// `invalid byte sequence for encoding "UTF8": 0x00 (SQLSTATE 22021)`.
+pub fn describe(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => format!("{} (SQLSTATE {code})", db.message()),
+            None => db.message().to_owned(),
+        },
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstate_classes_decide_the_fault() {
+        // NUL in text, numeric out of range, invalid text representation.
+        for code in ["22021", "22003", "22P02", "22P05"] {
+            assert_eq!(by_sqlstate(code), Fault::Message, "{code}");
+        }
+        // Check, not-null, foreign key; index row too large.
+        for code in ["23514", "23502", "23503", "54000"] {
+            assert_eq!(by_sqlstate(code), Fault::Message, "{code}");
+        }
+        // Connection failure, admin shutdown, cannot connect now, out of memory,
+        // disk full, I/O error, serialization failure, deadlock.
+        for code in [
+            "08006", "57P01", "57P03", "53200", "53100", "58030", "40001", "40P01",
+        ] {
+            assert_eq!(by_sqlstate(code), Fault::Outage, "{code}");
+        }
+        // Undefined table, syntax error, internal error: nobody's known fault.
+        for code in ["42P01", "42601", "XX000", "", "2"] {
+            assert_eq!(by_sqlstate(code), Fault::Unknown, "{code}");
+        }
+    }
+
+    #[test]
+    fn driver_errors_without_an_answer_are_outages() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(classify(&sqlx::Error::Io(refused)), Fault::Outage);
+        assert_eq!(classify(&sqlx::Error::PoolTimedOut), Fault::Outage);
+        assert_eq!(classify(&sqlx::Error::RowNotFound), Fault::Unknown);
+    }
+}

@@ -1,0 +1,679 @@
+//! Poison-proof (docs/DESIGN.md, "Errors by cause"): a message's own fault ends in the
+//! DLQ at once and never loops; an outage is waited out; an operation that was ever
+//! uncertain is reconciled before it runs again, whatever path leads back to it.
+//! Against the real broker and database.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::proxy::Proxy;
+use common::*;
+use idem::replay::{self, Action};
+use idem::{
+    Context, Handler, HandlerError, Reconciliation, RetryPolicy, Store, StoreConfig, Worker,
+    WorkerConfig,
+};
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+
+/// "Within a few seconds": every hostile message is settled within this, or the test
+/// fails (a message that loops never is).
+const FEW_SECONDS: Duration = Duration::from_secs(15);
+const SETTLE: Duration = Duration::from_secs(90);
+
+fn order_with(event_id: &str, tenant: &str, order_id: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "event_id": event_id, "tenant": tenant, "order_id": order_id, "amount_cents": 1,
+    }))
+    .unwrap()
+}
+
+/// Publishes `body` with `message_id`, confirmed.
+async fn publish_with_id(q: &TestQueue, body: &[u8], message_id: &str) {
+    let confirm = q
+        .channel
+        .basic_publish(
+            "".into(),
+            q.name.as_str().into(),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(message_id.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn hostile_inputs_end_in_the_ledger_once_or_in_the_dlq_within_seconds(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("hostile").await;
+    let mut worker = spawn_orders_worker(&database_url(&connect), &q.name, &[]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let mut invalid_utf8 = br#"{"event_id":"evt-"#.to_vec();
+    invalid_utf8.extend_from_slice(&[0xff, 0xfe]);
+    invalid_utf8.extend_from_slice(br#"","tenant":"acme","order_id":"o","amount_cents":1}"#);
+    // (what, body, reason, what idem-error says)
+    let hostile: Vec<(&str, Vec<u8>, &str, &str)> = vec![
+        (
+            "NUL in the key",
+            order_with("evt-\u{0}", "acme", "o-1"),
+            "malformed",
+            "idempotency_key contains a NUL character",
+        ),
+        (
+            "NUL in the scope",
+            order_with("evt-scope", "ac\u{0}me", "o-2"),
+            "malformed",
+            "scope contains a NUL character",
+        ),
+        (
+            "NUL in a field the handler writes",
+            order_with("evt-order-id", "acme", "o-\u{0}"),
+            "permanent_failure",
+            "SQLSTATE 22021",
+        ),
+        (
+            "a key of 600 bytes in 200 characters",
+            order_with(&"€".repeat(200), "acme", "o-3"),
+            "malformed",
+            "idempotency_key is 600 bytes long, at most 500",
+        ),
+        (
+            "a number out of range",
+            br#"{"event_id":"evt-range","tenant":"acme","order_id":"o","amount_cents":1e40}"#
+                .to_vec(),
+            "malformed",
+            "does not fit the message",
+        ),
+        (
+            "invalid UTF-8 in a string",
+            invalid_utf8,
+            "malformed",
+            "not JSON",
+        ),
+        (
+            "nesting 100,000 deep",
+            format!(
+                r#"{{"event_id":"evt-deep","tenant":"acme","order_id":"o","amount_cents":1,"note":{deep}}}"#
+            )
+            .into_bytes(),
+            "malformed",
+            "recursion limit exceeded",
+        ),
+    ];
+    let big = serde_json::to_vec(&json!({
+        "event_id": "evt-big", "tenant": "acme", "order_id": "o-big", "amount_cents": 1,
+        "note": "x".repeat(6 << 20),
+    }))
+    .unwrap();
+
+    q.publish(&order("evt-before", "acme", 1)).await;
+    let started = Instant::now();
+    for (_, body, _, _) in &hostile {
+        q.publish(body).await;
+    }
+    // A message property Postgres cannot store: only the database can refuse it, and
+    // it arrives between good messages, so it is claimed in their batch.
+    publish_with_id(&q, &order("evt-neighbour-1", "acme", 1), "m-1").await;
+    publish_with_id(&q, &order("evt-bad-id", "acme", 1), "m-\u{0}").await;
+    publish_with_id(&q, &order("evt-neighbour-2", "acme", 1), "m-2").await;
+    q.publish(&big).await;
+    q.publish(&order("evt-after", "acme", 1)).await;
+
+    let expected_dead = hostile.len() as u32 + 1;
+    let good = [
+        "evt-before",
+        "evt-neighbour-1",
+        "evt-neighbour-2",
+        "evt-big",
+        "evt-after",
+    ];
+    wait_until(FEW_SECONDS, "hostile messages settled", || async {
+        let booked = ledger(&pool).await;
+        q.counts(&q.dlq()).await.0 == expected_dead && good.iter().all(|e| booked.contains_key(*e))
+    })
+    .await;
+    println!(
+        "hostile: {expected_dead} dead-lettered and {} booked in {:?}",
+        good.len(),
+        started.elapsed()
+    );
+
+    let dead = q.drain(&q.dlq()).await;
+    let mut by_body: BTreeMap<Vec<u8>, _> =
+        dead.iter().map(|d| (d.delivery.data.to_vec(), d)).collect();
+    for (what, body, reason, error) in &hostile {
+        let d = by_body
+            .remove(body)
+            .unwrap_or_else(|| panic!("{what}: not in the DLQ"));
+        assert_eq!(d.reason.as_deref(), Some(*reason), "{what}");
+        let said = d.error.as_deref().unwrap_or_default();
+        assert!(said.contains(error), "{what}: idem-error {said:?}");
+    }
+    let refused = by_body
+        .remove(&order_bytes_of(&dead, "evt-bad-id"))
+        .expect("the message with a NUL in its message id is dead-lettered");
+    assert_eq!(refused.reason.as_deref(), Some("malformed"));
+    let said = refused.error.as_deref().unwrap_or_default();
+    assert!(
+        said.starts_with("the database refused the message:") && said.contains("SQLSTATE 22021"),
+        "{said}"
+    );
+    assert!(by_body.is_empty(), "nothing else dead-lettered");
+    for d in &dead {
+        let retries =
+            idem::dead_letter::header_i64(&d.delivery.properties, idem::dead_letter::RETRIES);
+        assert_eq!(retries.unwrap_or(0), 0, "went through a retry queue: {d:?}");
+    }
+    let booked = ledger(&pool).await;
+    for event in good {
+        assert_eq!(booked.get(event), Some(&1), "{event} booked once");
+    }
+    assert_eq!(
+        booked.len(),
+        good.len(),
+        "nothing hostile booked: {booked:?}"
+    );
+    assert!(
+        worker.child.try_wait().unwrap().is_none(),
+        "the worker is alive"
+    );
+    assert!(
+        !worker.log_contains("requeueing") && !worker.log_contains("failed_transient"),
+        "no hostile message was retried as an outage"
+    );
+}
+
+/// The body of the dead letter whose key is `event`.
+fn order_bytes_of(dead: &[idem::replay::DlqMessage], event: &str) -> Vec<u8> {
+    dead.iter()
+        .find(|d| d.key.as_deref() == Some(event))
+        .map(|d| d.delivery.data.to_vec())
+        .unwrap_or_default()
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_queue_declared_with_other_arguments_stops_the_worker_with_one_line(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let _pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("mismatch").await;
+    // A classic queue of that name exists already; the worker wants a quorum queue.
+    q.channel
+        .queue_declare(
+            q.name.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut worker = spawn_orders_worker(
+        &database_url(&connect),
+        &q.name,
+        &["--queue-type", "quorum"],
+    );
+    let status = tokio::time::timeout(Duration::from_secs(30), worker.child.wait())
+        .await
+        .expect("the worker stops within seconds")
+        .unwrap();
+    assert!(!status.success(), "exit status {status}");
+    let log = std::fs::read_to_string(&worker.log).unwrap();
+    let last = log.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("orders_worker: error:")
+            && last.contains(&q.name)
+            && last.contains("inequivalent arg 'x-queue-type'"),
+        "last line: {last}"
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn discard_acks_before_it_unpins_and_a_discarded_failure_stays_settled(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("discard-order").await;
+    let url = database_url(&connect);
+    let _worker = spawn_orders_worker(&url, &q.name, &["--concurrency", "1", "--prefetch", "1"]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    q.publish(&order("evt-crash", "acme", -1)).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+
+    // Killed between the two steps of a discard.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["dlq", "discard", "--queue", &q.name])
+        .env("DATABASE_URL", &url)
+        .env("AMQP_URL", amqp_url())
+        .env("IDEM_FAILPOINT", "discard-acked")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint aborts the discard");
+    let in_dlq = q.counts(&q.dlq()).await.0;
+    let pinned: bool = sqlx::query_scalar(
+        "SELECT dead_lettered_at IS NOT NULL FROM processed_operations
+         WHERE idempotency_key = 'evt-crash'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        in_dlq == 0 || pinned,
+        "a dead letter still waits ({in_dlq}) while its record may expire"
+    );
+
+    // A completed discard: a later duplicate of the failure is acked, not dead-lettered
+    // again.
+    q.publish(&order("evt-discarded", "acme", -1)).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    let (code, _) = run_idem(&url, &["dlq", "discard", "--queue", &q.name]).await;
+    assert_eq!(code, 0);
+    q.publish(&order("evt-discarded", "acme", -1)).await;
+    q.publish(&order("evt-marker", "acme", 1)).await;
+    wait_until(SETTLE, "the marker booked", || async {
+        ledger(&pool).await.contains_key("evt-marker")
+    })
+    .await;
+    assert_eq!(
+        q.counts(&q.dlq()).await.0,
+        0,
+        "the duplicate of a discarded failure was dead-lettered again"
+    );
+}
+
+async fn run_idem(database_url: &str, args: &[&str]) -> (i32, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("AMQP_URL", amqp_url())
+        .output()
+        .await
+        .unwrap();
+    if !out.status.success() {
+        eprintln!(
+            "idem {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// A handler whose runs and reconciliations follow a script per event, and that
+/// writes down every call in order.
+#[derive(Clone, Default)]
+struct Scripted {
+    calls: Arc<Mutex<Vec<(String, &'static str)>>>,
+}
+
+#[derive(Deserialize)]
+struct Job {
+    event_id: String,
+}
+
+/// An output that refuses to serialize when `poisoned`.
+struct Out {
+    text: String,
+    poisoned: bool,
+}
+
+impl Out {
+    fn ok(text: &str) -> Self {
+        Self {
+            text: text.into(),
+            poisoned: false,
+        }
+    }
+}
+
+impl Serialize for Out {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.poisoned {
+            return Err(serde::ser::Error::custom("poisoned output"));
+        }
+        json!({ "text": self.text }).serialize(s)
+    }
+}
+
+impl Scripted {
+    /// Notes a call; returns how many of this kind this event had, this one included.
+    fn note(&self, event: &str, call: &'static str) -> usize {
+        let mut calls = self.calls.lock().unwrap();
+        calls.push((event.to_owned(), call));
+        calls
+            .iter()
+            .filter(|(e, c)| e == event && *c == call)
+            .count()
+    }
+
+    fn calls_of(&self, event: &str) -> Vec<&'static str> {
+        let calls = self.calls.lock().unwrap();
+        calls
+            .iter()
+            .filter(|(e, _)| e == event)
+            .map(|(_, c)| *c)
+            .collect()
+    }
+}
+
+impl Handler for Scripted {
+    type Message = Job;
+    type Output = Out;
+    const OPERATION: &'static str = "jobs.scripted";
+
+    fn scope(&self, _: &Job) -> String {
+        "tests".into()
+    }
+
+    fn idempotency_key(&self, job: &Job) -> String {
+        job.event_id.clone()
+    }
+
+    async fn handle(&self, job: Job, _: &mut Context) -> Result<Out, HandlerError> {
+        let n = self.note(&job.event_id, "handle");
+        match (job.event_id.as_str(), n) {
+            ("evt-uncertain", 1) => Err(HandlerError::uncertain(
+                Some("ref-1".into()),
+                "timed out after sending",
+            )),
+            ("evt-unserializable", 1) => Ok(Out {
+                text: "x".into(),
+                poisoned: true,
+            }),
+            ("evt-nul-result", 1) => Ok(Out::ok("a\u{0}b")),
+            _ => Ok(Out::ok("ran")),
+        }
+    }
+
+    async fn reconcile(
+        &self,
+        job: &Job,
+        _: Option<&str>,
+        _: &mut Context,
+    ) -> Result<Reconciliation<Out>, HandlerError> {
+        let n = self.note(&job.event_id, "reconcile");
+        match (job.event_id.as_str(), n) {
+            ("evt-uncertain", 1) => Err(HandlerError::permanent("provider lookup refused")),
+            ("evt-uncertain", _) => Ok(Reconciliation::NotApplied),
+            _ => Ok(Reconciliation::Applied(Out::ok("found"))),
+        }
+    }
+}
+
+async fn start_in_process<H: Handler>(
+    pool: &PgPool,
+    q: &TestQueue,
+    handler: H,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
+) {
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let config = WorkerConfig {
+        amqp_url: amqp_url(),
+        queue: q.name.clone(),
+        retry: RetryPolicy {
+            immediate: 1,
+            min_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(50),
+            delays: RETRY_DELAYS_MS[..2]
+                .iter()
+                .map(|&ms| Duration::from_millis(ms))
+                .collect(),
+        },
+        ..WorkerConfig::default()
+    };
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(Worker::new(handler, store, config).run(shutdown.clone()));
+    wait_for_consumers(q, 1).await;
+    (shutdown, task)
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn an_operation_ever_uncertain_is_reconciled_before_it_runs_again(pool: PgPool) {
+    let q = TestQueue::new("ever-uncertain").await;
+    let handler = Scripted::default();
+    let (shutdown, task) = start_in_process(&pool, &q, handler.clone()).await;
+    let events = [
+        "evt-uncertain",
+        "evt-unserializable",
+        "evt-nul-result",
+        "evt-plain",
+    ];
+    for event in events {
+        q.publish(&serde_json::to_vec(&json!({ "event_id": event })).unwrap())
+            .await;
+    }
+    q.wait_for_messages(&q.dlq(), 3, SETTLE).await;
+    let failed: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT idempotency_key, reconcile_first FROM processed_operations
+         WHERE status = 'failed' ORDER BY idempotency_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        failed,
+        vec![
+            ("evt-nul-result".to_owned(), true),
+            ("evt-uncertain".to_owned(), true),
+            ("evt-unserializable".to_owned(), true),
+        ]
+    );
+    let dead = replay::peek(&q.connection, &q.dlq(), &replay::Filter::default(), 10)
+        .await
+        .unwrap();
+    let errors: BTreeMap<String, String> = dead
+        .iter()
+        .map(|d| {
+            assert_eq!(d.reason.as_deref(), Some("permanent_failure"));
+            (d.key.clone().unwrap(), d.error.clone().unwrap())
+        })
+        .collect();
+    drop(dead);
+    assert_eq!(errors["evt-uncertain"], "provider lookup refused");
+    assert!(errors["evt-unserializable"].contains("poisoned output"));
+    assert!(
+        errors["evt-nul-result"].starts_with("the result could not be stored:")
+            && errors["evt-nul-result"].contains("SQLSTATE 22P05"),
+        "{}",
+        errors["evt-nul-result"]
+    );
+
+    // An operator replays the three.
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let summary = replay::run(
+        &q.connection,
+        &store,
+        &q.dlq(),
+        Action::Replay,
+        &replay::Options::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.replayed, 3);
+    wait_until(SETTLE, "every operation completed", || async {
+        statuses(&pool).await == BTreeMap::from([("completed".to_owned(), 4)])
+    })
+    .await;
+    assert_eq!(
+        handler.calls_of("evt-uncertain"),
+        ["handle", "reconcile", "reconcile", "handle"],
+        "run again only after reconcile said not applied"
+    );
+    assert_eq!(
+        handler.calls_of("evt-unserializable"),
+        ["handle", "reconcile"]
+    );
+    assert_eq!(handler.calls_of("evt-nul-result"), ["handle", "reconcile"]);
+    assert_eq!(handler.calls_of("evt-plain"), ["handle"]);
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
+
+/// CPU time (user + system) a process has used, from /proc.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which ends with the last ')'): utime is the 12th,
+    // stime the 13th, in clock ticks (100 per second on Linux).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+async fn healthz(port: u16) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return (0, String::new());
+    };
+    let _ = stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response).await;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn postgres_gone_for_30_s_under_load_is_waited_out_and_everything_done_once(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let server: SocketAddr = format!("{}:{}", connect.get_host(), connect.get_port())
+        .parse()
+        .unwrap();
+    let proxy = Proxy::start(server).await;
+    let through_proxy = database_url(&connect.clone().port(proxy.port));
+    let metrics_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let q = TestQueue::new("pg-outage").await;
+    let mut worker = spawn_orders_worker(
+        &through_proxy,
+        &q.name,
+        &[
+            "--lease-secs",
+            "5",
+            "--metrics-addr",
+            &format!("127.0.0.1:{metrics_port}"),
+        ],
+    );
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    assert_eq!(healthz(metrics_port).await.0, 200);
+
+    let n = 400;
+    let events: Vec<String> = (0..n).map(|i| format!("evt-{i}")).collect();
+    for event in &events[..n / 2] {
+        q.publish(&order(event, "acme", 1)).await;
+    }
+    // Cut while the first half is being worked on.
+    wait_until(SETTLE, "some orders booked", || async {
+        ledger(&pool).await.len() >= 20
+    })
+    .await;
+    proxy.cut().await;
+    let cut = Instant::now();
+    for event in &events[n / 2..] {
+        q.publish(&order(event, "acme", 1)).await;
+    }
+    // Let the first failures pass, then measure what waiting costs.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let cpu_before = cpu_time(worker.pid());
+    let measured_from = Instant::now();
+    wait_until(
+        Duration::from_secs(20),
+        "/healthz to say the database is down",
+        || async {
+            let (status, body) = healthz(metrics_port).await;
+            status == 503 && body.contains("database: down (")
+        },
+    )
+    .await;
+    let (_, body) = healthz(metrics_port).await;
+    println!(
+        "healthz during the outage: {}",
+        body.trim().replace('\n', "; ")
+    );
+    tokio::time::sleep(Duration::from_secs(30).saturating_sub(cut.elapsed())).await;
+    let cpu = cpu_time(worker.pid()).saturating_sub(cpu_before);
+    let window = measured_from.elapsed();
+    assert!(
+        worker.child.try_wait().unwrap().is_none(),
+        "the worker is alive"
+    );
+    proxy.restore().await;
+    println!(
+        "postgres outage: worker CPU {cpu:?} in {window:?} ({:.1}%)",
+        cpu.as_secs_f64() * 100.0 / window.as_secs_f64()
+    );
+    assert!(
+        cpu.as_secs_f64() < 0.05 * window.as_secs_f64(),
+        "the worker used {cpu:?} of CPU in {window:?} while Postgres was gone"
+    );
+
+    wait_until(SETTLE, "every order booked after the outage", || async {
+        ledger(&pool).await.len() == n
+    })
+    .await;
+    wait_until(SETTLE, "every record completed", || async {
+        statuses(&pool).await == BTreeMap::from([("completed".to_owned(), n as i64)])
+    })
+    .await;
+    let booked = ledger(&pool).await;
+    assert!(booked.values().all(|&c| c == 1), "an order booked twice");
+    let split = provider_calls(&pool)
+        .await
+        .values()
+        .filter(|(_, keys)| *keys != 1)
+        .count();
+    assert_eq!(split, 0, "one provider key per order");
+    assert_eq!(q.counts(&q.dlq()).await.0, 0, "nothing dead-lettered");
+    assert_eq!(healthz(metrics_port).await.0, 200);
+    assert!(worker.child.try_wait().unwrap().is_none());
+}
