@@ -68,7 +68,7 @@ pub enum WorkerError {
     /// The broker refused the worker's queues or access for a reason retrying cannot
     /// fix: a queue that exists with other arguments (406 PRECONDITION_FAILED), or a
     /// user without the permissions (403 ACCESS_REFUSED). The worker stops with it.
-    #[error("the broker refused the topology of queue {queue}: {reason}")]
+    #[error("the broker refused to serve queue {queue}: {reason}")]
     Refused {
         /// The worker's queue.
         queue: String,
