@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use idem::{
-    Context, Handler, HandlerError, QueueType, RetryPolicy, Store, StoreConfig, Worker,
+    Context, Handler, HandlerError, Mode, QueueType, RetryPolicy, Store, StoreConfig, Worker,
     WorkerConfig,
 };
 use serde::{Deserialize, Deserializer};
@@ -48,6 +48,9 @@ pub struct Orders {
     pub fail_tenant: Option<String>,
     /// Pause between the provider call and the ledger write (a slow provider).
     pub provider_delay: Duration,
+    /// In transactional mode the "provider call" row is written in the handler's
+    /// transaction too: every effect of this handler is then in this database.
+    pub mode: Mode,
 }
 
 impl Handler for Orders {
@@ -80,14 +83,16 @@ impl Handler for Orders {
         // The external call. A real provider gets ctx.provider_key() as its own
         // idempotency key, so a retry after a crash repeats this request, not a new one.
         // Autocommit on purpose: like a real API call, it is not rolled back.
-        sqlx::query(
+        let provider_call = sqlx::query(
             "INSERT INTO example_provider_calls (idempotency_key, event_id, called_at)
              VALUES ($1, $2, now())",
         )
         .bind(ctx.provider_key())
-        .bind(&order.event_id)
-        .execute(ctx.pool())
-        .await?;
+        .bind(&order.event_id);
+        match self.mode {
+            Mode::Leased => provider_call.execute(ctx.pool()).await?,
+            Mode::Transactional => provider_call.execute(ctx.tx().await?).await?,
+        };
         if !self.provider_delay.is_zero() {
             tokio::time::sleep(self.provider_delay).await;
         }
@@ -155,6 +160,10 @@ struct Args {
     /// Unacked deliveries the broker sends ahead.
     #[arg(long, default_value_t = 64)]
     prefetch: u16,
+    /// leased: claim, then run under a lease (for handlers that call out);
+    /// transactional: claim, effects and outcome in one transaction per batch.
+    #[arg(long, default_value = "leased")]
+    mode: Mode,
     /// Lease of a claim in seconds (heartbeats extend it while the handler runs).
     #[arg(long, default_value_t = 30)]
     lease_secs: u64,
@@ -227,6 +236,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let config = WorkerConfig {
         amqp_url: args.amqp_url,
         queue: args.queue,
+        mode: args.mode,
         queue_type: if args.queue_type == "quorum" {
             QueueType::Quorum
         } else {
@@ -251,6 +261,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let handler = Orders {
         fail_tenant: args.fail_tenant,
         provider_delay: Duration::from_millis(args.provider_delay_ms),
+        mode: args.mode,
     };
     let shutdown = idem::shutdown::on_signal();
     let pool = store.pool().clone();

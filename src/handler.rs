@@ -249,4 +249,10 @@ impl Context {
     pub(crate) fn take_tx(&mut self) -> Option<Transaction<'static, Postgres>> {
         self.tx.take()
     }
+
+    /// Hands the context a transaction that is already open: in transactional mode, the
+    /// batch's, so the handler's writes commit with the claim and the outcome.
+    pub(crate) fn put_tx(&mut self, tx: Transaction<'static, Postgres>) {
+        self.tx = Some(tx);
+    }
 }

@@ -77,7 +77,7 @@ pub use retry::RetryPolicy;
 pub use shutdown::CancellationToken;
 pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
-pub use worker::{Worker, WorkerConfig, WorkerError};
+pub use worker::{Mode, Worker, WorkerConfig, WorkerError};
 
 /// An error and its causes on one line (`a: b: c`), for the one line a binary prints
 /// when it fails and for logs. idem's own errors never repeat their source in their

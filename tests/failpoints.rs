@@ -7,20 +7,23 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use idem::Mode;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const SETTLE: Duration = Duration::from_secs(90);
 
-/// What the record of `evt-f` says: (status, attempts, dead-lettered).
+/// What the record of `evt-f` says: (status, attempts, dead-lettered); `none` when
+/// there is no record (transactional mode writes it only with the outcome).
 async fn record(pool: &PgPool) -> (String, i32, bool) {
     sqlx::query_as(
         "SELECT status, attempts, dead_lettered_at IS NOT NULL
          FROM processed_operations WHERE idempotency_key = 'evt-f'",
     )
-    .fetch_one(pool)
+    .fetch_optional(pool)
     .await
     .unwrap()
+    .unwrap_or_else(|| ("none".into(), 0, false))
 }
 
 /// Publishes `body` to a worker that aborts at `point`, checks that it died there,
@@ -31,15 +34,23 @@ async fn crash_and_restart(
     point: &str,
     amount_cents: i64,
 ) -> (PgPool, TestQueue) {
+    crash_and_restart_in(pool_options, connect, point, amount_cents, Mode::Leased).await
+}
+
+/// [`crash_and_restart`] with workers in `mode`.
+async fn crash_and_restart_in(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+    point: &str,
+    amount_cents: i64,
+    mode: Mode,
+) -> (PgPool, TestQueue) {
+    let args = ["--lease-secs", "2", "--mode", mode.as_str()];
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
-    let q = TestQueue::new(&format!("fp-{point}")).await;
+    let q = TestQueue::new(&format!("fp-{}-{point}", mode.as_str())).await;
     let url = database_url(&connect);
-    let mut crashing = spawn_orders_worker_with_env(
-        &url,
-        &q.name,
-        &["--lease-secs", "2"],
-        &[("IDEM_FAILPOINT", point)],
-    );
+    let mut crashing =
+        spawn_orders_worker_with_env(&url, &q.name, &args, &[("IDEM_FAILPOINT", point)]);
     wait_for_worker_tables(&pool).await;
     wait_for_consumers(&q, 1).await;
     q.publish(&order("evt-f", "acme", amount_cents)).await;
@@ -50,7 +61,12 @@ async fn crash_and_restart(
     assert!(!status.success(), "aborted at {point}: {status:?}");
     assert!(crashing.log_contains(&format!("failpoint {point}: aborting")));
 
-    let _healthy = spawn_orders_worker(&url, &q.name, &["--lease-secs", "2"]);
+    if mode == Mode::Transactional && point != "after-complete" {
+        // One transaction: a crash before its commit leaves nothing behind.
+        assert_eq!(record(&pool).await.0, "none");
+        assert!(ledger(&pool).await.is_empty() && provider_calls(&pool).await.is_empty());
+    }
+    let _healthy = spawn_orders_worker(&url, &q.name, &args);
     wait_until(SETTLE, "nothing left in flight", || async {
         let processing: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM processed_operations WHERE status = 'processing'",
@@ -136,4 +152,28 @@ async fn crash_after_the_dead_letter_publish_before_the_ack(o: PgPoolOptions, c:
         dead.iter()
             .all(|d| d.reason.as_deref() == Some("permanent_failure"))
     );
+}
+
+/// Transactional mode: a crash anywhere before the batch commits leaves nothing (no
+/// record, no effect); after the commit, the redelivery finds it completed. Each
+/// intent ends with exactly one of each effect, and one attempt.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn transactional_crash_after_the_handler_ran(o: PgPoolOptions, c: PgConnectOptions) {
+    let (pool, q) = crash_and_restart_in(o, c, "after-effect", 5, Mode::Transactional).await;
+    assert_booked_once(&pool, 1, 1).await;
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn transactional_crash_before_the_batch_commits(o: PgPoolOptions, c: PgConnectOptions) {
+    let (pool, q) = crash_and_restart_in(o, c, "before-commit", 5, Mode::Transactional).await;
+    assert_booked_once(&pool, 1, 1).await;
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn transactional_crash_after_the_batch_commits(o: PgPoolOptions, c: PgConnectOptions) {
+    let (pool, q) = crash_and_restart_in(o, c, "after-complete", 5, Mode::Transactional).await;
+    assert_booked_once(&pool, 1, 1).await;
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
 }

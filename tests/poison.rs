@@ -13,10 +13,7 @@ use std::time::{Duration, Instant};
 use common::proxy::Proxy;
 use common::*;
 use idem::replay::{self, Action};
-use idem::{
-    Context, Handler, HandlerError, Reconciliation, RetryPolicy, Store, StoreConfig, Worker,
-    WorkerConfig,
-};
+use idem::{Context, Handler, HandlerError, Reconciliation, Store, StoreConfig};
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -24,7 +21,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use tokio_util::sync::CancellationToken;
 
 /// "Within a few seconds": every hostile message is settled within this, or the test
 /// fails (a message that loops never is).
@@ -429,40 +425,11 @@ impl Handler for Scripted {
     }
 }
 
-async fn start_in_process<H: Handler>(
-    pool: &PgPool,
-    q: &TestQueue,
-    handler: H,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
-) {
-    let store = Store::new(pool.clone(), StoreConfig::default());
-    let config = WorkerConfig {
-        amqp_url: amqp_url(),
-        queue: q.name.clone(),
-        retry: RetryPolicy {
-            immediate: 1,
-            min_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(50),
-            delays: RETRY_DELAYS_MS[..2]
-                .iter()
-                .map(|&ms| Duration::from_millis(ms))
-                .collect(),
-        },
-        ..WorkerConfig::default()
-    };
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(Worker::new(handler, store, config).run(shutdown.clone()));
-    wait_for_consumers(q, 1).await;
-    (shutdown, task)
-}
-
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn an_operation_ever_uncertain_is_reconciled_before_it_runs_again(pool: PgPool) {
     let q = TestQueue::new("ever-uncertain").await;
     let handler = Scripted::default();
-    let (shutdown, task) = start_in_process(&pool, &q, handler.clone()).await;
+    let (shutdown, task) = start_in_process(&pool, &q, handler.clone(), |_| {}).await;
     let events = [
         "evt-uncertain",
         "evt-unserializable",

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
+use sqlx::PgExecutor;
 
 use super::record::{Claim, ClaimRequest, Lease, Origin, Status};
 use super::{Store, StoreError, millis};
@@ -143,7 +144,7 @@ SELECT 'existing', scope, operation, idempotency_key, {EXISTING_COLUMNS} FROM cu
 });
 
 #[derive(sqlx::FromRow)]
-struct ClaimRow {
+pub(super) struct ClaimRow {
     found: String,
     id: i64,
     status: Status,
@@ -160,12 +161,12 @@ struct ClaimRow {
 }
 
 #[derive(sqlx::FromRow)]
-struct BatchClaimRow {
-    scope: String,
-    operation: String,
-    idempotency_key: String,
+pub(super) struct BatchClaimRow {
+    pub(super) scope: String,
+    pub(super) operation: String,
+    pub(super) idempotency_key: String,
     #[sqlx(flatten)]
-    row: ClaimRow,
+    pub(super) row: ClaimRow,
 }
 
 impl Store {
@@ -294,6 +295,17 @@ impl Store {
         inputs: &[ClaimRequest],
         picked: &[usize],
     ) -> Result<Vec<BatchClaimRow>, StoreError> {
+        self.claim_existing_in(&self.pool, inputs, picked).await
+    }
+
+    /// [`Store::claim_existing`] on any executor: in transactional mode, the batch's
+    /// transaction, which then holds the taken rows' locks until it commits.
+    pub(super) async fn claim_existing_in<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        inputs: &[ClaimRequest],
+        picked: &[usize],
+    ) -> Result<Vec<BatchClaimRow>, StoreError> {
         if picked.is_empty() {
             return Ok(Vec::new());
         }
@@ -311,7 +323,7 @@ impl Store {
             .bind(column(&|c| c.fingerprint.as_hex()))
             .bind(millis(self.config.lease))
             .bind(&self.config.owner)
-            .fetch_all(&self.pool)
+            .fetch_all(executor)
             .await?;
         metrics::store_round_trip("claim_many", started);
         Ok(rows)
@@ -320,7 +332,10 @@ impl Store {
 
 /// Turns the claim statement's row into a [`Claim`]; `None` when the snapshot was stale
 /// and the statement must run again.
-fn decide(row: ClaimRow, fingerprint: &Fingerprint) -> Result<Option<Claim>, StoreError> {
+pub(super) fn decide(
+    row: ClaimRow,
+    fingerprint: &Fingerprint,
+) -> Result<Option<Claim>, StoreError> {
     let status = row.status;
     let lease = |takeover| -> Result<Lease, StoreError> {
         Ok(Lease {

@@ -8,7 +8,9 @@
 //!   [`Claim`]);
 //! - `claim`: the statements that decide whether a delivery may run;
 //! - `outcome`: the lease holder's fenced writes (heartbeat, complete, fail, pending);
-//! - `operate`: what operators do (get, list, release, replay, discard, gc).
+//! - `operate`: what operators do (get, list, release, replay, discard, gc);
+//! - `transactional`: a transactional-mode batch's lookups and inserts, in its own
+//!   transaction.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,9 +23,11 @@ mod claim;
 mod operate;
 mod outcome;
 mod record;
+mod transactional;
 
 pub(crate) use record::StoredError;
 pub use record::{Claim, ClaimRequest, Lease, Origin, Record, Status, UnknownStatus};
+pub(crate) use transactional::{Found, NewRecord};
 
 /// What the store failed at.
 #[derive(Debug, thiserror::Error)]

@@ -169,6 +169,19 @@ impl Store {
         error: &Value,
         uncertain: bool,
     ) -> Result<(), StoreError> {
+        self.fail_in(&self.pool, lease, retryable, error, uncertain)
+            .await
+    }
+
+    /// [`Store::fail`] on any executor (the batch's transaction in transactional mode).
+    pub(crate) async fn fail_in<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        lease: &Lease,
+        retryable: bool,
+        error: &Value,
+        uncertain: bool,
+    ) -> Result<(), StoreError> {
         let started = Instant::now();
         let done = sqlx::query(FAIL_SQL.as_str())
             .bind(lease.id)
@@ -176,7 +189,7 @@ impl Store {
             .bind(retryable)
             .bind(error)
             .bind(uncertain)
-            .execute(&self.pool)
+            .execute(executor)
             .await?;
         metrics::store_round_trip("fail", started);
         fenced(done.rows_affected(), lease)
@@ -191,13 +204,25 @@ impl Store {
         external_ref: Option<&str>,
         error: &Value,
     ) -> Result<(), StoreError> {
+        self.mark_pending_in(&self.pool, lease, external_ref, error)
+            .await
+    }
+
+    /// [`Store::mark_pending`] on any executor.
+    pub(crate) async fn mark_pending_in<'e>(
+        &self,
+        executor: impl PgExecutor<'e>,
+        lease: &Lease,
+        external_ref: Option<&str>,
+        error: &Value,
+    ) -> Result<(), StoreError> {
         let started = Instant::now();
         let done = sqlx::query(PENDING_SQL.as_str())
             .bind(lease.id)
             .bind(lease.token)
             .bind(external_ref.map(storable))
             .bind(error)
-            .execute(&self.pool)
+            .execute(executor)
             .await?;
         metrics::store_round_trip("mark_pending", started);
         fenced(done.rows_affected(), lease)

@@ -5,6 +5,45 @@ use std::time::Duration;
 use crate::retry::RetryPolicy;
 use crate::topology::{self, QueueType};
 
+/// How a worker commits an operation (docs/DESIGN.md, "Two execution modes").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// The claim commits on its own before the handler runs, and a lease with
+    /// heartbeats and a fencing token guards the run. For handlers that call anything
+    /// outside this database (payment providers, e-mail, HTTP).
+    #[default]
+    Leased,
+    /// Claim, the handler's writes through [`crate::Context::tx`] and the outcome commit
+    /// in one transaction, shared by the deliveries that arrive together (each handler
+    /// in its own savepoint when one of them fails). No lease to pay for: a racing
+    /// duplicate waits at the unique index, then sees `completed`. Only for handlers
+    /// whose every effect is a write in this database: an external call from one is a
+    /// misuse (it may be repeated when a batch starts again).
+    Transactional,
+}
+
+impl Mode {
+    /// `leased` or `transactional`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Leased => "leased",
+            Mode::Transactional => "transactional",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "leased" => Ok(Mode::Leased),
+            "transactional" => Ok(Mode::Transactional),
+            other => Err(format!("unknown mode {other:?}: leased or transactional")),
+        }
+    }
+}
+
 /// Worker settings.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -12,6 +51,8 @@ pub struct WorkerConfig {
     pub amqp_url: String,
     /// The work queue.
     pub queue: String,
+    /// Leased (the default) or transactional.
+    pub mode: Mode,
     /// Classic or quorum queues.
     pub queue_type: QueueType,
     /// Handlers running at once.
@@ -52,6 +93,7 @@ impl Default for WorkerConfig {
         Self {
             amqp_url: topology::amqp_url(),
             queue: "idem".into(),
+            mode: Mode::Leased,
             queue_type: QueueType::Classic,
             concurrency: 16,
             prefetch: 64,

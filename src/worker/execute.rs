@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
@@ -14,8 +15,10 @@ use serde_json::Value;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use super::acks::Acks;
+use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
 use super::settle::Settler;
+use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
 use crate::failpoint;
 use crate::fault::Fault;
@@ -119,7 +122,7 @@ fn rounded_ms(elapsed: Duration) -> f64 {
 /// A message that passed parsing; the typed message travels beside it, since the
 /// handler consumes it.
 struct Parsed {
-    value: Value,
+    value: Arc<Value>,
     key: Key,
     fingerprint: Fingerprint,
 }
@@ -140,7 +143,7 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
     .map_err(|e| format!("invalid key: {e}"))?;
     let fingerprint = Fingerprint::of(&value, handler.volatile_fields());
     let parsed = Parsed {
-        value,
+        value: Arc::new(value),
         key,
         fingerprint,
     };
@@ -153,7 +156,7 @@ async fn decide<H: Handler>(
     shared: &Shared<H>,
     settler: &Settler<'_>,
 ) -> Result<Outcome, WorkerError> {
-    let (parsed, message) = match parse(&shared.handler, &settler.delivery.data) {
+    let (parsed, message) = match parse(&*shared.handler, &settler.delivery.data) {
         Ok(parsed) => parsed,
         Err(why) => return settle(settler, decision::malformed(why), None).await,
     };
@@ -173,6 +176,14 @@ async fn decide<H: Handler>(
         policy: &shared.config.retry,
         used: settler.retries(),
     };
+    if let Some(transactions) = &shared.transactions {
+        drop(message); // the batch deserializes its own
+        let request = TxRequest {
+            claim: request,
+            value: parsed.value.clone(),
+        };
+        return in_transaction(shared, transactions, settler, request, &parsed.key, retries).await;
+    }
     let mut immediate = shared.config.retry.immediate_backoff();
     let mut message = Some(message);
     let mut step = claim(shared, &request, retries).await?;
@@ -203,6 +214,39 @@ async fn decide<H: Handler>(
             }
             Step::Settle(verdict) => return settle(settler, verdict, Some(&parsed.key)).await,
         };
+    }
+}
+
+/// Transactional mode: the delivery goes into its batch's transaction, which claims,
+/// runs and records it; what it answers decides, as in leased mode.
+async fn in_transaction<H: Handler>(
+    shared: &Shared<H>,
+    transactions: &Batcher<TxRequest, TxAnswer>,
+    settler: &Settler<'_>,
+    request: TxRequest,
+    key: &Key,
+    retries: Retries<'_>,
+) -> Result<Outcome, WorkerError> {
+    let mut immediate = shared.config.retry.immediate_backoff();
+    loop {
+        let step = match transactions.call(request.clone()).await {
+            Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
+            Ok(TxAnswer::Ran(ran)) => decision::after_run(ran, immediate.next(), retries),
+            Ok(TxAnswer::Refused(why)) => Step::Settle(decision::malformed(why)),
+            Err(error) if error.fault() == Fault::Message => Step::Settle(refused(&error)),
+            Err(error) => return Err(error.into()),
+        };
+        match step {
+            Step::Settle(verdict) => return settle(settler, verdict, Some(key)).await,
+            Step::ClaimAgain { after } => tokio::time::sleep(after).await,
+            // The batch runs and reconciles what it takes; it never hands a lease out.
+            Step::Run(_) | Step::Reconcile { .. } => {
+                return Err(StoreError::UnknownClaimRow(
+                    "lease out of a transactional batch".into(),
+                )
+                .into());
+            }
+        }
     }
 }
 
@@ -243,7 +287,7 @@ fn prepare<H: Handler>(
 ) -> Result<(H::Message, Context), WorkerError> {
     let message = match message {
         Some(message) => message,
-        None => H::Message::deserialize(&parsed.value).map_err(WorkerError::Reparse)?,
+        None => H::Message::deserialize(&*parsed.value).map_err(WorkerError::Reparse)?,
     };
     let ctx = Context::new(
         parsed.key.clone(),

@@ -11,6 +11,7 @@
 //! - `session`: one broker connection (declare, consume, dispatch, drain);
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, run or reconcile under the lease, record;
+//! - `transactional`: transactional mode, a batch of deliveries in one transaction;
 //! - `settle`: ack, retry, requeue or dead-letter on the broker;
 //! - `batch` and `acks`: claims, completions and acks that share a round trip;
 //! - `undecided`: the pause while the store fails, and the safety net.
@@ -31,9 +32,10 @@ mod decision;
 mod execute;
 mod session;
 mod settle;
+mod transactional;
 mod undecided;
 
-pub use config::WorkerConfig;
+pub use config::{Mode, WorkerConfig};
 
 use crate::fault::Fault;
 use crate::handler::Handler;
@@ -42,6 +44,7 @@ use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
 use crate::topology::{self, Topology};
 use batch::Batcher;
 use session::{Session, SessionError};
+use transactional::{TxAnswer, TxRequest};
 use undecided::Undecided;
 
 /// Why a delivery could not be decided (it is requeued), or why a session ended (the
@@ -124,13 +127,16 @@ pub struct Worker<H: Handler> {
 
 /// What every delivery's task shares.
 struct Shared<H> {
-    handler: H,
+    handler: Arc<H>,
     store: Store,
     config: WorkerConfig,
     /// Claims of deliveries that arrive together, in one statement.
     claims: Batcher<ClaimRequest, Claim>,
     /// Completions without a handler transaction, in one statement.
     completions: Batcher<(Lease, Value), bool>,
+    /// Transactional mode: the deliveries that arrive together, decided in one
+    /// transaction (none in leased mode).
+    transactions: Option<Batcher<TxRequest, TxAnswer>>,
     /// Deliveries that could not be decided: the outage pause and the safety net.
     undecided: Undecided,
 }
@@ -181,7 +187,16 @@ impl<H: Handler> Worker<H> {
             let gc = collect_garbage(store.clone(), every, config.gc_batch, shutdown.clone());
             tokio::spawn(gc);
         }
+        let handler = Arc::new(handler);
+        let transactions = (config.mode == Mode::Transactional).then(|| {
+            let handler = handler.clone();
+            batched(&store, &config, move |store, requests| {
+                let handler = handler.clone();
+                async move { transactional::run(&*handler, &store, &requests).await }
+            })
+        });
         let shared = Arc::new(Shared {
+            transactions,
             claims: batched(&store, &config, |store, requests| async move {
                 store.claim_many(&requests).await
             }),

@@ -378,3 +378,37 @@ pub async fn unacked(queue: &str) -> u64 {
 }
 
 pub mod proxy;
+
+/// A worker running `handler` in this process on `q`, with short retry tiers (the
+/// first two of [`RETRY_DELAYS_MS`]); `tune` adjusts the rest of its settings.
+pub async fn start_in_process<H: idem::Handler>(
+    pool: &PgPool,
+    q: &TestQueue,
+    handler: H,
+    tune: impl FnOnce(&mut idem::WorkerConfig),
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
+) {
+    let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
+    let mut config = idem::WorkerConfig {
+        amqp_url: amqp_url(),
+        queue: q.name.clone(),
+        retry: idem::RetryPolicy {
+            immediate: 1,
+            min_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(50),
+            delays: RETRY_DELAYS_MS[..2]
+                .iter()
+                .map(|&ms| Duration::from_millis(ms))
+                .collect(),
+        },
+        ..idem::WorkerConfig::default()
+    };
+    tune(&mut config);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let worker = idem::Worker::new(handler, store, config);
+    let task = tokio::spawn(worker.run(shutdown.clone()));
+    wait_for_consumers(q, 1).await;
+    (shutdown, task)
+}

@@ -1,0 +1,150 @@
+//! The store's side of transactional mode (docs/DESIGN.md, "Two execution modes"): a
+//! batch looks its keys up, takes over what may be taken, and writes every new record
+//! in its own transaction, so claim, effects and outcome commit together.
+//!
+//! A key without a record is not inserted before its handler runs: the record is
+//! written once, with its outcome, at the end of the batch (one write per record, not a
+//! claim and then a completion). Two workers racing on a new key both run their
+//! handler; the second one's insert waits at the unique index for the first one's
+//! commit and then finds the key taken, so its batch rolls back (its handler's writes
+//! with it) and starts again, and then sees `completed`.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use serde_json::Value;
+use sqlx::PgConnection;
+
+use super::claim::decide;
+use super::record::{Claim, ClaimRequest, Status};
+use super::{Store, StoreError, millis};
+use crate::metrics;
+
+/// What a transactional batch found for one key.
+#[derive(Debug)]
+pub(crate) enum Found {
+    /// No record: run the handler, then insert the record with its outcome.
+    New,
+    /// A record that changed between the statement's snapshot and its update: decide
+    /// again later.
+    Stale,
+    /// A record: taken over (run or reconcile under the lease), or reported.
+    Record(Claim),
+}
+
+/// The record of a key that had none, written with its outcome.
+#[derive(Debug)]
+pub(crate) struct NewRecord<'a> {
+    pub(crate) request: &'a ClaimRequest,
+    /// `completed`, `failed` or `pending`.
+    pub(crate) status: Status,
+    pub(crate) retryable: bool,
+    pub(crate) result: Option<Value>,
+    pub(crate) error: Option<Value>,
+    pub(crate) external_ref: Option<String>,
+}
+
+/// New records with their outcomes, in key order so that batches inserting overlapping
+/// keys wait for each other instead of deadlocking. One fencing token for the
+/// statement, as in `CLAIM_NEW_SQL`. A key another transaction inserted meanwhile is
+/// skipped (after waiting for that transaction), and missing from what comes back.
+const INSERT_SQL: &str = "INSERT INTO processed_operations
+    (scope, operation, idempotency_key, payload_sha256, status, retryable, attempts,
+     lease_token, owner, result, error, external_ref, reconcile_first, message_id,
+     correlation_id, completed_at, expires_at)
+SELECT t.scope, t.operation, t.idempotency_key, t.fp, t.status, t.retryable, 1,
+       (SELECT nextval('processed_operations_lease_token_seq')), $12, t.result, t.error,
+       t.external_ref, t.status = 'pending', t.message_id, t.correlation_id,
+       CASE WHEN t.status = 'completed' THEN now() END,
+       CASE WHEN t.status = 'completed'
+            THEN now() + $13::bigint * interval '1 millisecond' END
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bool[],
+            $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[])
+     AS t(scope, operation, idempotency_key, fp, status, retryable, result, error,
+          external_ref, message_id, correlation_id)
+ORDER BY t.scope, t.operation, t.idempotency_key
+ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
+RETURNING scope, operation, idempotency_key, id, lease_token";
+
+impl Store {
+    /// Looks up the keys of `inputs` (distinct) in the batch's transaction: a record
+    /// that may be taken is taken (its row stays locked until the batch commits), the
+    /// others are reported as [`Store::claim_many`] reports them. One statement.
+    pub(crate) async fn find_in(
+        &self,
+        conn: &mut PgConnection,
+        inputs: &[ClaimRequest],
+    ) -> Result<Vec<Found>, StoreError> {
+        let all: Vec<usize> = (0..inputs.len()).collect();
+        let mut index: HashMap<(&str, &str, &str), usize> = HashMap::new();
+        for (i, input) in inputs.iter().enumerate() {
+            let k = &input.key;
+            index.insert((k.scope(), k.operation(), k.idempotency_key()), i);
+        }
+        let mut found: Vec<Found> = inputs.iter().map(|_| Found::New).collect();
+        for row in self.claim_existing_in(&mut *conn, inputs, &all).await? {
+            let slot = (
+                row.scope.as_str(),
+                row.operation.as_str(),
+                row.idempotency_key.as_str(),
+            );
+            if let Some(&i) = index.get(&slot) {
+                found[i] = match decide(row.row, &inputs[i].fingerprint)? {
+                    Some(claim) => Found::Record(claim),
+                    None => Found::Stale,
+                };
+            }
+        }
+        Ok(found)
+    }
+
+    /// Inserts the records of keys that had none, each with its outcome, in one
+    /// statement. Returns each one's `(id, lease_token)`, or `None` for a key another
+    /// transaction inserted meanwhile (the batch must then start again).
+    pub(crate) async fn insert_in(
+        &self,
+        conn: &mut PgConnection,
+        records: &[NewRecord<'_>],
+    ) -> Result<Vec<Option<(i64, i64)>>, StoreError> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let column = |f: fn(&NewRecord<'_>) -> Option<String>| -> Vec<Option<String>> {
+            records.iter().map(f).collect()
+        };
+        let json = |f: fn(&NewRecord<'_>) -> Option<Value>| -> Vec<Option<Value>> {
+            records.iter().map(f).collect()
+        };
+        let started = Instant::now();
+        let rows: Vec<(String, String, String, i64, i64)> = sqlx::query_as(INSERT_SQL)
+            .persistent(false)
+            .bind(column(|r| Some(r.request.key.scope().to_owned())))
+            .bind(column(|r| Some(r.request.key.operation().to_owned())))
+            .bind(column(|r| Some(r.request.key.idempotency_key().to_owned())))
+            .bind(column(|r| Some(r.request.fingerprint.as_hex().to_owned())))
+            .bind(column(|r| Some(r.status.as_str().to_owned())))
+            .bind(records.iter().map(|r| r.retryable).collect::<Vec<_>>())
+            .bind(json(|r| r.result.clone()))
+            .bind(json(|r| r.error.clone()))
+            .bind(column(|r| r.external_ref.clone()))
+            .bind(column(|r| r.request.origin.message_id.clone()))
+            .bind(column(|r| r.request.origin.correlation_id.clone()))
+            .bind(&self.config.owner)
+            .bind(millis(self.config.retention))
+            .fetch_all(&mut *conn)
+            .await?;
+        metrics::store_round_trip("insert_many", started);
+        let mut index: HashMap<(&str, &str, &str), usize> = HashMap::new();
+        for (i, r) in records.iter().enumerate() {
+            let k = &r.request.key;
+            index.insert((k.scope(), k.operation(), k.idempotency_key()), i);
+        }
+        let mut inserted = vec![None; records.len()];
+        for (scope, operation, key, id, token) in rows {
+            if let Some(&i) = index.get(&(scope.as_str(), operation.as_str(), key.as_str())) {
+                inserted[i] = Some((id, token));
+            }
+        }
+        Ok(inserted)
+    }
+}

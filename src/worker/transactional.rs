@@ -1,0 +1,482 @@
+//! Transactional mode (docs/DESIGN.md, "Two execution modes"): the deliveries that
+//! arrive together are decided in one transaction. Their keys are looked up (and
+//! taken over where they may be), their handlers run one after another on that
+//! transaction, and every outcome is written in it; one commit makes all of it true at
+//! once, and a crash before the commit leaves nothing.
+//!
+//! A batch first runs optimistically, without savepoints. When a handler fails (or a
+//! reconciliation does not complete), the batch rolls back and runs again with each
+//! handler in its own savepoint, so that only the failing handler's writes are undone
+//! and its failure is recorded beside the others' successes. A batch whose new key
+//! another worker inserted meanwhile, or that Postgres picked as a deadlock or
+//! serialization victim, rolls back and runs again too: a handler may run more than
+//! once, but only one run commits. That is why its effects must all be writes in this
+//! database.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use serde::Deserialize;
+use serde_json::Value;
+use sqlx::{Postgres, Transaction};
+use tracing::{debug, warn};
+
+use super::decision::Ran;
+use crate::failpoint;
+use crate::handler::{Context, Handler, HandlerError, Reconciliation};
+use crate::key::Key;
+use crate::metrics;
+use crate::store::{
+    Claim, ClaimRequest, Found, Lease, NewRecord, Status, Store, StoreError, StoredError,
+};
+
+/// How many times a batch starts again (after a race on a new key, a deadlock or a
+/// serialization failure) before its deliveries are given back as undecided.
+const PASSES: u32 = 8;
+
+/// One delivery of a transactional batch.
+#[derive(Debug, Clone)]
+pub(super) struct TxRequest {
+    pub(super) claim: ClaimRequest,
+    /// The parsed body, deserialized into the handler's message when it runs.
+    pub(super) value: Arc<Value>,
+}
+
+/// What a committed batch says about one delivery.
+#[derive(Debug)]
+pub(super) enum TxAnswer {
+    /// Not run: what the record says decides (completed, conflict, failed for good, in
+    /// progress).
+    Found(Claim),
+    /// Run or reconciled, and its outcome committed.
+    Ran(Ran),
+    /// The body no longer fits the message (it did when parsed): malformed.
+    Refused(String),
+}
+
+/// Decides a batch of deliveries in one transaction, starting it again after races.
+pub(super) async fn run<H: Handler>(
+    handler: &H,
+    store: &Store,
+    requests: &[TxRequest],
+) -> Result<Vec<TxAnswer>, StoreError> {
+    let mut careful = false;
+    let mut last = None;
+    for pass in 0..PASSES {
+        match once(handler, store, requests, careful).await {
+            Ok(Pass::Committed(answers)) => return Ok(answers),
+            Ok(Pass::HandlerFailed) => careful = true,
+            Ok(Pass::Raced) => debug!(pass, "a new key was inserted meanwhile; starting again"),
+            Err(error) if is_victim(&error) => {
+                debug!(pass, error = %crate::error_line(&error), "batch rolled back; starting again");
+                last = Some(error);
+                // Jittered, so two victims of each other do not meet again at once.
+                let pause = 1 + u64::from(pass) * 5 + u64::from(rand_u8() % 10);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Err(last.unwrap_or(StoreError::Contention(PASSES)))
+}
+
+/// A deadlock or serialization failure: Postgres rolled the transaction back and
+/// running it again is the cure (SQLSTATE class 40).
+fn is_victim(error: &StoreError) -> bool {
+    match error {
+        StoreError::Database(sqlx::Error::Database(db)) => {
+            db.code().is_some_and(|code| code.starts_with("40"))
+        }
+        _ => false,
+    }
+}
+
+fn rand_u8() -> u8 {
+    // Nanoseconds of the clock are jitter enough for spreading two retries apart.
+    (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0)
+        % 251) as u8
+}
+
+/// How one pass over a batch ended.
+enum Pass {
+    Committed(Vec<TxAnswer>),
+    /// A handler failed while running without savepoints: run again with them.
+    HandlerFailed,
+    /// Another transaction inserted one of the new keys: look them up again.
+    Raced,
+}
+
+/// What a run in the batch came to, before it is written.
+enum RunResult {
+    /// The output, as stored.
+    Done {
+        output: Value,
+        reconciled: bool,
+    },
+    Failed(HandlerError),
+    Refused(String),
+}
+
+/// Whose run a result is: a key without a record, or a record taken over.
+enum Owner {
+    New,
+    Taken(Lease),
+}
+
+async fn once<H: Handler>(
+    handler: &H,
+    store: &Store,
+    requests: &[TxRequest],
+    careful: bool,
+) -> Result<Pass, StoreError> {
+    // Copies of a key after the first are decided later, when the first one's outcome
+    // is committed: they see it then.
+    let mut first: HashMap<&Key, usize> = HashMap::new();
+    let mut distinct = Vec::new();
+    for (i, request) in requests.iter().enumerate() {
+        if *first.entry(&request.claim.key).or_insert(i) == i {
+            distinct.push(i);
+        }
+    }
+    let mut answers: Vec<Option<TxAnswer>> = requests.iter().map(|_| None).collect();
+    let claims: Vec<ClaimRequest> = distinct
+        .iter()
+        .map(|&i| requests[i].claim.clone())
+        .collect();
+
+    let mut tx = Some(store.pool().begin().await?);
+    let found = store.find_in(open(&mut tx)?, &claims).await?;
+    let mut runs: Vec<(usize, Owner, RunResult)> = Vec::new();
+    for (&i, found) in distinct.iter().zip(found) {
+        let request = &requests[i];
+        let (owner, reconcile) = match found {
+            Found::New => (Owner::New, None),
+            Found::Record(Claim::Claimed(lease)) => (Owner::Taken(lease), None),
+            Found::Record(Claim::Pending {
+                lease,
+                external_ref,
+            }) => (Owner::Taken(lease), Some(external_ref)),
+            Found::Record(other) => {
+                answers[i] = Some(TxAnswer::Found(other));
+                continue;
+            }
+            Found::Stale => {
+                answers[i] = Some(TxAnswer::Found(Claim::InProgress {
+                    lease_expires_at: None,
+                }));
+                continue;
+            }
+        };
+        let (attempt, takeover) = match &owner {
+            Owner::New => (1, false),
+            Owner::Taken(lease) => (lease.attempt, lease.takeover),
+        };
+        if takeover {
+            metrics::delivery(H::OPERATION, "takeover");
+        }
+        if careful {
+            sqlx::query("SAVEPOINT idem_run")
+                .execute(open(&mut tx)?)
+                .await?;
+        }
+        let ctx = RunIn {
+            key: &request.claim.key,
+            value: &request.value,
+            attempt,
+            takeover,
+        };
+        let result = ctx.run(handler, store, &mut tx, reconcile).await;
+        let failed = !matches!(result, RunResult::Done { .. });
+        if failed && !careful {
+            return Ok(Pass::HandlerFailed);
+        }
+        if careful {
+            let end = if failed {
+                "ROLLBACK TO SAVEPOINT idem_run"
+            } else {
+                "RELEASE SAVEPOINT idem_run"
+            };
+            sqlx::query(end).execute(open(&mut tx)?).await?;
+        }
+        runs.push((i, owner, result));
+    }
+
+    // Every outcome, in the same transaction.
+    let mut new = Vec::new();
+    let mut new_runs = Vec::new();
+    for (i, owner, result) in runs {
+        match owner {
+            Owner::New => match new_record(&requests[i].claim, &result) {
+                Some(record) => {
+                    new.push(record);
+                    new_runs.push((i, result));
+                }
+                // Nothing ran: no record, the delivery is dead-lettered as malformed.
+                None => {
+                    if let RunResult::Refused(why) = result {
+                        answers[i] = Some(TxAnswer::Refused(why));
+                    }
+                }
+            },
+            Owner::Taken(lease) => {
+                let answer = write_taken(store, open(&mut tx)?, &lease, result).await?;
+                match answer {
+                    Some(answer) => answers[i] = Some(answer),
+                    None => return Ok(Pass::Raced),
+                }
+            }
+        }
+    }
+    let inserted = store.insert_in(open(&mut tx)?, &new).await?;
+    for ((i, result), ids) in new_runs.into_iter().zip(inserted) {
+        let Some((id, token)) = ids else {
+            return Ok(Pass::Raced);
+        };
+        let lease = Lease {
+            id,
+            token,
+            attempt: 1,
+            takeover: false,
+            expires_at: chrono::Utc::now(),
+        };
+        answers[i] = Some(answer_of(lease, result));
+    }
+    failpoint::hit("before-commit");
+    let Some(tx) = tx.take() else {
+        return Err(lost_transaction());
+    };
+    tx.commit().await?;
+    failpoint::hit("after-complete");
+
+    // Copies of a key in the batch: decided again once this commit is visible.
+    let answers = answers
+        .into_iter()
+        .map(|answer| {
+            answer.unwrap_or(TxAnswer::Found(Claim::InProgress {
+                lease_expires_at: None,
+            }))
+        })
+        .collect();
+    Ok(Pass::Committed(answers))
+}
+
+/// The batch's transaction, which is only ever out of its slot while a handler holds it.
+fn open<'a>(
+    tx: &'a mut Option<Transaction<'static, Postgres>>,
+) -> Result<&'a mut sqlx::PgConnection, StoreError> {
+    match tx.as_mut() {
+        Some(tx) => Ok(&mut **tx),
+        None => Err(lost_transaction()),
+    }
+}
+
+fn lost_transaction() -> StoreError {
+    StoreError::Database(sqlx::Error::WorkerCrashed)
+}
+
+/// One run in the batch: the key, the body, and which claim of the key it is.
+struct RunIn<'a> {
+    key: &'a Key,
+    value: &'a Value,
+    attempt: i32,
+    takeover: bool,
+}
+
+impl RunIn<'_> {
+    /// Runs the handler (or reconciles first, when `reconcile` holds the reference of a
+    /// pending operation) on the batch's transaction, which it gives back after.
+    async fn run<H: Handler>(
+        &self,
+        handler: &H,
+        store: &Store,
+        tx: &mut Option<Transaction<'static, Postgres>>,
+        reconcile: Option<Option<String>>,
+    ) -> RunResult {
+        let message = match H::Message::deserialize(self.value) {
+            Ok(message) => message,
+            Err(e) => return RunResult::Refused(format!("body does not fit the message: {e}")),
+        };
+        let mut ctx = Context::new(
+            self.key.clone(),
+            self.attempt,
+            self.takeover,
+            store.pool().clone(),
+        );
+        if let Some(open) = tx.take() {
+            ctx.put_tx(open);
+        }
+        let started = Instant::now();
+        let result = match reconcile {
+            None => caught(handler.handle(message, &mut ctx)).await,
+            Some(external_ref) => {
+                let asked = caught(handler.reconcile(&message, external_ref.as_deref(), &mut ctx));
+                match asked.await {
+                    Ok(Reconciliation::Applied(output)) => {
+                        *tx = ctx.take_tx();
+                        return done(output, true);
+                    }
+                    Ok(Reconciliation::NotApplied) => {
+                        caught(handler.handle(message, &mut ctx)).await
+                    }
+                    Ok(Reconciliation::Unknown) => Err(HandlerError::uncertain(
+                        None,
+                        "reconcile: outcome still unknown",
+                    )),
+                    Err(HandlerError::Permanent(e)) => Err(HandlerError::Permanent(e)),
+                    Err(other) => Err(HandlerError::uncertain(
+                        None,
+                        format!("reconcile failed: {}", other.message()),
+                    )),
+                }
+            }
+        };
+        metrics::handler_duration(H::OPERATION, started.elapsed());
+        failpoint::hit("after-effect");
+        *tx = ctx.take_tx();
+        match result {
+            Ok(output) => done(output, false),
+            Err(error) => RunResult::Failed(error),
+        }
+    }
+}
+
+fn done<O: serde::Serialize>(output: O, reconciled: bool) -> RunResult {
+    match serde_json::to_value(output) {
+        Ok(output) => RunResult::Done { output, reconciled },
+        Err(e) => RunResult::Failed(HandlerError::permanent(format!(
+            "handler output does not serialize: {e}"
+        ))),
+    }
+}
+
+/// Awaits a call into the handler; a panic counts as a transient failure.
+async fn caught<T>(call: impl Future<Output = Result<T, HandlerError>>) -> Result<T, HandlerError> {
+    AssertUnwindSafe(call)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
+}
+
+/// The record of a key that had none, with the run's outcome; none for a body that no
+/// longer fits the message (nothing ran). An uncertain outcome in this mode is a misuse
+/// (every effect is in this transaction, and a failed run's writes were rolled back):
+/// it is kept `pending` all the same, so that `reconcile` decides, as in leased mode.
+fn new_record<'a>(request: &'a ClaimRequest, result: &RunResult) -> Option<NewRecord<'a>> {
+    let mut record = NewRecord {
+        request,
+        status: Status::Failed,
+        retryable: false,
+        result: None,
+        error: None,
+        external_ref: None,
+    };
+    match result {
+        RunResult::Done { output, .. } => {
+            record.status = Status::Completed;
+            record.result = Some(output.clone());
+        }
+        RunResult::Failed(error) => {
+            let (kind, external_ref) = failure_kind(error);
+            if kind == "uncertain" {
+                record.status = Status::Pending;
+            }
+            record.retryable = kind == "transient";
+            record.external_ref = external_ref;
+            record.error = Some(
+                StoredError {
+                    kind,
+                    error: error.message(),
+                }
+                .to_json(),
+            );
+        }
+        RunResult::Refused(_) => return None,
+    }
+    Some(record)
+}
+
+fn failure_kind(error: &HandlerError) -> (&'static str, Option<String>) {
+    match error {
+        HandlerError::Transient(_) => ("transient", None),
+        HandlerError::Permanent(_) => ("permanent", None),
+        HandlerError::Uncertain { external_ref, .. } => {
+            warn!(
+                "uncertain outcome in transactional mode: its writes were rolled back; \
+                 external calls do not belong in a transactional handler"
+            );
+            ("uncertain", external_ref.clone())
+        }
+    }
+}
+
+/// Writes the outcome of a record taken over in the batch (its row is locked by the
+/// batch since the take). `None` if the fence refused it, which the lock rules out.
+async fn write_taken(
+    store: &Store,
+    conn: &mut sqlx::PgConnection,
+    lease: &Lease,
+    result: RunResult,
+) -> Result<Option<TxAnswer>, StoreError> {
+    let written = match &result {
+        RunResult::Done { output, .. } => store.complete_in(&mut *conn, lease, output).await,
+        RunResult::Failed(error) => {
+            let (kind, external_ref) = failure_kind(error);
+            let stored = StoredError {
+                kind,
+                error: error.message(),
+            }
+            .to_json();
+            match kind {
+                "uncertain" => {
+                    let external_ref = external_ref.as_deref();
+                    store
+                        .mark_pending_in(&mut *conn, lease, external_ref, &stored)
+                        .await
+                }
+                _ => {
+                    let retryable = kind == "transient";
+                    store
+                        .fail_in(&mut *conn, lease, retryable, &stored, false)
+                        .await
+                }
+            }
+        }
+        RunResult::Refused(why) => {
+            let stored = StoredError {
+                kind: "permanent",
+                error: why,
+            }
+            .to_json();
+            store
+                .fail_in(&mut *conn, lease, false, &stored, false)
+                .await
+        }
+    };
+    match written {
+        Ok(()) => Ok(Some(answer_of(lease.clone(), result))),
+        Err(StoreError::LeaseLost { .. }) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// The answer for a run whose outcome was written on the record of `lease`.
+fn answer_of(lease: Lease, result: RunResult) -> TxAnswer {
+    match result {
+        RunResult::Done { reconciled, .. } => TxAnswer::Ran(Ran::Completed { reconciled }),
+        RunResult::Refused(why) => TxAnswer::Refused(why),
+        RunResult::Failed(HandlerError::Transient(error)) => {
+            TxAnswer::Ran(Ran::Transient { lease, error })
+        }
+        RunResult::Failed(HandlerError::Permanent(error)) => {
+            TxAnswer::Ran(Ran::Permanent { lease, error })
+        }
+        RunResult::Failed(HandlerError::Uncertain { .. }) => TxAnswer::Ran(Ran::Pending { lease }),
+    }
+}
