@@ -15,7 +15,11 @@
 //!    own commit), 32 at a time, then the ack;
 //! 3. `idem_noop`: an idem worker with a handler that does nothing;
 //! 4. `idem_orders`: an idem worker with the orders handler (a provider-call insert and a
-//!    ledger row in the handler's transaction).
+//!    ledger row in the handler's transaction);
+//! 5. `idem_ledger`: leased mode, a handler that inserts one ledger row through
+//!    `ctx.tx()`;
+//! 6. `idem_ledger_tx`, `idem_noop_tx`: the ledger and no-op handlers in transactional
+//!    mode (claim, effect and outcome in one transaction per batch).
 //!
 //! It prints one line per variant and run, the medians, and a last line
 //! `idem_msgs_per_s=… raw_msgs_per_s=… ratio=…`, with p50/p99 of delivery-to-ack for idem
@@ -40,7 +44,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use futures_util::StreamExt;
-use idem::{Context, Handler, HandlerError, RetryPolicy, Store, StoreConfig, Worker, WorkerConfig};
+use idem::{
+    Context, Handler, HandlerError, Mode, RetryPolicy, Store, StoreConfig, Worker, WorkerConfig,
+};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeleteOptions,
@@ -77,11 +83,12 @@ struct Args {
     /// idem's batches in flight at once.
     #[arg(long, default_value_t = 3)]
     in_flight: usize,
-    /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders.
+    /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
+    /// idem_ledger, idem_ledger_tx, idem_noop_tx.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "raw,handwritten,idem_noop,idem_orders"
+        default_value = "raw,handwritten,idem_noop,idem_orders,idem_ledger,idem_ledger_tx,idem_noop_tx"
     )]
     variants: Vec<String>,
     /// Postgres server (the bench creates and drops its own database on it).
@@ -119,6 +126,38 @@ impl Handler for NoOp {
     }
 
     async fn handle(&self, _: Event, _: &mut Context) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+/// A handler that books one ledger row in the context's transaction: the most common
+/// handler, one that only writes to this database.
+struct Ledger;
+
+impl Handler for Ledger {
+    type Message = orders_worker::Order;
+    type Output = ();
+    const OPERATION: &'static str = "bench.ledger";
+
+    fn scope(&self, o: &orders_worker::Order) -> String {
+        o.tenant.clone()
+    }
+
+    fn idempotency_key(&self, o: &orders_worker::Order) -> String {
+        o.event_id.clone()
+    }
+
+    async fn handle(&self, o: orders_worker::Order, ctx: &mut Context) -> Result<(), HandlerError> {
+        sqlx::query(
+            "INSERT INTO example_ledger (event_id, tenant, order_id, amount_cents, created_at)
+             VALUES ($1, $2, $3, $4, now())",
+        )
+        .bind(&o.event_id)
+        .bind(&o.tenant)
+        .bind(&o.order_id)
+        .bind(o.amount_cents)
+        .execute(ctx.tx().await?)
+        .await?;
         Ok(())
     }
 }
@@ -268,17 +307,22 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
             let m = match variant.as_str() {
                 "raw" => raw(&connection, &args, &queue, run).await?,
                 "handwritten" => handwritten(&connection, &pool, &args, &queue, run).await?,
-                "idem_noop" => {
-                    idem_variant(&args, &pool, &connection, &queue, run, &outcomes, NoOp).await?
+                "idem_noop" | "idem_noop_tx" => {
+                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    idem_variant(&bench, NoOp, mode_of(variant)).await?
                 }
                 "idem_orders" => {
-                    let orders = orders_worker::Orders::default();
-                    idem_variant(&args, &pool, &connection, &queue, run, &outcomes, orders).await?
+                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    idem_variant(&bench, orders_worker::Orders::default(), Mode::Leased).await?
+                }
+                "idem_ledger" | "idem_ledger_tx" => {
+                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    idem_variant(&bench, Ledger, mode_of(variant)).await?
                 }
                 other => bail!("unknown variant {other}"),
             };
             println!(
-                "run {} {:<12} {:>9.0} msgs/s  {}{}",
+                "run {} {:<14} {:>9.0} msgs/s  {}{}",
                 run + 1,
                 variant,
                 m.msgs_per_s,
@@ -305,7 +349,16 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
     println!("medians of {} runs:", args.runs);
     for (variant, _) in &results {
         if let Some(m) = median(variant) {
-            println!("  {variant:<12} {:>9.0} msgs/s  {}", m.msgs_per_s, m.cpu);
+            let ratio = median("raw").map_or(0.0, |raw| m.msgs_per_s / raw.msgs_per_s);
+            let latency = if variant.starts_with("idem") {
+                format!("  p50 {:.1} ms p99 {:.1} ms", m.p50_ms, m.p99_ms)
+            } else {
+                String::new()
+            };
+            println!(
+                "  {variant:<14} {:>9.0} msgs/s  {ratio:.2}x raw  {}{latency}",
+                m.msgs_per_s, m.cpu
+            );
         }
     }
     if let (Some(idem), Some(raw)) = (median("idem_noop"), median("raw")) {
@@ -515,15 +568,51 @@ fn rss_mb() -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn idem_variant<H: Handler>(
-    args: &Args,
-    pool: &PgPool,
-    connection: &Connection,
-    queue: &str,
+fn mode_of(variant: &str) -> Mode {
+    if variant.ends_with("_tx") {
+        Mode::Transactional
+    } else {
+        Mode::Leased
+    }
+}
+
+/// One idem variant's run: where, and what it reports to.
+struct Bench<'a> {
+    args: &'a Args,
+    pool: &'a PgPool,
+    connection: &'a Connection,
+    queue: &'a str,
     run: usize,
-    outcomes: &Outcomes,
+    outcomes: &'a Outcomes,
+}
+
+impl<'a> Bench<'a> {
+    fn new(
+        args: &'a Args,
+        pool: &'a PgPool,
+        connection: &'a Connection,
+        queue: &'a str,
+        run: usize,
+        outcomes: &'a Outcomes,
+    ) -> Self {
+        Self {
+            args,
+            pool,
+            connection,
+            queue,
+            run,
+            outcomes,
+        }
+    }
+}
+
+async fn idem_variant<H: Handler>(
+    b: &Bench<'_>,
     handler: H,
+    mode: Mode,
 ) -> anyhow::Result<Measure> {
+    let (args, pool, connection, queue, run, outcomes) =
+        (b.args, b.pool, b.connection, b.queue, b.run, b.outcomes);
     publish(connection, queue, args.messages, run).await?;
     let cpu = CpuTicks::now();
     outcomes.reset();
@@ -531,6 +620,7 @@ async fn idem_variant<H: Handler>(
     let config = WorkerConfig {
         amqp_url: args.amqp_url.clone(),
         queue: queue.to_owned(),
+        mode,
         concurrency: usize::from(args.prefetch),
         prefetch: args.prefetch,
         retry: RetryPolicy {

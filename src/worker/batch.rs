@@ -2,9 +2,8 @@
 //!
 //! A batch closes when it is full or when the linger has passed since its first
 //! request, so a lone request waits about the linger and no more. Up to `in_flight`
-//! batches run at once: a request never waits for an earlier batch's round trip, only
-//! for its own, which keeps the time from delivery to ack (and so the prefetch window's
-//! throughput) from growing with load.
+//! batches run at once: a request waits for an earlier batch's round trip only when all
+//! of them are busy, and then the next batch takes everything that arrived meanwhile.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -44,8 +43,14 @@ impl<Req: Clone + Send + Sync + 'static, Resp: Send + 'static> Batcher<Req, Resp
         let (tx, mut rx) = mpsc::channel::<(Req, Reply<Resp>)>(max * 4);
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
-                let mut batch = vec![first];
                 let deadline = tokio::time::Instant::now() + linger;
+                // A slot first, then the batch: while every slot is busy, requests pile
+                // up in the channel, and the next batch takes them all at once instead
+                // of leaving as a handful closed by the linger.
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
+                };
+                let mut batch = vec![first];
                 while batch.len() < max {
                     match rx.try_recv() {
                         Ok(item) => batch.push(item),
@@ -59,9 +64,6 @@ impl<Req: Clone + Send + Sync + 'static, Resp: Send + 'static> Batcher<Req, Resp
                     }
                 }
                 let (requests, replies): (Vec<Req>, Vec<Reply<Resp>>) = batch.into_iter().unzip();
-                let Ok(slot) = slots.clone().acquire_owned().await else {
-                    return;
-                };
                 let run = run.clone();
                 tokio::spawn(async move {
                     answer(&*run, requests.into(), replies).await;

@@ -1,0 +1,210 @@
+//! Publish → effect committed, at a steady rate, against `orders_worker`.
+//!
+//! ```sh
+//! cargo build --release --examples
+//! cargo run --release --example latency -- --rate 1000 --seconds 20 --mode transactional
+//! ```
+//!
+//! It creates its own database, starts one `orders_worker` (the binary beside this one,
+//! with its default settings plus `--mode` and anything after `--`), publishes orders at
+//! `--rate` per second, and takes the time from each publish to the moment the order's
+//! ledger row is committed: a trigger on the ledger sends a `NOTIFY`, which Postgres
+//! delivers at commit. It prints one line: the rate kept, and p50/p90/p99/max.
+
+#[allow(dead_code)]
+#[path = "orders_worker.rs"]
+mod orders_worker;
+
+use std::collections::HashMap;
+use std::process::{ExitCode, Stdio};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener};
+use sqlx::{ConnectOptions, Connection};
+
+#[derive(Parser, Debug)]
+#[command(about = "idem latency: publish -> committed effect at a steady rate")]
+struct Args {
+    /// Messages per second.
+    #[arg(long, default_value_t = 1000)]
+    rate: u32,
+    /// How long to publish.
+    #[arg(long, default_value_t = 20)]
+    seconds: u64,
+    /// The worker's mode: leased or transactional.
+    #[arg(long, default_value = "leased")]
+    mode: String,
+    /// More arguments for orders_worker (after `--`).
+    #[arg(last = true)]
+    worker_args: Vec<String>,
+    /// Postgres server (a database of its own is created and dropped on it).
+    #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
+    amqp_url: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("latency: error: {}", idem::error_line(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let server = PgConnectOptions::from_str(&args.database_url)?;
+    let database = format!("idem_latency_{id}");
+    let url = server
+        .clone()
+        .database(&database)
+        .to_url_lossy()
+        .to_string();
+    let queue = format!("latency.{id}");
+    let pool = idem::db::connect_and_migrate(&url, 4).await?;
+    orders_worker::create_example_tables(&pool).await?;
+    sqlx::raw_sql(
+        "CREATE OR REPLACE FUNCTION latency_notify() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_notify('latency', NEW.event_id); RETURN NULL; END $$;
+         CREATE TRIGGER latency AFTER INSERT ON example_ledger
+           FOR EACH ROW EXECUTE FUNCTION latency_notify();",
+    )
+    .execute(&pool)
+    .await
+    .context("create the ledger and its trigger")?;
+    let mut listener = PgListener::connect_with(&pool).await?;
+    listener.listen("latency").await?;
+
+    let worker_path = std::env::current_exe()?.with_file_name("orders_worker");
+    let mut worker = tokio::process::Command::new(&worker_path)
+        .args(["--queue", &queue, "--mode", &args.mode])
+        .args(&args.worker_args)
+        .env("DATABASE_URL", &url)
+        .env("AMQP_URL", &args.amqp_url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("start {}", worker_path.display()))?;
+
+    let connection = idem::topology::connect(&args.amqp_url, "idem-latency").await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    // Wait for the worker to declare its queue and consume.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let probe = connection.create_channel().await?;
+        let declared = probe
+            .queue_declare(
+                queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await;
+        let _ = probe.close(200, "probe".into()).await;
+        if declared.is_ok_and(|q| q.consumer_count() > 0) {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the worker did not start consuming");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let total = (u64::from(args.rate) * args.seconds) as usize;
+    let interval = Duration::from_secs_f64(1.0 / f64::from(args.rate));
+    let mut sent: HashMap<String, Instant> = HashMap::with_capacity(total);
+    let mut latencies = Vec::with_capacity(total);
+    let start = tokio::time::Instant::now();
+    let mut next = 0usize;
+    let mut confirms = Vec::new();
+    while latencies.len() < total {
+        let due = start + interval * next as u32;
+        tokio::select! {
+            _ = tokio::time::sleep_until(due), if next < total => {
+                let event = format!("evt-{next}");
+                let body = serde_json::to_vec(&serde_json::json!({
+                    "event_id": event, "tenant": "acme", "order_id": next, "amount_cents": 1,
+                }))?;
+                let confirm = channel
+                    .basic_publish(
+                        "".into(),
+                        queue.as_str().into(),
+                        BasicPublishOptions::default(),
+                        &body,
+                        BasicProperties::default().with_delivery_mode(2),
+                    )
+                    .await?;
+                sent.insert(event, Instant::now());
+                confirms.push(confirm);
+                next += 1;
+            }
+            notification = listener.recv() => {
+                let notification = notification?;
+                if let Some(at) = sent.remove(notification.payload()) {
+                    latencies.push(at.elapsed());
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_secs(60)) => bail!("no effect for 60 s"),
+        }
+    }
+    let elapsed = start.elapsed();
+    for confirm in confirms {
+        confirm.await?;
+    }
+    latencies.sort();
+    let q = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    println!(
+        "latency: mode={} rate={} kept={:.0}/s messages={} p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1} worker_args={:?}",
+        args.mode,
+        args.rate,
+        total as f64 / elapsed.as_secs_f64(),
+        total,
+        ms(q(0.5)),
+        ms(q(0.9)),
+        ms(q(0.99)),
+        ms(q(1.0)),
+        args.worker_args
+    );
+
+    let _ = worker.start_kill();
+    let _ = worker.wait().await;
+    let topology = idem::Topology {
+        queue: queue.clone(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: idem::RetryPolicy::default().delays,
+    };
+    let queues = [queue.clone(), topology.dlq()]
+        .into_iter()
+        .chain(topology.retry_queues());
+    for name in queues {
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = connection.close(200, "done".into()).await;
+    drop(listener);
+    pool.close().await;
+    let mut admin = server.database("postgres").connect().await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await?;
+    admin.close().await?;
+    Ok(())
+}
