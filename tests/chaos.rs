@@ -1,4 +1,5 @@
-//! A short chaos run in CI: the `chaos` example against the real broker and database.
+//! Short chaos runs in CI, one per mode: the `chaos` example against the real broker and
+//! database.
 //!
 //! It closes every broker connection and restarts RabbitMQ, so it lives alone in this
 //! test binary: cargo runs test binaries one after another, never beside each other.
@@ -6,8 +7,15 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+/// Both modes, one after the other (each restarts the broker).
 #[tokio::test]
-async fn short_chaos_run_has_no_duplicate_and_no_lost_effect() {
+async fn short_chaos_runs_have_no_duplicate_and_no_lost_effect() {
+    for mode in ["leased", "transactional"] {
+        chaos_run(mode).await;
+    }
+}
+
+async fn chaos_run(mode: &str) {
     let exe = std::env::current_exe().unwrap();
     let chaos = exe
         .parent()
@@ -36,6 +44,8 @@ async fn short_chaos_run_has_no_duplicate_and_no_lost_effect() {
             "--broker-restart",
             "--conflicts",
             "10",
+            "--mode",
+            mode,
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -52,7 +62,9 @@ async fn short_chaos_run_has_no_duplicate_and_no_lost_effect() {
         .lines()
         .find(|l| l.starts_with("chaos: "))
         .unwrap_or_else(|| panic!("no summary line; stderr: {stderr}"));
+    let mode_field = format!("mode={mode}");
     for expected in [
+        mode_field.as_str(),
         "kills=6",
         "connection_drops=2",
         "broker_restarts=1",
@@ -68,6 +80,12 @@ async fn short_chaos_run_has_no_duplicate_and_no_lost_effect() {
         assert!(
             summary.contains(expected),
             "{expected} missing in: {summary}\n{stderr}"
+        );
+    }
+    if mode == "transactional" {
+        assert!(
+            summary.contains("provider_calls_per_event_max=1 "),
+            "every effect in the transaction, once: {summary}"
         );
     }
     assert!(out.status.success(), "{summary}\n{stderr}");
