@@ -10,6 +10,16 @@
 //! `--rate` per second, and takes the time from each publish to the moment the order's
 //! ledger row is committed: a trigger on the ledger sends a `NOTIFY`, which Postgres
 //! delivers at commit. It prints one line: the rate kept, and p50/p90/p99/max.
+//!
+//! Garbage collection beside live traffic (the retention scenario of the README):
+//!
+//! ```sh
+//! cargo run --release --example latency -- --rate 300 --seconds 200 --expired 2000000 --gc-after 10
+//! ```
+//!
+//! fills the table with `--expired` expired records first, starts `idem gc` (the binary
+//! beside the examples' directory) `--gc-after` seconds into the run, and also prints how
+//! long gc took and the latencies of the messages published while it ran.
 
 #[allow(dead_code)]
 #[path = "orders_worker.rs"]
@@ -39,6 +49,15 @@ struct Args {
     /// The worker's mode: leased or transactional.
     #[arg(long, default_value = "leased")]
     mode: String,
+    /// Expired records to put in the table before the run.
+    #[arg(long, default_value_t = 0)]
+    expired: u64,
+    /// Start `idem gc` this many seconds into the run.
+    #[arg(long)]
+    gc_after: Option<u64>,
+    /// More arguments for `idem gc`, comma separated (e.g. `--duty,1`).
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
+    gc_args: Vec<String>,
     /// More arguments for orders_worker (after `--`).
     #[arg(last = true)]
     worker_args: Vec<String>,
@@ -82,6 +101,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     .execute(&pool)
     .await
     .context("create the ledger and its trigger")?;
+    if args.expired > 0 {
+        let started = Instant::now();
+        fill_expired(&pool, args.expired).await?;
+        println!(
+            "latency: {} expired records written in {:.0} s",
+            args.expired,
+            started.elapsed().as_secs_f64()
+        );
+    }
     let mut listener = PgListener::connect_with(&pool).await?;
     listener.listen("latency").await?;
 
@@ -130,11 +158,43 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let interval = Duration::from_secs_f64(1.0 / f64::from(args.rate));
     let mut sent: HashMap<String, Instant> = HashMap::with_capacity(total);
     let mut latencies = Vec::with_capacity(total);
+    let mut timed: Vec<(Instant, Duration)> = Vec::with_capacity(total);
+    let gc_path = std::env::current_exe()?
+        .parent()
+        .and_then(|examples| examples.parent())
+        .map(|dir| dir.join("idem"))
+        .context("where is idem")?;
+    let mut gc: Option<tokio::task::JoinHandle<anyhow::Result<(Instant, Instant, String)>>> = None;
     let start = tokio::time::Instant::now();
     let mut next = 0usize;
     let mut confirms = Vec::new();
     while latencies.len() < total {
         let due = start + interval * next as u32;
+        if gc.is_none()
+            && let Some(after) = args.gc_after
+            && start.elapsed() >= Duration::from_secs(after)
+        {
+            let mut command = tokio::process::Command::new(&gc_path);
+            command
+                .arg("gc")
+                .args(&args.gc_args)
+                .env("DATABASE_URL", &url);
+            gc = Some(tokio::spawn(async move {
+                let begun = Instant::now();
+                let out = command.output().await?;
+                let ended = Instant::now();
+                anyhow::ensure!(
+                    out.status.success(),
+                    "idem gc failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                Ok((
+                    begun,
+                    ended,
+                    String::from_utf8_lossy(&out.stdout).into_owned(),
+                ))
+            }));
+        }
         tokio::select! {
             _ = tokio::time::sleep_until(due), if next < total => {
                 let event = format!("evt-{next}");
@@ -158,6 +218,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 let notification = notification?;
                 if let Some(at) = sent.remove(notification.payload()) {
                     latencies.push(at.elapsed());
+                    timed.push((at, at.elapsed()));
                 }
             }
             _ = tokio::time::sleep(Duration::from_secs(60)) => bail!("no effect for 60 s"),
@@ -170,6 +231,31 @@ async fn run(args: Args) -> anyhow::Result<()> {
     latencies.sort();
     let q = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    if let Some(gc) = gc {
+        let (begun, ended, out) = gc.await??;
+        print!("{out}");
+        let mut during: Vec<Duration> = timed
+            .iter()
+            .filter(|(at, _)| *at >= begun && *at <= ended)
+            .map(|(_, latency)| *latency)
+            .collect();
+        during.sort();
+        let dq = |p: f64| {
+            during
+                .get(((during.len() as f64 * p) as usize).min(during.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or_default()
+        };
+        println!(
+            "latency: during gc ({:.1} s, {} messages): p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1}",
+            (ended - begun).as_secs_f64(),
+            during.len(),
+            ms(dq(0.5)),
+            ms(dq(0.9)),
+            ms(dq(0.99)),
+            ms(dq(1.0)),
+        );
+    }
     println!(
         "latency: mode={} rate={} kept={:.0}/s messages={} p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1} worker_args={:?}",
         args.mode,
@@ -183,6 +269,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.worker_args
     );
 
+    if args.expired > 0 {
+        table_health(&pool).await?;
+    }
     let _ = worker.start_kill();
     let _ = worker.wait().await;
     let topology = idem::Topology {
@@ -206,5 +295,51 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .execute(&mut admin)
         .await?;
     admin.close().await?;
+    Ok(())
+}
+
+/// Writes `n` completed records that expired one after another (10 ms apart, the oldest
+/// two days ago), in chunks of 100,000 rows.
+async fn fill_expired(pool: &sqlx::PgPool, n: u64) -> anyhow::Result<()> {
+    let mut done = 0u64;
+    while done < n {
+        let chunk = (n - done).min(100_000);
+        sqlx::query(
+            "INSERT INTO processed_operations
+               (scope, operation, idempotency_key, payload_sha256, status, attempts,
+                lease_token, result, completed_at, expires_at, created_at, updated_at)
+             SELECT 'old', 'orders.create', 'expired-' || i, md5(i::text) || md5(i::text),
+                    'completed', 1, 1, 'null'::jsonb, now() - interval '8 days',
+                    now() - interval '2 days' + i * interval '10 milliseconds',
+                    now() - interval '8 days', now() - interval '8 days'
+             FROM generate_series($1::bigint, $2::bigint) i",
+        )
+        .bind(done as i64)
+        .bind((done + chunk - 1) as i64)
+        .execute(pool)
+        .await
+        .context("fill expired records")?;
+        done += chunk;
+    }
+    sqlx::query("VACUUM ANALYZE processed_operations")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// What the table looks like after the run: sizes, dead rows, vacuums.
+async fn table_health(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    let (rows, dead, table_mb, indexes_mb, vacuums): (i64, i64, f64, f64, i64) = sqlx::query_as(
+        "SELECT n_live_tup, n_dead_tup,
+                pg_table_size('processed_operations') / 1048576.0::float8,
+                pg_indexes_size('processed_operations') / 1048576.0::float8,
+                autovacuum_count
+         FROM pg_stat_user_tables WHERE relname = 'processed_operations'",
+    )
+    .fetch_one(pool)
+    .await?;
+    println!(
+        "latency: table after the run: live {rows} dead {dead}, table {table_mb:.0} MiB, indexes {indexes_mb:.0} MiB, autovacuums {vacuums}"
+    );
     Ok(())
 }

@@ -59,6 +59,7 @@ pub mod dead_letter;
 pub mod failpoint;
 pub mod fault;
 pub mod fingerprint;
+pub mod gc;
 pub mod handler;
 pub mod key;
 pub mod metrics;

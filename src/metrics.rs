@@ -13,6 +13,8 @@
 //! | `idem_oldest_pending_age_seconds` | gauge | |
 //! | `idem_oldest_processing_age_seconds` | gauge | |
 //! | `idem_gc_deleted_total` | counter | |
+//! | `idem_gc_batch_seconds` | histogram | |
+//! | `idem_gc_expired_rows`, `idem_gc_oldest_expired_age_seconds` | gauge | |
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -60,6 +62,17 @@ pub(crate) fn handler_duration(operation: &'static str, elapsed: Duration) {
 pub(crate) fn store_round_trip(call: &'static str, started: Instant) {
     ::metrics::histogram!("idem_store_round_trip_seconds", "call" => call)
         .record(started.elapsed().as_secs_f64());
+}
+
+/// Records how long one gc batch took.
+pub(crate) fn gc_batch(elapsed: Duration) {
+    ::metrics::histogram!("idem_gc_batch_seconds").record(elapsed.as_secs_f64());
+}
+
+/// Sets how many expired records wait for gc, and the oldest one's age.
+pub(crate) fn gc_expired(rows: i64, oldest_age_s: Option<f64>) {
+    ::metrics::gauge!("idem_gc_expired_rows").set(rows as f64);
+    ::metrics::gauge!("idem_gc_oldest_expired_age_seconds").set(oldest_age_s.unwrap_or(0.0));
 }
 
 /// Counts records deleted by garbage collection.
@@ -210,17 +223,23 @@ async fn database_health(pool: &PgPool) -> Result<(), String> {
 /// Sets the age gauges of the oldest pending and processing records.
 async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: CancellationToken) {
     loop {
-        let ages: Result<(Option<f64>, Option<f64>), sqlx::Error> = sqlx::query_as(
+        // Each is the first entry of an index: cheap however large the table is.
+        type Ages = (Option<f64>, Option<f64>, Option<f64>);
+        let ages: Result<Ages, sqlx::Error> = sqlx::query_as(
             "SELECT
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
                   FROM processed_operations WHERE status = 'pending'),
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
-                  FROM processed_operations WHERE status = 'processing')",
+                  FROM processed_operations WHERE status = 'processing'),
+               (SELECT extract(epoch FROM now() - min(expires_at))::float8
+                  FROM processed_operations
+                 WHERE expires_at <= now() AND dead_lettered_at IS NULL)",
         )
         .fetch_one(&pool)
         .await;
         match ages {
-            Ok((pending, processing)) => {
+            Ok((pending, processing, expired)) => {
+                ::metrics::gauge!("idem_gc_oldest_expired_age_seconds").set(expired.unwrap_or(0.0));
                 ::metrics::gauge!("idem_oldest_pending_age_seconds").set(pending.unwrap_or(0.0));
                 ::metrics::gauge!("idem_oldest_processing_age_seconds")
                     .set(processing.unwrap_or(0.0));

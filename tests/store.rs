@@ -963,3 +963,42 @@ async fn the_fingerprint_check_keeps_its_rule_across_the_upgrade(pool: PgPool) {
         assert_eq!(code.as_deref(), Some("23514"), "{fingerprint:?}: {error}");
     }
 }
+
+/// One gc leader at a time; a leadership given back, or dropped (its connection is then
+/// closed, so the lock cannot stay behind in the pool), frees the lock for the next.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn gc_leadership_is_exclusive_and_never_left_in_the_pool(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let leader = store
+        .try_lead_gc()
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    assert!(store.try_lead_gc().await.unwrap().is_none(), "held");
+    leader.release().await.unwrap();
+    let leader = store.try_lead_gc().await.unwrap().expect("released");
+    drop(leader);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(leader) = store.try_lead_gc().await.unwrap() {
+            leader.release().await.unwrap();
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a dropped leadership kept the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks
+         WHERE locktype = 'advisory' AND granted AND objsubid = 1
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND ((classid::bigint << 32) | objid::bigint) = $1",
+    )
+    .bind(idem::store::GC_LOCK)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(held, 0, "no pooled connection holds the gc lock");
+}

@@ -25,6 +25,7 @@ mod outcome;
 mod record;
 mod transactional;
 
+pub use operate::{GC_LOCK, GcLeader};
 pub(crate) use record::StoredError;
 pub use record::{Claim, ClaimRequest, Lease, Origin, Record, Status, UnknownStatus};
 pub(crate) use transactional::{Found, NewRecord};

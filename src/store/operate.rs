@@ -3,7 +3,10 @@
 
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
+
 use sqlx::Postgres;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
 
@@ -122,35 +125,104 @@ impl Store {
     /// Deletes up to `batch` expired records that no dead letter pins, in one short
     /// statement. Rows locked by a worker at that moment are skipped, never waited for.
     pub async fn gc_batch(&self, batch: i64) -> Result<u64, StoreError> {
-        let started = Instant::now();
-        let done = sqlx::query(
-            "DELETE FROM processed_operations
-             WHERE id IN (
-                 SELECT id FROM processed_operations
-                 WHERE expires_at <= now() AND dead_lettered_at IS NULL
-                 ORDER BY expires_at
-                 LIMIT $1
-                 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(batch)
-        .execute(&self.pool)
-        .await?;
-        metrics::store_round_trip("gc", started);
-        metrics::gc_deleted(done.rows_affected());
-        Ok(done.rows_affected())
+        Ok(self.gc_batch_from(batch, None).await?.0)
     }
 
-    /// Deletes every expired, unpinned record, `batch` rows per short transaction, until
-    /// none is left; returns how many. Safe beside running workers.
+    /// [`Store::gc_batch`] starting at `from`, the `expires_at` the previous batch of
+    /// the same run reached; returns the rows deleted and where this batch ended.
+    ///
+    /// Without the cursor every batch would scan the index from its start, over the
+    /// entries of every row deleted before it that vacuum has not removed yet: measured
+    /// on 2,000,000 expired records, the rate fell from 35,000 to 6,000 rows/s. The
+    /// bound is a plain range (`COALESCE`, not `$2 IS NULL OR …`), so that the generic
+    /// plan Postgres switches to after five runs still starts the index scan there.
+    pub async fn gc_batch_from(
+        &self,
+        batch: i64,
+        from: Option<DateTime<Utc>>,
+    ) -> Result<(u64, Option<DateTime<Utc>>), StoreError> {
+        let started = Instant::now();
+        let (deleted, reached): (i64, Option<DateTime<Utc>>) = sqlx::query_as(
+            "WITH gone AS (
+                 DELETE FROM processed_operations
+                 WHERE id IN (
+                     SELECT id FROM processed_operations
+                     WHERE expires_at <= now() AND dead_lettered_at IS NULL
+                       AND expires_at >= COALESCE($2, '-infinity'::timestamptz)
+                     ORDER BY expires_at
+                     LIMIT $1
+                     FOR UPDATE SKIP LOCKED)
+                 RETURNING expires_at)
+             SELECT count(*), max(expires_at) FROM gone",
+        )
+        .bind(batch)
+        .bind(from)
+        .fetch_one(&self.pool)
+        .await?;
+        metrics::store_round_trip("gc", started);
+        let deleted = u64::try_from(deleted).unwrap_or(0);
+        metrics::gc_deleted(deleted);
+        Ok((deleted, reached.or(from)))
+    }
+
+    /// Deletes every expired, unpinned record, `batch` rows per short transaction, back
+    /// to back until none is left; returns how many. Safe beside running workers, but
+    /// not paced: [`crate::gc::collect`] is what `idem gc` and workers use.
     pub async fn gc(&self, batch: i64) -> Result<u64, StoreError> {
         let mut total = 0;
+        let mut cursor = None;
         loop {
-            let deleted = self.gc_batch(batch).await?;
+            let (deleted, reached) = self.gc_batch_from(batch, cursor).await?;
+            cursor = reached;
             total += deleted;
             if deleted < batch.max(1) as u64 {
                 return Ok(total);
             }
         }
+    }
+
+    /// Whether the server runs autovacuum (`autovacuum = on`).
+    pub async fn autovacuum_on(&self) -> Result<bool, StoreError> {
+        Ok(
+            sqlx::query_scalar("SELECT current_setting('autovacuum')::boolean")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
+    /// `VACUUM (ANALYZE) processed_operations`: makes the space of deleted records
+    /// reusable and refreshes the planner's counts. Takes a lock that does not block
+    /// workers; reads the table and its indexes.
+    pub async fn vacuum(&self) -> Result<(), StoreError> {
+        sqlx::query("VACUUM (ANALYZE) processed_operations")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Takes the leadership of garbage collection if no other process holds it: a
+    /// session advisory lock ([`GC_LOCK`]) on a connection kept for the purpose. The
+    /// lock ends with that session, so a leader that dies frees it at once.
+    pub async fn try_lead_gc(&self) -> Result<Option<GcLeader>, StoreError> {
+        let mut conn = self.pool.acquire().await?;
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(GC_LOCK)
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok(got.then(|| GcLeader { conn: Some(conn) }))
+    }
+
+    /// Expired records that gc may delete (unpinned), and the age in seconds of the
+    /// oldest one. Counts through the `expires_at` index: cheap when gc keeps up.
+    pub async fn expired(&self) -> Result<(i64, Option<f64>), StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT count(*),
+                    extract(epoch FROM now() - min(expires_at))::float8
+             FROM processed_operations
+             WHERE expires_at <= now() AND dead_lettered_at IS NULL",
+        )
+        .fetch_one(&self.pool)
+        .await?)
     }
 
     /// Loads the record of `key`, if any.
@@ -200,4 +272,38 @@ fn record_by_key<'q>(sql: &'q str, key: &'q Key) -> QueryAs<'q, Postgres, Record
         .bind(key.scope())
         .bind(key.operation())
         .bind(key.idempotency_key())
+}
+
+/// The advisory lock whose holder is the one process collecting garbage ("idem gc" in
+/// ASCII).
+pub const GC_LOCK: i64 = 0x0069_6465_6d20_6763;
+
+/// The leadership of garbage collection: while held, no other process's gc runs. Give it
+/// back with [`GcLeader::release`]; dropped without that, its connection is closed, so
+/// the lock cannot stay behind in the pool.
+#[derive(Debug)]
+pub struct GcLeader {
+    conn: Option<PoolConnection<Postgres>>,
+}
+
+impl GcLeader {
+    /// Unlocks and returns the connection to the pool.
+    pub async fn release(mut self) -> Result<(), StoreError> {
+        if let Some(mut conn) = self.conn.take() {
+            sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(GC_LOCK)
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GcLeader {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // Closing the session ends the lock with it.
+            drop(conn.detach());
+        }
+    }
 }

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::gc::Pace;
 use crate::retry::RetryPolicy;
 use crate::topology::{self, QueueType};
 
@@ -68,10 +69,11 @@ pub struct WorkerConfig {
     /// The connection name shown by the broker.
     pub name: String,
     /// Run garbage collection of expired records this often (`None`: leave it to
-    /// `idem gc`).
+    /// `idem gc`). Every worker may run it; one at a time across all processes
+    /// collects (the one holding the gc advisory lock), the others skip the round.
     pub gc_every: Option<Duration>,
-    /// Rows deleted per short transaction by the periodic garbage collection.
-    pub gc_batch: i64,
+    /// How fast that garbage collection goes (see [`crate::gc`]).
+    pub gc_pace: Pace,
     /// Most claims (and most completions) written in one statement. Deliveries that
     /// arrive together share a statement and a commit; 1 turns batching off.
     pub batch_size: usize,
@@ -102,7 +104,7 @@ impl Default for WorkerConfig {
             max_reconnect_delay: Duration::from_secs(5),
             name: format!("idem-worker-{}", std::process::id()),
             gc_every: None,
-            gc_batch: 1000,
+            gc_pace: Pace::default(),
             batch_size: 128,
             batch_linger: Duration::from_millis(1),
             batches_in_flight: 3,

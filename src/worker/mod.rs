@@ -38,6 +38,7 @@ mod undecided;
 pub use config::{Mode, WorkerConfig};
 
 use crate::fault::Fault;
+use crate::gc::{self, Pace};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
@@ -184,7 +185,12 @@ impl<H: Handler> Worker<H> {
             broker,
         } = self;
         if let Some(every) = config.gc_every {
-            let gc = collect_garbage(store.clone(), every, config.gc_batch, shutdown.clone());
+            let gc = collect_garbage(
+                store.clone(),
+                every,
+                config.gc_pace.clone(),
+                shutdown.clone(),
+            );
             tokio::spawn(gc);
         }
         let handler = Arc::new(handler);
@@ -280,17 +286,53 @@ async fn drain(tasks: &TaskTracker, timeout: Duration) {
     }
 }
 
-/// Deletes expired records every `every` until shutdown.
-async fn collect_garbage(store: Store, every: Duration, batch: i64, shutdown: CancellationToken) {
+/// Every `every` until shutdown, collects garbage at `pace` if this process can take
+/// the leadership of gc; another process holding it means this round is its.
+async fn collect_garbage(store: Store, every: Duration, pace: Pace, shutdown: CancellationToken) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = shutdown.cancelled() => return,
         }
-        match store.gc(batch).await {
+        let leader = match store.try_lead_gc().await {
+            Ok(Some(leader)) => leader,
+            Ok(None) => {
+                info!("garbage collection skipped: another process holds the gc lock");
+                continue;
+            }
+            Err(error) => {
+                warn!(error = %crate::error_line(&error), "garbage collection failed");
+                continue;
+            }
+        };
+        let progress = |p: gc::Progress| {
+            info!(
+                deleted = p.deleted,
+                rows_per_s = p.rate() as u64,
+                "garbage collection going on"
+            );
+        };
+        let every_report = Duration::from_secs(10);
+        match gc::collect(&store, &pace, &shutdown, every_report, progress).await {
             Ok(0) => {}
-            Ok(deleted) => info!(deleted, "garbage collection"),
+            Ok(deleted) => {
+                info!(deleted, "garbage collection");
+                match gc::tidy(&store, deleted).await {
+                    Ok(Some(took)) => info!(
+                        took_ms = took.as_millis() as u64,
+                        "vacuumed (autovacuum is off)"
+                    ),
+                    Ok(None) => {}
+                    Err(error) => warn!(error = %crate::error_line(&error), "vacuum failed"),
+                }
+            }
             Err(error) => warn!(error = %crate::error_line(&error), "garbage collection failed"),
+        }
+        if let Ok((rows, oldest)) = store.expired().await {
+            crate::metrics::gc_expired(rows, oldest);
+        }
+        if let Err(error) = leader.release().await {
+            warn!(error = %crate::error_line(&error), "garbage collection: unlock failed");
         }
     }
 }

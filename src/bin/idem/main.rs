@@ -43,12 +43,25 @@ enum Command {
     /// Inspect operations by key, find stuck ones, release leases.
     #[command(subcommand)]
     Ops(Ops),
-    /// Delete expired records in small batches (safe beside running workers).
-    Gc {
-        /// Rows per short transaction.
-        #[arg(long, default_value_t = 1000)]
-        batch: i64,
-    },
+    /// Delete expired records in short, paced batches (safe beside running workers).
+    Gc(GcArgs),
+}
+
+#[derive(clap::Args)]
+struct GcArgs {
+    /// Most rows per batch (one short statement each).
+    #[arg(long, default_value_t = 1000)]
+    batch: i64,
+    /// Share of time spent deleting: 0.3 rests 70 % of the time between batches, in
+    /// proportion to what each cost; 1 deletes back to back.
+    #[arg(long, default_value_t = 0.3)]
+    duty: f64,
+    /// A hard ceiling, in rows per second.
+    #[arg(long)]
+    max_rows_per_s: Option<f64>,
+    /// Seconds between progress lines.
+    #[arg(long, default_value_t = 5)]
+    progress_secs: u64,
 }
 
 #[tokio::main]
@@ -90,13 +103,63 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .context("migrate: count applied migrations")?;
             println!("migrations up to date ({applied} applied)");
         }
-        Command::Gc { batch } => {
-            let store = store(&cli).await?;
-            let deleted = store.gc((*batch).max(1)).await.context("gc")?;
-            println!("deleted {deleted} expired records");
-        }
+        Command::Gc(args) => gc(&cli, args).await?,
         Command::Dlq(command) => dlq::run(&cli, command).await?,
         Command::Ops(command) => ops::run(&cli, command).await?,
     }
+    Ok(())
+}
+
+/// `idem gc`: one collector at a time (the workers' background gc included), paced, with
+/// progress on long runs.
+async fn gc(cli: &Cli, args: &GcArgs) -> anyhow::Result<()> {
+    let store = store(cli).await?;
+    let Some(leader) = store.try_lead_gc().await.context("gc")? else {
+        println!("another process is collecting garbage (it holds the gc lock); nothing to do");
+        return Ok(());
+    };
+    let (expired, _) = store.expired().await.context("gc: count expired records")?;
+    if expired > 0 {
+        println!("gc: {expired} expired records to delete");
+    }
+    let pace = idem::gc::Pace {
+        batch: args.batch.max(1),
+        duty: args.duty,
+        max_rows_per_s: args.max_rows_per_s,
+        ..idem::gc::Pace::default()
+    };
+    let stop = idem::shutdown::on_signal();
+    let every = std::time::Duration::from_secs(args.progress_secs.max(1));
+    let progress = |p: idem::gc::Progress| {
+        let left = (expired as u64).saturating_sub(p.deleted);
+        println!(
+            "gc: deleted {} in {:.0} s ({:.0} rows/s), about {left} left; last batch {} rows in {:.1} ms, then {:.1} ms rest",
+            p.deleted,
+            p.elapsed.as_secs_f64(),
+            p.rate(),
+            p.batch,
+            p.batch_took.as_secs_f64() * 1000.0,
+            p.rest.as_secs_f64() * 1000.0
+        );
+    };
+    let started = std::time::Instant::now();
+    let deleted = idem::gc::collect(&store, &pace, &stop, every, progress)
+        .await
+        .context("gc")?;
+    let took = started.elapsed().as_secs_f64();
+    println!(
+        "deleted {deleted} expired records in {took:.1} s ({:.0} rows/s)",
+        deleted as f64 / took.max(1e-3)
+    );
+    if let Some(vacuum) = idem::gc::tidy(&store, deleted)
+        .await
+        .context("gc: vacuum")?
+    {
+        println!(
+            "vacuumed processed_operations in {:.1} s (the server runs without autovacuum)",
+            vacuum.as_secs_f64()
+        );
+    }
+    leader.release().await.context("gc: unlock")?;
     Ok(())
 }
