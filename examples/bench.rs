@@ -91,6 +91,10 @@ struct Args {
         default_value = "raw,handwritten,idem_noop,idem_orders,idem_ledger,idem_ledger_tx,idem_noop_tx"
     )]
     variants: Vec<String>,
+    /// Completed, unexpired records to put in the table first: how the rates hold up as
+    /// `processed_operations` grows.
+    #[arg(long, default_value_t = 0)]
+    prefill: u64,
     /// Postgres server (the bench creates and drops its own database on it).
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
@@ -282,6 +286,21 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
         .await
         .context("prepare the bench database")?;
     orders_worker::create_example_tables(&pool).await?;
+    if args.prefill > 0 {
+        let started = Instant::now();
+        prefill(&pool, args.prefill).await?;
+        let (table_mb, indexes_mb): (f64, f64) = sqlx::query_as(
+            "SELECT pg_table_size('processed_operations') / 1048576.0::float8,
+                    pg_indexes_size('processed_operations') / 1048576.0::float8",
+        )
+        .fetch_one(&pool)
+        .await?;
+        println!(
+            "bench: {} records in the table first ({:.0} s; table {table_mb:.0} MiB, indexes {indexes_mb:.0} MiB)",
+            args.prefill,
+            started.elapsed().as_secs_f64()
+        );
+    }
     let connection = idem::topology::connect(&args.amqp_url, "idem-bench")
         .await
         .context("connect to RabbitMQ")?;
@@ -685,4 +704,32 @@ async fn delete_queues(connection: &Connection, queue: &str) {
             .await;
     }
     let _ = channel.close(200, "cleanup".into()).await;
+}
+
+/// Writes `n` completed records that expire in a week, with random keys (a uuid each, so
+/// new keys land all over the unique index, as real event ids do).
+async fn prefill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
+    let mut done = 0u64;
+    while done < n {
+        let chunk = (n - done).min(500_000);
+        sqlx::query(
+            "INSERT INTO processed_operations
+               (scope, operation, idempotency_key, payload_sha256, status, attempts,
+                lease_token, result, completed_at, expires_at)
+             SELECT 'acme', 'bench.noop', gen_random_uuid()::text,
+                    md5(i::text) || md5(i::text), 'completed', 1, 1, 'null'::jsonb, now(),
+                    now() + interval '7 days' + i * interval '1 millisecond'
+             FROM generate_series($1::bigint, $2::bigint) i",
+        )
+        .bind(done as i64)
+        .bind((done + chunk - 1) as i64)
+        .execute(pool)
+        .await
+        .context("prefill")?;
+        done += chunk;
+    }
+    sqlx::query("VACUUM ANALYZE processed_operations")
+        .execute(pool)
+        .await?;
+    Ok(())
 }

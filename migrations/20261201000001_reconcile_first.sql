@@ -8,6 +8,9 @@
 ALTER TABLE processed_operations
     ADD COLUMN IF NOT EXISTS reconcile_first boolean NOT NULL DEFAULT false;
 
--- Operations pending today were uncertain; the unresolved index finds them.
+-- Operations pending today were uncertain, and so were those that were pending once and
+-- then failed (a reconcile that failed for good): they kept the provider's reference or
+-- the uncertain error. The unresolved index finds them.
 UPDATE processed_operations SET reconcile_first = true
- WHERE status = 'pending' AND NOT reconcile_first;
+ WHERE status <> 'completed' AND NOT reconcile_first
+   AND (status = 'pending' OR external_ref IS NOT NULL OR error->>'kind' = 'uncertain');

@@ -5,11 +5,9 @@
 -- Fillfactor stays 100: a completion changes indexed columns (status, expires_at), so it
 -- is never a HOT update and free room left in each page would only be wasted.
 --
--- The ALTER takes a SHARE UPDATE EXCLUSIVE lock, which does not block workers; it waits
--- for a running vacuum, so give up after 5 s (rerun the migration later) rather than wait.
-SET LOCAL lock_timeout = '5s';
+-- The ALTER takes a SHARE UPDATE EXCLUSIVE lock: it waits for a vacuum running on the
+-- table, but neither it nor its wait blocks the workers' reads and writes.
 ALTER TABLE processed_operations SET (
     autovacuum_vacuum_scale_factor = 0.05,
-    autovacuum_vacuum_insert_scale_factor = 0.05,
     autovacuum_analyze_scale_factor = 0.05
 );

@@ -1002,3 +1002,43 @@ async fn gc_leadership_is_exclusive_and_never_left_in_the_pool(pool: PgPool) {
     .unwrap();
     assert_eq!(held, 0, "no pooled connection holds the gc lock");
 }
+
+/// A discard never lets an operation run again unreconciled or unasked: a retryable
+/// failure (retries exhausted) stops being retryable, and a pending record gets no
+/// expiry, so gc never deletes it.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_discard_keeps_exhausted_and_pending_operations_from_running_again(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"event_id": "e"});
+    let exhausted = key("evt-exhausted");
+    let lease = claimed(&store, &exhausted, &payload).await;
+    store
+        .fail(&lease, true, &json!("timeout"), false)
+        .await
+        .unwrap();
+    store.mark_dead_lettered(lease.id).await.unwrap();
+    store.discard(&exhausted).await.unwrap().unwrap();
+    assert!(matches!(
+        store
+            .claim(&exhausted, &fp(&payload), &origin())
+            .await
+            .unwrap(),
+        Claim::FailedForGood {
+            dead_lettered: true,
+            ..
+        }
+    ));
+
+    let pending = key("evt-pending-discarded");
+    let lease = claimed(&store, &pending, &payload).await;
+    store
+        .mark_pending(&lease, Some("psp-7"), &json!("timeout"))
+        .await
+        .unwrap();
+    store.mark_dead_lettered(lease.id).await.unwrap();
+    let record = store.discard(&pending).await.unwrap().unwrap();
+    assert!(
+        record.expires_at.is_none(),
+        "a pending record must never expire"
+    );
+}

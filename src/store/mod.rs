@@ -26,8 +26,8 @@ mod record;
 mod transactional;
 
 pub use operate::{GC_LOCK, GcLeader};
-pub(crate) use record::StoredError;
 pub use record::{Claim, ClaimRequest, Lease, Origin, Record, Status, UnknownStatus};
+pub(crate) use record::{StoredError, storable};
 pub(crate) use transactional::{Found, NewRecord};
 
 /// What the store failed at.

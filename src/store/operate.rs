@@ -70,13 +70,18 @@ impl Store {
 
     /// Records an operator's decision to discard the operation's dead letter: the
     /// record is unpinned and expires after the retention like a completed one, and a
-    /// later duplicate of a failed operation is acked, not dead-lettered again. Like
+    /// later duplicate of a failed operation is acked, not run or dead-lettered again
+    /// (a retryable failure stops being retryable). A `pending` record never expires:
+    /// once deleted, a duplicate would run without being reconciled. Like
     /// [`Store::unpin`], call it only after the dead letter is acked.
     pub async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
             "UPDATE processed_operations
              SET discarded_at = now(), dead_lettered_at = NULL, updated_at = now(),
-                 expires_at = COALESCE(expires_at, now() + $4::bigint * interval '1 millisecond')
+                 retryable = CASE WHEN status = 'failed' THEN false ELSE retryable END,
+                 expires_at = CASE WHEN status = 'pending' THEN expires_at
+                     ELSE COALESCE(expires_at, now() + $4::bigint * interval '1 millisecond')
+                 END
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
              RETURNING *",
             key,
@@ -290,10 +295,15 @@ impl GcLeader {
     /// Unlocks and returns the connection to the pool.
     pub async fn release(mut self) -> Result<(), StoreError> {
         if let Some(mut conn) = self.conn.take() {
-            sqlx::query("SELECT pg_advisory_unlock($1)")
+            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
                 .bind(GC_LOCK)
                 .execute(&mut *conn)
-                .await?;
+                .await;
+            if let Err(error) = unlocked {
+                // Never back into the pool with the lock still held: close it.
+                drop(conn.detach());
+                return Err(error.into());
+            }
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ use serde_json::Value;
 use sqlx::PgConnection;
 
 use super::claim::decide;
-use super::record::{Claim, ClaimRequest, Status};
+use super::record::{Claim, ClaimRequest, Status, storable};
 use super::{Store, StoreError, millis};
 use crate::metrics;
 
@@ -126,7 +126,9 @@ impl Store {
             .bind(records.iter().map(|r| r.retryable).collect::<Vec<_>>())
             .bind(json(|r| r.result.clone()))
             .bind(json(|r| r.error.clone()))
-            .bind(column(|r| r.external_ref.clone()))
+            .bind(column(|r| {
+                r.external_ref.as_deref().map(|s| storable(s).into_owned())
+            }))
             .bind(column(|r| r.request.origin.message_id.clone()))
             .bind(column(|r| r.request.origin.correlation_id.clone()))
             .bind(&self.config.owner)

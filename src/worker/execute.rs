@@ -26,7 +26,7 @@ use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::metrics;
-use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError};
+use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
 /// [`undecided`].
@@ -88,7 +88,9 @@ async fn undecided<H: Handler>(
     let verdict = match &error {
         WorkerError::Store(store) if fault == Fault::Message => Some(refused(store)),
         _ if fault == Fault::Message => Some(decision::malformed(line.clone())),
-        _ if shared.undecided.failed(&settler.delivery.data) => {
+        // Outages (deadlock victims, pool timeouts, a broken connection) heal by
+        // waiting: only errors of unknown cause count against the delivery.
+        _ if fault == Fault::Unknown && shared.undecided.failed(&settler.delivery.data) => {
             Some(decision::undecidable(line.clone()))
         }
         _ => None,
@@ -167,9 +169,17 @@ async fn decide<H: Handler>(
     let request = ClaimRequest {
         key: parsed.key.clone(),
         fingerprint: parsed.fingerprint.clone(),
+        // Kept for inspection only: a NUL in them (Postgres text cannot hold one) must not
+        // fail the claim, nor the claims of the batch around it.
         origin: Origin {
-            message_id: properties.message_id().as_ref().map(|s| s.to_string()),
-            correlation_id: properties.correlation_id().as_ref().map(|s| s.to_string()),
+            message_id: properties
+                .message_id()
+                .as_ref()
+                .map(|s| storable(s.as_str()).into_owned()),
+            correlation_id: properties
+                .correlation_id()
+                .as_ref()
+                .map(|s| storable(s.as_str()).into_owned()),
         },
     };
     let retries = Retries {

@@ -196,6 +196,13 @@ impl<H: Handler> Worker<H> {
         let handler = Arc::new(handler);
         let transactions = (config.mode == Mode::Transactional).then(|| {
             let handler = handler.clone();
+            // At most 64 deliveries per transaction: the second pass gives each handler
+            // a savepoint, and past 64 subtransactions Postgres's snapshots slow down
+            // for every session of the database.
+            let config = WorkerConfig {
+                batch_size: config.batch_size.min(transactional::MAX_BATCH),
+                ..config.clone()
+            };
             batched(&store, &config, move |store, requests| {
                 let handler = handler.clone();
                 async move { transactional::run(&*handler, &store, &requests).await }

@@ -34,6 +34,11 @@ use crate::store::{
     Claim, ClaimRequest, Found, Lease, NewRecord, Status, Store, StoreError, StoredError,
 };
 
+/// Most deliveries in one transaction: each may get a savepoint, and Postgres keeps
+/// the subtransactions of a transaction in a per-session cache of 64; past it, every
+/// snapshot in the database gets slower.
+pub(super) const MAX_BATCH: usize = 64;
+
 /// How many times a batch starts again (after a race on a new key, a deadlock or a
 /// serialization failure) before its deliveries are given back as undecided.
 const PASSES: u32 = 8;
