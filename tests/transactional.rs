@@ -117,6 +117,8 @@ impl Handler for Effects {
             .await?;
         match job.event_id.as_str() {
             "evt-bad" => Err(HandlerError::permanent("refused by the script")),
+            // A result Postgres cannot store (jsonb holds no NUL).
+            "evt-nul" => Ok(json!({"echo": "a\u{0}b"})),
             "evt-flaky" if self.calls("evt-flaky-failed") == 0 => {
                 self.calls
                     .lock()
@@ -265,6 +267,47 @@ async fn conflicts_malformed_and_uncertain_in_transactional_mode(pool: PgPool) {
     .await
     .unwrap();
     assert_eq!((attempts, reconcile_first), (2, true));
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_result_postgres_refuses_fails_for_good_alone_and_stays_replayable(pool: PgPool) {
+    effects_table(&pool).await;
+    let q = TestQueue::new("tx-refused-result").await;
+    let (shutdown, task) = start_in_process(&pool, &q, Effects::default(), |c| {
+        c.mode = Mode::Transactional;
+        c.batch_linger = Duration::from_millis(200);
+    })
+    .await;
+    for event in ["evt-ok-1", "evt-nul", "evt-ok-2"] {
+        q.publish(&job(event, 1)).await;
+    }
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    wait_until(SETTLE, "the neighbours completed", || async {
+        statuses(&pool).await.get("completed") == Some(&2)
+    })
+    .await;
+    let dead = q.drain(&q.dlq()).await;
+    assert_eq!(dead[0].key.as_deref(), Some("evt-nul"));
+    assert_eq!(dead[0].reason.as_deref(), Some("permanent_failure"));
+    let said = dead[0].error.clone().unwrap_or_default();
+    assert!(
+        said.starts_with("the result could not be stored:") && said.contains("SQLSTATE 22P05"),
+        "{said}"
+    );
+    let (status, retryable): (String, bool) = sqlx::query_as(
+        "SELECT status, retryable FROM processed_operations WHERE idempotency_key = 'evt-nul'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), retryable), ("failed", false));
+    assert_eq!(
+        effects(&pool).await,
+        BTreeMap::from([("evt-ok-1".to_owned(), 1), ("evt-ok-2".to_owned(), 1)]),
+        "the refused run's write rolled back"
+    );
     shutdown.cancel();
     task.await.unwrap().unwrap();
 }

@@ -27,6 +27,7 @@ use tracing::{debug, warn};
 
 use super::decision::Ran;
 use crate::failpoint;
+use crate::fault::Fault;
 use crate::handler::{Context, Handler, HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::metrics;
@@ -83,10 +84,66 @@ pub(super) async fn run<H: Handler>(
                 let pause = 1 + u64::from(pass) * 5 + u64::from(rand_u8() % 10);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
             }
+            // One delivery whose outcome Postgres refuses (a result with a NUL, a
+            // deferred constraint at commit): a failure for good, recorded on its own,
+            // so it is dead-lettered as `permanent_failure` and can be replayed.
+            Err(error) if requests.len() == 1 && error.fault() == Fault::Message => {
+                return refused(store, &requests[0], &error).await.map(|a| vec![a]);
+            }
             Err(error) => return Err(error),
         }
     }
     Err(last.unwrap_or(StoreError::Contention(PASSES)))
+}
+
+/// Records, in a transaction of its own, that the outcome of `request` could not be
+/// stored: its record fails for good (its handler's writes rolled back with the batch).
+async fn refused(
+    store: &Store,
+    request: &TxRequest,
+    error: &StoreError,
+) -> Result<TxAnswer, StoreError> {
+    let why = format!("the result could not be stored: {}", error.describe());
+    let failure = RunResult::Failed(HandlerError::Permanent(why));
+    let mut tx = store.pool().begin().await?;
+    let claims = std::slice::from_ref(&request.claim);
+    let found = store.find_in(&mut tx, claims).await?.pop();
+    let answer = match found {
+        Some(Found::New) => {
+            let Some(record) = new_record(&request.claim, &failure) else {
+                return Err(lost_transaction());
+            };
+            match store.insert_in(&mut tx, &[record]).await?.pop().flatten() {
+                Some((id, token)) => {
+                    let lease = Lease {
+                        id,
+                        token,
+                        attempt: 1,
+                        takeover: false,
+                        expires_at: chrono::Utc::now(),
+                    };
+                    answer_of(lease, failure)
+                }
+                None => TxAnswer::Found(Claim::InProgress {
+                    lease_expires_at: None,
+                }),
+            }
+        }
+        Some(Found::Record(Claim::Claimed(lease) | Claim::Pending { lease, .. })) => {
+            match write_taken(store, &mut tx, &lease, failure).await? {
+                Some(answer) => answer,
+                None => TxAnswer::Found(Claim::InProgress {
+                    lease_expires_at: None,
+                }),
+            }
+        }
+        Some(Found::Record(other)) => TxAnswer::Found(other),
+        Some(Found::Stale) | None => TxAnswer::Found(Claim::InProgress {
+            lease_expires_at: None,
+        }),
+    };
+    tx.commit().await?;
+    Ok(answer)
 }
 
 /// A deadlock or serialization failure: Postgres rolled the transaction back and
