@@ -514,25 +514,7 @@ fn cpu_time(pid: u32) -> Duration {
 }
 
 async fn healthz(port: u16) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return (0, String::new());
-    };
-    let _ = stream
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await;
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response).await;
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    scrape(&format!("127.0.0.1:{port}"), "/healthz").await
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

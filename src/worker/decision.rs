@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::dead_letter::Reason;
+use crate::handler::{HandlerError, Reconciliation};
 use crate::retry::RetryPolicy;
 use crate::store::{Claim, Lease, StoredError};
 
@@ -218,6 +219,37 @@ pub(crate) fn undecidable(last_error: String) -> Verdict {
     Verdict {
         action: Settle::DeadLetter(order),
         outcome: Outcome::Undecidable,
+    }
+}
+
+/// What an answer of [`crate::Handler::reconcile`] means (the reconcile table of
+/// docs/DESIGN.md).
+#[derive(Debug, PartialEq)]
+pub(crate) enum Reconciled<O> {
+    /// The effect happened: complete with this output.
+    Applied(O),
+    /// The effect certainly did not happen: run the handler under the same lease.
+    NotApplied,
+    /// Record this failure: still unknown (or the reconciliation failed) stays
+    /// `pending`; a reconciliation that failed for good fails for good.
+    Failed(HandlerError),
+}
+
+/// Sorts a reconciliation's answer. A failing reconciliation says nothing about the
+/// effect, so it keeps the operation pending, unless it failed for good.
+pub(crate) fn reconciled<O>(answer: Result<Reconciliation<O>, HandlerError>) -> Reconciled<O> {
+    match answer {
+        Ok(Reconciliation::Applied(output)) => Reconciled::Applied(output),
+        Ok(Reconciliation::NotApplied) => Reconciled::NotApplied,
+        Ok(Reconciliation::Unknown) => Reconciled::Failed(HandlerError::uncertain(
+            None,
+            "reconcile: outcome still unknown",
+        )),
+        Err(HandlerError::Permanent(e)) => Reconciled::Failed(HandlerError::Permanent(e)),
+        Err(other) => Reconciled::Failed(HandlerError::uncertain(
+            None,
+            format!("reconcile failed: {}", other.message()),
+        )),
     }
 }
 

@@ -16,14 +16,14 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use super::acks::Acks;
 use super::batch::Batcher;
-use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
+use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
 use super::settle::Settler;
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
-use crate::handler::{Context, Handler, HandlerError, Reconciliation};
+use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
@@ -337,23 +337,14 @@ async fn reconcile<H: Handler>(
 ) -> Result<Ran, WorkerError> {
     let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
     let reconciling = shared.handler.reconcile(&message, external_ref, &mut ctx);
-    let answer = match guarded(&shared.store, lease, reconciling).await {
-        Ok(Reconciliation::Applied(output)) => Ok(output),
-        Ok(Reconciliation::NotApplied) => {
+    let answer = match decision::reconciled(guarded(&shared.store, lease, reconciling).await) {
+        Reconciled::Applied(output) => Ok(output),
+        Reconciled::NotApplied => {
             info!("reconcile: not applied, running the handler again");
             drop(ctx);
             return run(shared, parsed, Some(message), lease).await;
         }
-        Ok(Reconciliation::Unknown) => Err(HandlerError::uncertain(
-            None,
-            "reconcile: outcome still unknown",
-        )),
-        // A failing reconciliation says nothing about the effect: stay pending.
-        Err(HandlerError::Permanent(e)) => Err(HandlerError::Permanent(e)),
-        Err(other) => Err(HandlerError::uncertain(
-            None,
-            format!("reconcile failed: {}", other.message()),
-        )),
+        Reconciled::Failed(error) => Err(error),
     };
     record(shared, &mut ctx, lease, answer, true).await
 }

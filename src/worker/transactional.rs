@@ -25,10 +25,10 @@ use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 use tracing::{debug, warn};
 
-use super::decision::Ran;
+use super::decision::{self, Ran, Reconciled};
 use crate::failpoint;
 use crate::fault::Fault;
-use crate::handler::{Context, Handler, HandlerError, Reconciliation};
+use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{
@@ -80,8 +80,11 @@ pub(super) async fn run<H: Handler>(
             Err(error) if is_victim(&error) => {
                 debug!(pass, error = %crate::error_line(&error), "batch rolled back; starting again");
                 last = Some(error);
-                // Jittered, so two victims of each other do not meet again at once.
-                let pause = 1 + u64::from(pass) * 5 + u64::from(rand_u8() % 10);
+                // Long enough for the winner to commit (it still holds its locks), and
+                // jittered, so that two victims of each other do not meet again at once:
+                // 10 ms doubling per pass, plus up to as much again.
+                let base = 10u64 << pass.min(7);
+                let pause = base + base * u64::from(rand_u8()) / 255;
                 tokio::time::sleep(Duration::from_millis(pause)).await;
             }
             // One delivery whose outcome Postgres refuses (a result with a NUL, a
@@ -114,16 +117,7 @@ async fn refused(
                 return Err(lost_transaction());
             };
             match store.insert_in(&mut tx, &[record]).await?.pop().flatten() {
-                Some((id, token)) => {
-                    let lease = Lease {
-                        id,
-                        token,
-                        attempt: 1,
-                        takeover: false,
-                        expires_at: chrono::Utc::now(),
-                    };
-                    answer_of(lease, failure)
-                }
+                Some((id, token)) => answer_of(first_lease(id, token), failure),
                 None => TxAnswer::Found(Claim::InProgress {
                     lease_expires_at: None,
                 }),
@@ -301,14 +295,7 @@ async fn once<H: Handler>(
         let Some((id, token)) = ids else {
             return Ok(Pass::Raced);
         };
-        let lease = Lease {
-            id,
-            token,
-            attempt: 1,
-            takeover: false,
-            expires_at: chrono::Utc::now(),
-        };
-        answers[i] = Some(answer_of(lease, result));
+        answers[i] = Some(answer_of(first_lease(id, token), result));
     }
     failpoint::hit("before-commit");
     let Some(tx) = tx.take() else {
@@ -379,23 +366,13 @@ impl RunIn<'_> {
             None => caught(handler.handle(message, &mut ctx)).await,
             Some(external_ref) => {
                 let asked = caught(handler.reconcile(&message, external_ref.as_deref(), &mut ctx));
-                match asked.await {
-                    Ok(Reconciliation::Applied(output)) => {
+                match decision::reconciled(asked.await) {
+                    Reconciled::Applied(output) => {
                         *tx = ctx.take_tx();
                         return done(output, true);
                     }
-                    Ok(Reconciliation::NotApplied) => {
-                        caught(handler.handle(message, &mut ctx)).await
-                    }
-                    Ok(Reconciliation::Unknown) => Err(HandlerError::uncertain(
-                        None,
-                        "reconcile: outcome still unknown",
-                    )),
-                    Err(HandlerError::Permanent(e)) => Err(HandlerError::Permanent(e)),
-                    Err(other) => Err(HandlerError::uncertain(
-                        None,
-                        format!("reconcile failed: {}", other.message()),
-                    )),
+                    Reconciled::NotApplied => caught(handler.handle(message, &mut ctx)).await,
+                    Reconciled::Failed(error) => Err(error),
                 }
             }
         };
@@ -525,6 +502,18 @@ async fn write_taken(
         Ok(()) => Ok(Some(answer_of(lease.clone(), result))),
         Err(StoreError::LeaseLost { .. }) => Ok(None),
         Err(error) => Err(error),
+    }
+}
+
+/// The lease a new record was written with: its first claim, held only by the batch
+/// that wrote it (no expiry to keep: the record carries its outcome already).
+fn first_lease(id: i64, token: i64) -> Lease {
+    Lease {
+        id,
+        token,
+        attempt: 1,
+        takeover: false,
+        expires_at: chrono::Utc::now(),
     }
 }
 

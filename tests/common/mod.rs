@@ -379,6 +379,30 @@ pub async fn unacked(queue: &str) -> u64 {
 
 pub mod proxy;
 
+/// One HTTP GET of `path` on `addr`: (status, body); (0, "") when nothing answers.
+pub async fn scrape(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return (0, String::new());
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return (0, String::new());
+    }
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response).await;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
 /// A worker running `handler` in this process on `q`, with short retry tiers (the
 /// first two of [`RETRY_DELAYS_MS`]); `tune` adjusts the rest of its settings.
 pub async fn start_in_process<H: idem::Handler>(
@@ -390,7 +414,16 @@ pub async fn start_in_process<H: idem::Handler>(
     tokio_util::sync::CancellationToken,
     tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
 ) {
-    let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
+    // A pool of its own on the test's database: a test pool holds 5 connections, shared
+    // with the test's own queries, and a worker's batches in flight each hold one; a
+    // worker short of connections waits for the pool, not for the database.
+    let options = (*pool.connect_options()).clone();
+    let worker_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(10)
+        .connect_with(options)
+        .await
+        .expect("connect the worker's pool");
+    let store = idem::Store::new(worker_pool, idem::StoreConfig::default());
     let mut config = idem::WorkerConfig {
         amqp_url: amqp_url(),
         queue: q.name.clone(),
