@@ -6,6 +6,8 @@ use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
+use tracing::warn;
+
 use crate::retry::retry_queue_name;
 
 /// The AMQP URL used when neither `AMQP_URL` nor a flag gives one.
@@ -104,11 +106,43 @@ fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
 
+/// How long one node of a list may take to accept a connection before the next is
+/// tried.
+const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Opens an AMQP connection named `name` (shown in the management UI and by
 /// `rabbitmqctl list_connections`).
-pub async fn connect(url: &str, name: &str) -> Result<Connection, lapin::Error> {
-    let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url, properties).await
+///
+/// `urls` may list the nodes of a cluster, comma-separated (a comma inside a password
+/// must be percent-encoded as `%2C`): they are tried in order, and the first that
+/// answers is used. Every reconnect starts again from the first, so a node that died
+/// costs one refused connection, and a node that came back is used again. If none
+/// answers, the last node's error is returned.
+pub async fn connect(urls: &str, name: &str) -> Result<Connection, lapin::Error> {
+    let nodes: Vec<&str> = urls
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect();
+    let mut last = None;
+    for (i, url) in nodes.iter().enumerate() {
+        let properties = ConnectionProperties::default().with_connection_name(name.into());
+        let attempt =
+            tokio::time::timeout(NODE_CONNECT_TIMEOUT, Connection::connect(url, properties));
+        let error = match attempt.await {
+            Ok(Ok(connection)) => return Ok(connection),
+            Ok(Err(error)) => error,
+            Err(_) => std::io::Error::from(std::io::ErrorKind::TimedOut).into(),
+        };
+        if nodes.len() > 1 {
+            // The URL carries credentials: say which node by its place in the list.
+            warn!(node = i + 1, of = nodes.len(), error = %error, "broker node did not answer; trying the next");
+        }
+        last = Some(error);
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "no broker URL given").into()
+    }))
 }
 
 /// Why a publish did not land.

@@ -689,3 +689,27 @@ async fn sigterm_lets_handlers_in_flight_finish_and_exits_zero(
     q.wait_for_messages(&q.name, (EVENTS - 3) as u32, Duration::from_secs(10))
         .await;
 }
+
+/// `AMQP_URL` may list cluster nodes: a dead first node costs a refused connection, and
+/// the worker consumes through the next one.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_node_list_with_a_dead_first_node_connects_to_the_next(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("node-list").await;
+    let nodes = format!("amqp://guest:guest@127.0.0.1:1/%2f, {}", amqp_url());
+    let worker = spawn_orders_worker_with_env(
+        &database_url(&connect),
+        &q.name,
+        &[],
+        &[("AMQP_URL", nodes.as_str())],
+    );
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    q.publish(&order("evt-node", "acme", 1)).await;
+    wait_settled(&pool, &q, 1).await;
+    assert_eq!(ledger(&pool).await.get("evt-node"), Some(&1));
+    assert!(worker.log_contains("broker node did not answer; trying the next"));
+}
