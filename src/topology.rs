@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use tracing::warn;
@@ -126,16 +127,20 @@ pub async fn connect(urls: &str, name: &str) -> Result<Connection, lapin::Error>
         .collect();
     let mut last = None;
     for (i, url) in nodes.iter().enumerate() {
+        // The URL carries credentials: a node is named by its place in the list, and a
+        // URL that does not parse is not quoted back (the parser's error would).
+        let Ok(uri) = url.parse::<AMQPUri>() else {
+            let why = format!("AMQP URL {} of {} is not a valid URL", i + 1, nodes.len());
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, why).into());
+        };
         let properties = ConnectionProperties::default().with_connection_name(name.into());
-        let attempt =
-            tokio::time::timeout(NODE_CONNECT_TIMEOUT, Connection::connect(url, properties));
-        let error = match attempt.await {
+        let attempt = Connection::connect_uri(uri, properties);
+        let error = match tokio::time::timeout(NODE_CONNECT_TIMEOUT, attempt).await {
             Ok(Ok(connection)) => return Ok(connection),
             Ok(Err(error)) => error,
             Err(_) => std::io::Error::from(std::io::ErrorKind::TimedOut).into(),
         };
-        if nodes.len() > 1 {
-            // The URL carries credentials: say which node by its place in the list.
+        if i + 1 < nodes.len() {
             warn!(node = i + 1, of = nodes.len(), error = %error, "broker node did not answer; trying the next");
         }
         last = Some(error);
