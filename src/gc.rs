@@ -1,6 +1,6 @@
 //! Garbage collection that the live path does not feel (docs/DESIGN.md, "Retention").
 //!
-//! Expired, unpinned records are deleted in short batches ([`Store::gc_batch`]), and
+//! Expired, unpinned records are deleted in short batches ([`Store::gc_batch_from`]), and
 //! between two batches gc rests in proportion to what the batch cost: with the default
 //! duty of 0.3, a batch that took 30 ms is followed by 70 ms of rest, so the live path
 //! gets most of the database's time and WAL bandwidth. Batches shrink when they take
