@@ -143,6 +143,15 @@ impl HandlerError {
         }
     }
 
+    /// `transient`, `permanent` or `uncertain`: the kind stored in the record's `error`.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Self::Transient(_) => "transient",
+            Self::Permanent(_) => "permanent",
+            Self::Uncertain { .. } => "uncertain",
+        }
+    }
+
     /// The message without the kind, as stored in the record's `error`.
     pub fn message(&self) -> &str {
         match self {

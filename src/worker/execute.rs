@@ -2,12 +2,9 @@
 //! reconcile the handler under the lease with heartbeats, record the outcome (fenced),
 //! and hand the last step to `settle`.
 
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
 use lapin::Channel;
 use lapin::message::Delivery;
 use serde::Deserialize;
@@ -17,6 +14,7 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 use super::acks::Acks;
 use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
+use super::guard::guarded;
 use super::settle::Settler;
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
@@ -425,7 +423,7 @@ async fn record_failure(
     let written = match &error {
         HandlerError::Transient(_) | HandlerError::Permanent(_) => {
             let retryable = matches!(error, HandlerError::Transient(_));
-            let kind = if retryable { "transient" } else { "permanent" };
+            let kind = error.kind();
             warn!(error = %text, "handler failed, {kind}");
             let stored = StoredError { kind, error: &text }.to_json();
             store.fail(lease, retryable, &stored, uncertain).await
@@ -433,7 +431,7 @@ async fn record_failure(
         HandlerError::Uncertain { external_ref, .. } => {
             warn!(error = %text, "outcome uncertain, pending reconciliation");
             let stored = StoredError {
-                kind: "uncertain",
+                kind: error.kind(),
                 error: &text,
             };
             let external_ref = external_ref.as_deref();
@@ -452,57 +450,6 @@ async fn record_failure(
         Err(StoreError::LeaseLost { .. }) => Ok(Ran::LeaseLost),
         Err(e) => Err(e.into()),
     }
-}
-
-/// Awaits a call into the handler while heartbeats keep `lease` alive; a panic counts
-/// as a transient failure (the message is retried, never lost, the worker lives on).
-///
-/// The heartbeat runs in the same task as the call, so a short handler costs a timer,
-/// not a task. A handler that blocks its thread stops its heartbeats too: it becomes a
-/// zombie whose outcome the fencing token refuses, as if its process had stalled.
-async fn guarded<T>(
-    store: &Store,
-    lease: &Lease,
-    call: impl Future<Output = Result<T, HandlerError>>,
-) -> Result<T, HandlerError> {
-    let call = AssertUnwindSafe(call).catch_unwind();
-    let beat = heartbeat(store, lease);
-    tokio::pin!(call, beat);
-    tokio::select! {
-        biased;
-        done = &mut call => {
-            done.unwrap_or_else(|panic| Err(HandlerError::transient(panic_text(&panic))))
-        }
-        never = &mut beat => match never {},
-    }
-}
-
-/// Extends `lease` every third of the lease time, forever; after the lease is lost it
-/// only waits (the outcome write will be refused).
-async fn heartbeat(store: &Store, lease: &Lease) -> std::convert::Infallible {
-    let every = store.config().lease / 3;
-    loop {
-        tokio::time::sleep(every).await;
-        match store.heartbeat(lease).await {
-            Ok(_) => {}
-            Err(StoreError::LeaseLost { .. }) => {
-                warn!(
-                    "heartbeat: lease lost to another worker; this run's outcome will be refused"
-                );
-                return std::future::pending().await;
-            }
-            Err(error) => warn!(error = %crate::error_line(&error), "heartbeat failed; retrying"),
-        }
-    }
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    let text = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    format!("handler panicked: {text}")
 }
 
 #[cfg(test)]

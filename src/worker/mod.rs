@@ -12,6 +12,7 @@
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, run or reconcile under the lease, record;
 //! - `transactional`: transactional mode, a batch of deliveries in one transaction;
+//! - `guard`: calls into the handler, panics caught, heartbeats in leased mode;
 //! - `settle`: ack, retry, requeue or dead-letter on the broker;
 //! - `batch` and `acks`: claims, completions and acks that share a round trip;
 //! - `undecided`: the pause while the store fails, and the safety net.
@@ -30,6 +31,7 @@ mod batch;
 mod config;
 mod decision;
 mod execute;
+mod guard;
 mod session;
 mod settle;
 mod transactional;

@@ -14,26 +14,25 @@
 //! database.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::decision::{self, Ran, Reconciled};
+use super::guard::caught;
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
-use crate::store::{
-    Claim, ClaimRequest, Found, Lease, NewRecord, Status, Store, StoreError, StoredError,
-};
+use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
+use outcome::{answer_of, first_lease, new_record, refused, write_taken};
+
+mod outcome;
 
 /// Most deliveries in one transaction: each may get a savepoint, and Postgres keeps
 /// the subtransactions of a transaction in a per-session cache of 64; past it, every
@@ -99,47 +98,6 @@ pub(super) async fn run<H: Handler>(
     Err(last.unwrap_or(StoreError::Contention(PASSES)))
 }
 
-/// Records, in a transaction of its own, that the outcome of `request` could not be
-/// stored: its record fails for good (its handler's writes rolled back with the batch).
-async fn refused(
-    store: &Store,
-    request: &TxRequest,
-    error: &StoreError,
-) -> Result<TxAnswer, StoreError> {
-    let why = format!("the result could not be stored: {}", error.describe());
-    let failure = RunResult::Failed(HandlerError::Permanent(why));
-    let mut tx = store.pool().begin().await?;
-    let claims = std::slice::from_ref(&request.claim);
-    let found = store.find_in(&mut tx, claims).await?.pop();
-    let answer = match found {
-        Some(Found::New) => {
-            let Some(record) = new_record(&request.claim, &failure) else {
-                return Err(lost_transaction());
-            };
-            match store.insert_in(&mut tx, &[record]).await?.pop().flatten() {
-                Some((id, token)) => answer_of(first_lease(id, token), failure),
-                None => TxAnswer::Found(Claim::InProgress {
-                    lease_expires_at: None,
-                }),
-            }
-        }
-        Some(Found::Record(Claim::Claimed(lease) | Claim::Pending { lease, .. })) => {
-            match write_taken(store, &mut tx, &lease, failure).await? {
-                Some(answer) => answer,
-                None => TxAnswer::Found(Claim::InProgress {
-                    lease_expires_at: None,
-                }),
-            }
-        }
-        Some(Found::Record(other)) => TxAnswer::Found(other),
-        Some(Found::Stale) | None => TxAnswer::Found(Claim::InProgress {
-            lease_expires_at: None,
-        }),
-    };
-    tx.commit().await?;
-    Ok(answer)
-}
-
 /// A deadlock or serialization failure: Postgres rolled the transaction back and
 /// running it again is the cure (SQLSTATE class 40).
 fn is_victim(error: &StoreError) -> bool {
@@ -170,7 +128,7 @@ enum Pass {
 }
 
 /// What a run in the batch came to, before it is written.
-enum RunResult {
+pub(super) enum RunResult {
     /// The output, as stored.
     Done {
         output: Value,
@@ -326,7 +284,7 @@ fn open<'a>(
     }
 }
 
-fn lost_transaction() -> StoreError {
+pub(super) fn lost_transaction() -> StoreError {
     StoreError::Database(sqlx::Error::WorkerCrashed)
 }
 
@@ -392,142 +350,5 @@ fn done<O: serde::Serialize>(output: O, reconciled: bool) -> RunResult {
         Err(e) => RunResult::Failed(HandlerError::permanent(format!(
             "handler output does not serialize: {e}"
         ))),
-    }
-}
-
-/// Awaits a call into the handler; a panic counts as a transient failure.
-async fn caught<T>(call: impl Future<Output = Result<T, HandlerError>>) -> Result<T, HandlerError> {
-    AssertUnwindSafe(call)
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
-}
-
-/// The record of a key that had none, with the run's outcome; none for a body that no
-/// longer fits the message (nothing ran). An uncertain outcome in this mode is a misuse
-/// (every effect is in this transaction, and a failed run's writes were rolled back):
-/// it is kept `pending` all the same, so that `reconcile` decides, as in leased mode.
-fn new_record<'a>(request: &'a ClaimRequest, result: &RunResult) -> Option<NewRecord<'a>> {
-    let mut record = NewRecord {
-        request,
-        status: Status::Failed,
-        retryable: false,
-        result: None,
-        error: None,
-        external_ref: None,
-    };
-    match result {
-        RunResult::Done { output, .. } => {
-            record.status = Status::Completed;
-            record.result = Some(output.clone());
-        }
-        RunResult::Failed(error) => {
-            let (kind, external_ref) = failure_kind(error);
-            if kind == "uncertain" {
-                record.status = Status::Pending;
-            }
-            record.retryable = kind == "transient";
-            record.external_ref = external_ref;
-            record.error = Some(
-                StoredError {
-                    kind,
-                    error: error.message(),
-                }
-                .to_json(),
-            );
-        }
-        RunResult::Refused(_) => return None,
-    }
-    Some(record)
-}
-
-fn failure_kind(error: &HandlerError) -> (&'static str, Option<String>) {
-    match error {
-        HandlerError::Transient(_) => ("transient", None),
-        HandlerError::Permanent(_) => ("permanent", None),
-        HandlerError::Uncertain { external_ref, .. } => {
-            warn!(
-                "uncertain outcome in transactional mode: its writes were rolled back; \
-                 external calls do not belong in a transactional handler"
-            );
-            ("uncertain", external_ref.clone())
-        }
-    }
-}
-
-/// Writes the outcome of a record taken over in the batch (its row is locked by the
-/// batch since the take). `None` if the fence refused it, which the lock rules out.
-async fn write_taken(
-    store: &Store,
-    conn: &mut sqlx::PgConnection,
-    lease: &Lease,
-    result: RunResult,
-) -> Result<Option<TxAnswer>, StoreError> {
-    let written = match &result {
-        RunResult::Done { output, .. } => store.complete_in(&mut *conn, lease, output).await,
-        RunResult::Failed(error) => {
-            let (kind, external_ref) = failure_kind(error);
-            let stored = StoredError {
-                kind,
-                error: error.message(),
-            }
-            .to_json();
-            match kind {
-                "uncertain" => {
-                    let external_ref = external_ref.as_deref();
-                    store
-                        .mark_pending_in(&mut *conn, lease, external_ref, &stored)
-                        .await
-                }
-                _ => {
-                    let retryable = kind == "transient";
-                    store
-                        .fail_in(&mut *conn, lease, retryable, &stored, false)
-                        .await
-                }
-            }
-        }
-        RunResult::Refused(why) => {
-            let stored = StoredError {
-                kind: "permanent",
-                error: why,
-            }
-            .to_json();
-            store
-                .fail_in(&mut *conn, lease, false, &stored, false)
-                .await
-        }
-    };
-    match written {
-        Ok(()) => Ok(Some(answer_of(lease.clone(), result))),
-        Err(StoreError::LeaseLost { .. }) => Ok(None),
-        Err(error) => Err(error),
-    }
-}
-
-/// The lease a new record was written with: its first claim, held only by the batch
-/// that wrote it (no expiry to keep: the record carries its outcome already).
-fn first_lease(id: i64, token: i64) -> Lease {
-    Lease {
-        id,
-        token,
-        attempt: 1,
-        takeover: false,
-        expires_at: chrono::Utc::now(),
-    }
-}
-
-/// The answer for a run whose outcome was written on the record of `lease`.
-fn answer_of(lease: Lease, result: RunResult) -> TxAnswer {
-    match result {
-        RunResult::Done { reconciled, .. } => TxAnswer::Ran(Ran::Completed { reconciled }),
-        RunResult::Refused(why) => TxAnswer::Refused(why),
-        RunResult::Failed(HandlerError::Transient(error)) => {
-            TxAnswer::Ran(Ran::Transient { lease, error })
-        }
-        RunResult::Failed(HandlerError::Permanent(error)) => {
-            TxAnswer::Ran(Ran::Permanent { lease, error })
-        }
-        RunResult::Failed(HandlerError::Uncertain { .. }) => TxAnswer::Ran(Ran::Pending { lease }),
     }
 }
