@@ -13,15 +13,21 @@
 //! producer may resend an order with another message id, another `sent_at` and its keys
 //! in another order: it is the same intent and books once. SIGTERM or Ctrl-C stops it
 //! gracefully.
+//!
+//! With `--follow-ups notifications`, every booked order also stages one follow-up
+//! message to the queue `notifications` (through the transactional outbox: it is sent
+//! only if the booking commits, and carries an id derived from the order's key), which
+//! `examples/notifications_worker.rs` consumes: a chain of two idem consumers.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use idem::outbox::OutboxConfig;
 use idem::{
-    Context, Handler, HandlerError, Mode, QueueType, RetryPolicy, Store, StoreConfig, Worker,
-    WorkerConfig,
+    Context, FollowUp, Handler, HandlerError, Mode, QueueType, ResultExt, RetryPolicy, Store,
+    StoreConfig, Topology, Worker, WorkerConfig,
 };
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
@@ -51,6 +57,8 @@ pub struct Orders {
     /// In transactional mode the "provider call" row is written in the handler's
     /// transaction too: every effect of this handler is then in this database.
     pub mode: Mode,
+    /// Stage one follow-up message per booked order to this queue.
+    pub follow_ups: Option<String>,
 }
 
 impl Handler for Orders {
@@ -109,6 +117,20 @@ impl Handler for Orders {
         .bind(order.amount_cents)
         .execute(ctx.tx().await?)
         .await?;
+        if let Some(queue) = &self.follow_ups {
+            // Staged in the same transaction: sent only if this booking commits. Its id
+            // (the AMQP message_id too) is derived from this order's key, so the body
+            // can name it, and a copy sent twice is the same event downstream.
+            let booked = json!({
+                "event_id": ctx.next_message_id(),
+                "order_event_id": order.event_id,
+                "tenant": order.tenant,
+                "order_id": order.order_id,
+                "amount_cents": order.amount_cents,
+            });
+            ctx.publish(FollowUp::json("", queue.as_str(), &booked).permanent()?)
+                .await?;
+        }
         Ok(json!({"order_id": order.order_id, "booked_cents": order.amount_cents}))
     }
 }
@@ -188,6 +210,14 @@ struct Args {
     /// Pause after the provider call, in milliseconds (a slow provider).
     #[arg(long, default_value_t = 0)]
     provider_delay_ms: u64,
+    /// Stage one follow-up message per booked order to this queue (declared if
+    /// missing), for `notifications_worker`.
+    #[arg(long)]
+    follow_ups: Option<String>,
+    /// How long a publisher of follow-ups owns the rows it took, in seconds; after
+    /// that, another process's relay publishes them again (same id).
+    #[arg(long, default_value_t = 30)]
+    outbox_lease_secs: u64,
     /// How long a shutdown waits for handlers in flight, in seconds.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout_secs: u64,
@@ -233,15 +263,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ..StoreConfig::default()
         },
     );
+    let queue_type = if args.queue_type == "quorum" {
+        QueueType::Quorum
+    } else {
+        QueueType::Classic
+    };
+    if let Some(queue) = &args.follow_ups {
+        declare_follow_up_queue(&args.amqp_url, queue, queue_type)
+            .await
+            .with_context(|| format!("declare the follow-up queue {queue}"))?;
+    }
     let config = WorkerConfig {
         amqp_url: args.amqp_url,
         queue: args.queue,
         mode: args.mode,
-        queue_type: if args.queue_type == "quorum" {
-            QueueType::Quorum
-        } else {
-            QueueType::Classic
-        },
+        queue_type,
         concurrency: args.concurrency,
         prefetch: args.prefetch,
         retry: RetryPolicy {
@@ -256,12 +292,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
         gc_every: (args.gc_every_secs > 0).then(|| Duration::from_secs(args.gc_every_secs)),
         name,
+        outbox: OutboxConfig {
+            lease: Duration::from_secs(args.outbox_lease_secs),
+            ..OutboxConfig::default()
+        },
         ..WorkerConfig::default()
     };
     let handler = Orders {
         fail_tenant: args.fail_tenant,
         provider_delay: Duration::from_millis(args.provider_delay_ms),
         mode: args.mode,
+        follow_ups: args.follow_ups,
     };
     let shutdown = idem::shutdown::on_signal();
     let pool = store.pool().clone();
@@ -273,5 +314,25 @@ async fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!(%bound, "serving /metrics and /healthz");
     }
     worker.run(shutdown).await.context("worker")?;
+    Ok(())
+}
+
+/// Declares the follow-up queue as its consumer (an idem worker) will: durable, of the
+/// same type, with its DLQ; the consumer adds its retry queues. Without it, follow-ups
+/// staged before the consumer first starts come back unroutable and wait in the outbox.
+async fn declare_follow_up_queue(
+    amqp_url: &str,
+    queue: &str,
+    queue_type: QueueType,
+) -> Result<(), lapin::Error> {
+    let connection = idem::topology::connect(amqp_url, "orders_worker-declare").await?;
+    let channel = connection.create_channel().await?;
+    let topology = Topology {
+        queue: queue.into(),
+        queue_type,
+        retry_delays: Vec::new(),
+    };
+    topology.declare(&channel).await?;
+    connection.close(200, "declared".into()).await?;
     Ok(())
 }

@@ -10,6 +10,8 @@
 //! | `after-effect` | the handler returned (its external effect is done), nothing recorded |
 //! | `before-commit` | the completion is written in the handler's transaction, not committed |
 //! | `after-complete` | the completion committed, the delivery not acked |
+//! | `before-dispatch` | the completion committed with staged follow-ups, none published |
+//! | `before-dispatch-mark` | follow-ups published and confirmed, not marked dispatched |
 //! | `after-publish` | a retry or dead letter published and confirmed, the original not acked |
 //! | `discard-acked` | `idem dlq discard` acked a dead letter, its record not yet unpinned |
 

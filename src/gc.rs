@@ -1,6 +1,8 @@
 //! Garbage collection that the live path does not feel (docs/DESIGN.md, "Retention").
 //!
-//! Expired, unpinned records are deleted in short batches ([`Store::gc_batch_from`]), and
+//! Two kinds of [`Garbage`]: expired records that no dead letter pins, and follow-up
+//! messages dispatched longer ago than the retention (a message not yet published is
+//! never deleted). Each is deleted in short batches ([`Store::gc_batch_from`]), and
 //! between two batches gc rests in proportion to what the batch cost: with the default
 //! duty of 0.3, a batch that took 30 ms is followed by 70 ms of rest, so the live path
 //! gets most of the database's time and WAL bandwidth. Batches shrink when they take
@@ -23,6 +25,46 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
 use crate::store::{Store, StoreError};
+
+/// What gc deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Garbage {
+    /// Expired records of `processed_operations`; never one a dead letter pins.
+    Records,
+    /// Rows of `outbox_messages` dispatched before the retention; never one that is not
+    /// published yet.
+    FollowUps,
+}
+
+impl Garbage {
+    /// Both kinds, in the order gc collects them.
+    pub const ALL: [Garbage; 2] = [Garbage::Records, Garbage::FollowUps];
+
+    /// The table.
+    pub fn table(self) -> &'static str {
+        match self {
+            Garbage::Records => "processed_operations",
+            Garbage::FollowUps => "outbox_messages",
+        }
+    }
+
+    /// `records` or `follow-ups`, for output and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Garbage::Records => "records",
+            Garbage::FollowUps => "follow-ups",
+        }
+    }
+
+    /// The rows of the table that gc keeps even when expired (an SQL condition).
+    pub(crate) fn kept(self) -> &'static str {
+        match self {
+            Garbage::Records => "dead_lettered_at IS NOT NULL",
+            // expires_at is set with dispatched_at; the check is belt and braces.
+            Garbage::FollowUps => "dispatched_at IS NULL",
+        }
+    }
+}
 
 /// How fast gc may go.
 #[derive(Debug, Clone)]
@@ -77,10 +119,11 @@ const PRESSURE: f64 = 3.0;
 /// Smallest batch.
 const MIN_BATCH: i64 = 10;
 
-/// Deletes every expired, unpinned record at `pace`, until none is left or `stop` is
+/// Deletes every expired row of `garbage` at `pace`, until none is left or `stop` is
 /// cancelled; calls `report` about every `every`. Returns how many it deleted.
 pub async fn collect(
     store: &Store,
+    garbage: Garbage,
     pace: &Pace,
     stop: &CancellationToken,
     every: Duration,
@@ -97,7 +140,7 @@ pub async fn collect(
     let mut cursor = None;
     while !stop.is_cancelled() {
         let begun = Instant::now();
-        let (rows, reached) = store.gc_batch_from(size, cursor).await?;
+        let (rows, reached) = store.gc_batch_from(garbage, size, cursor).await?;
         cursor = reached;
         let took = begun.elapsed();
         metrics::gc_batch(took);
@@ -143,14 +186,18 @@ pub async fn collect(
 /// Rounds that deleted fewer rows leave the vacuum to the next large one.
 pub const VACUUM_AFTER: u64 = 10_000;
 
-/// After a gc round that deleted `deleted` rows: vacuums the table when the server runs
-/// without autovacuum and the round was large ([`VACUUM_AFTER`]). Returns how long the
-/// vacuum took, if it ran.
-pub async fn tidy(store: &Store, deleted: u64) -> Result<Option<Duration>, StoreError> {
+/// After a gc round that deleted `deleted` rows of `garbage`: vacuums its table when
+/// the server runs without autovacuum and the round was large ([`VACUUM_AFTER`]).
+/// Returns how long the vacuum took, if it ran.
+pub async fn tidy(
+    store: &Store,
+    garbage: Garbage,
+    deleted: u64,
+) -> Result<Option<Duration>, StoreError> {
     if deleted < VACUUM_AFTER || store.autovacuum_on().await? {
         return Ok(None);
     }
     let started = Instant::now();
-    store.vacuum().await?;
+    store.vacuum(garbage).await?;
     Ok(Some(started.elapsed()))
 }

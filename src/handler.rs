@@ -2,6 +2,7 @@
 
 use std::fmt::Display;
 use std::future::Future;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -9,6 +10,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::fault::Fault;
 use crate::key::Key;
+use crate::outbox::{self, CORRELATION_HEADER, FollowUp, SOURCE_KEY_HEADER};
 
 /// One job type: how to read its messages, name their intent, and run the effect.
 ///
@@ -200,6 +202,12 @@ pub struct Context {
     takeover: bool,
     pool: PgPool,
     tx: Option<Transaction<'static, Postgres>>,
+    /// The source message's correlation id, carried on to follow-up messages.
+    correlation_id: Option<String>,
+    /// Outbox rows staged by this run, in order.
+    staged: Vec<i64>,
+    /// How long the committing worker has its staged rows to itself.
+    handoff: Duration,
 }
 
 impl Context {
@@ -210,7 +218,22 @@ impl Context {
             takeover,
             pool,
             tx: None,
+            correlation_id: None,
+            staged: Vec::new(),
+            handoff: Duration::ZERO,
         }
+    }
+
+    /// The source message's correlation id (for follow-ups), and the handoff of staged
+    /// rows to the committing worker.
+    pub(crate) fn for_follow_ups(
+        mut self,
+        correlation_id: Option<String>,
+        handoff: Duration,
+    ) -> Self {
+        self.correlation_id = correlation_id;
+        self.handoff = handoff;
+        self
     }
 
     /// The operation's key.
@@ -257,6 +280,48 @@ impl Context {
 
     pub(crate) fn take_tx(&mut self) -> Option<Transaction<'static, Postgres>> {
         self.tx.take()
+    }
+
+    /// Stages a follow-up message (docs/DESIGN.md, "Follow-up messages"): it is written
+    /// to the outbox in [`Context::tx`] and published after the operation's outcome
+    /// commits; if the run fails, or another worker took the operation over, it is
+    /// rolled back and never sent. Returns its id, the AMQP `message_id` of every
+    /// publish of it: [`Context::next_message_id`] before the call.
+    ///
+    /// The message carries the headers `idem-source-key` (this operation's short key
+    /// hash) and, when the source message had one, `idem-correlation-id`; its
+    /// `correlation_id` is the source message's unless set on the [`FollowUp`].
+    pub async fn publish(&mut self, message: FollowUp) -> Result<String, sqlx::Error> {
+        let position = self.staged.len() as u32;
+        let id = outbox::message_id(&self.key, position);
+        let mut message = message.header(SOURCE_KEY_HEADER, self.key.short_hash());
+        if let Some(correlation_id) = &self.correlation_id {
+            message = message.header(CORRELATION_HEADER, correlation_id.as_str());
+            if message.properties.correlation_id.is_none() {
+                message = message.correlation_id(correlation_id.as_str());
+            }
+        }
+        let (source, operation, handoff) = (
+            self.key.digest(),
+            self.key.operation().to_owned(),
+            self.handoff,
+        );
+        let conn = self.tx().await?;
+        let row =
+            outbox::stage(conn, &source, &operation, position, &id, &message, handoff).await?;
+        self.staged.push(row);
+        Ok(id)
+    }
+
+    /// The id the next [`Context::publish`] gives its message, for a body that names
+    /// itself (`{"event_id": …}`, so that a downstream idem consumer keys on it).
+    pub fn next_message_id(&self) -> String {
+        outbox::message_id(&self.key, self.staged.len() as u32)
+    }
+
+    /// The outbox rows this run staged, for dispatch after the commit.
+    pub(crate) fn take_staged(&mut self) -> Vec<i64> {
+        std::mem::take(&mut self.staged)
     }
 
     /// Hands the context a transaction that is already open: in transactional mode, the

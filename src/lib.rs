@@ -50,7 +50,8 @@
 //! [`key`] and [`fingerprint`] name an intent; [`handler`] is where you plug in;
 //! [`store`] is the Postgres record; [`worker`] consumes, decides and settles;
 //! [`topology`], [`retry`] and [`dead_letter`] are the queues and what travels through
-//! them; [`replay`] brings dead letters back; [`metrics`] and [`db`] serve operators.
+//! them; [`replay`] brings dead letters back; [`outbox`] carries a handler's follow-up
+//! messages; [`gc`] expires what is done; [`metrics`] and [`db`] serve operators.
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod db;
@@ -63,6 +64,7 @@ pub mod gc;
 pub mod handler;
 pub mod key;
 pub mod metrics;
+pub mod outbox;
 pub mod replay;
 pub mod retry;
 pub mod shutdown;
@@ -74,6 +76,7 @@ pub use fault::Fault;
 pub use fingerprint::Fingerprint;
 pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
 pub use key::{Key, KeyError};
+pub use outbox::FollowUp;
 pub use retry::RetryPolicy;
 pub use shutdown::CancellationToken;
 pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};

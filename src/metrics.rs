@@ -12,9 +12,13 @@
 //! | `idem_store_round_trip_seconds` | histogram | `call` |
 //! | `idem_oldest_pending_age_seconds` | gauge | |
 //! | `idem_oldest_processing_age_seconds` | gauge | |
-//! | `idem_gc_deleted_total` | counter | |
+//! | `idem_gc_deleted_total` | counter | `table` (`records`, `follow-ups`) |
 //! | `idem_gc_batch_seconds` | histogram | |
-//! | `idem_gc_expired_rows`, `idem_gc_oldest_expired_age_seconds` | gauge | |
+//! | `idem_gc_expired_rows`, `idem_gc_oldest_expired_age_seconds` | gauge | `table` |
+//! | `idem_outbox_published_total` | counter | |
+//! | `idem_outbox_publish_failures_total` | counter | |
+//! | `idem_outbox_pending`, `idem_outbox_failing` | gauge | |
+//! | `idem_outbox_oldest_age_seconds` | gauge | |
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +31,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+
+use crate::gc::Garbage;
 
 /// Why metrics could not be served.
 #[derive(Debug, thiserror::Error)]
@@ -69,15 +75,35 @@ pub(crate) fn gc_batch(elapsed: Duration) {
     ::metrics::histogram!("idem_gc_batch_seconds").record(elapsed.as_secs_f64());
 }
 
-/// Sets how many expired records wait for gc, and the oldest one's age.
-pub(crate) fn gc_expired(rows: i64, oldest_age_s: Option<f64>) {
-    ::metrics::gauge!("idem_gc_expired_rows").set(rows as f64);
-    ::metrics::gauge!("idem_gc_oldest_expired_age_seconds").set(oldest_age_s.unwrap_or(0.0));
+/// Sets how many expired rows of `garbage` wait for gc, and the oldest one's age.
+pub(crate) fn gc_expired(garbage: Garbage, rows: i64, oldest_age_s: Option<f64>) {
+    let table = garbage.as_str();
+    ::metrics::gauge!("idem_gc_expired_rows", "table" => table).set(rows as f64);
+    ::metrics::gauge!("idem_gc_oldest_expired_age_seconds", "table" => table)
+        .set(oldest_age_s.unwrap_or(0.0));
 }
 
-/// Counts records deleted by garbage collection.
-pub(crate) fn gc_deleted(n: u64) {
-    ::metrics::counter!("idem_gc_deleted_total").increment(n);
+/// Counts rows of `garbage` deleted by garbage collection.
+pub(crate) fn gc_deleted(garbage: Garbage, n: u64) {
+    ::metrics::counter!("idem_gc_deleted_total", "table" => garbage.as_str()).increment(n);
+}
+
+/// Counts follow-up messages published and confirmed.
+pub(crate) fn outbox_published(n: u64) {
+    ::metrics::counter!("idem_outbox_published_total").increment(n);
+}
+
+/// Counts publishes of follow-up messages that failed (returned, nacked, unconfirmed).
+pub(crate) fn outbox_failed() {
+    ::metrics::counter!("idem_outbox_publish_failures_total").increment(1);
+}
+
+/// Sets the outbox backlog: undispatched messages, those whose publish failed, and the
+/// oldest one's age.
+pub(crate) fn outbox_backlog(stats: &crate::outbox::OutboxStats) {
+    ::metrics::gauge!("idem_outbox_pending").set(stats.undispatched as f64);
+    ::metrics::gauge!("idem_outbox_failing").set(stats.failing as f64);
+    ::metrics::gauge!("idem_outbox_oldest_age_seconds").set(stats.oldest_age_s.unwrap_or(0.0));
 }
 
 /// Whether the broker connection is up, set by the worker.

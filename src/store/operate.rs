@@ -12,6 +12,7 @@ use sqlx::query::QueryAs;
 
 use super::record::{Record, Status};
 use super::{Store, StoreError, millis};
+use crate::gc::Garbage;
 use crate::key::Key;
 use crate::metrics;
 
@@ -130,11 +131,13 @@ impl Store {
     /// Deletes up to `batch` expired records that no dead letter pins, in one short
     /// statement. Rows locked by a worker at that moment are skipped, never waited for.
     pub async fn gc_batch(&self, batch: i64) -> Result<u64, StoreError> {
-        Ok(self.gc_batch_from(batch, None).await?.0)
+        Ok(self.gc_batch_from(Garbage::Records, batch, None).await?.0)
     }
 
-    /// [`Store::gc_batch`] starting at `from`, the `expires_at` the previous batch of
-    /// the same run reached; returns the rows deleted and where this batch ended.
+    /// Deletes up to `batch` rows of `garbage` starting at `from`, the `expires_at` the
+    /// previous batch of the same run reached; returns the rows deleted and where this
+    /// batch ended. Records pinned by a dead letter and follow-ups not yet dispatched
+    /// are never deleted.
     ///
     /// Without the cursor every batch would scan the index from its start, over the
     /// entries of every row deleted before it that vacuum has not removed yet: measured
@@ -143,30 +146,32 @@ impl Store {
     /// plan Postgres switches to after five runs still starts the index scan there.
     pub async fn gc_batch_from(
         &self,
+        garbage: Garbage,
         batch: i64,
         from: Option<DateTime<Utc>>,
     ) -> Result<(u64, Option<DateTime<Utc>>), StoreError> {
         let started = Instant::now();
-        let (deleted, reached): (i64, Option<DateTime<Utc>>) = sqlx::query_as(
+        let (table, keep) = (garbage.table(), garbage.kept());
+        let (deleted, reached): (i64, Option<DateTime<Utc>>) = sqlx::query_as(&format!(
             "WITH gone AS (
-                 DELETE FROM processed_operations
+                 DELETE FROM {table}
                  WHERE id IN (
-                     SELECT id FROM processed_operations
-                     WHERE expires_at <= now() AND dead_lettered_at IS NULL
+                     SELECT id FROM {table}
+                     WHERE expires_at <= now() AND NOT ({keep})
                        AND expires_at >= COALESCE($2, '-infinity'::timestamptz)
                      ORDER BY expires_at
                      LIMIT $1
                      FOR UPDATE SKIP LOCKED)
                  RETURNING expires_at)
-             SELECT count(*), max(expires_at) FROM gone",
-        )
+             SELECT count(*), max(expires_at) FROM gone"
+        ))
         .bind(batch)
         .bind(from)
         .fetch_one(&self.pool)
         .await?;
         metrics::store_round_trip("gc", started);
         let deleted = u64::try_from(deleted).unwrap_or(0);
-        metrics::gc_deleted(deleted);
+        metrics::gc_deleted(garbage, deleted);
         Ok((deleted, reached.or(from)))
     }
 
@@ -177,7 +182,7 @@ impl Store {
         let mut total = 0;
         let mut cursor = None;
         loop {
-            let (deleted, reached) = self.gc_batch_from(batch, cursor).await?;
+            let (deleted, reached) = self.gc_batch_from(Garbage::Records, batch, cursor).await?;
             cursor = reached;
             total += deleted;
             if deleted < batch.max(1) as u64 {
@@ -195,11 +200,11 @@ impl Store {
         )
     }
 
-    /// `VACUUM (ANALYZE) processed_operations`: makes the space of deleted records
+    /// `VACUUM (ANALYZE)` of the table of `garbage`: makes the space of deleted rows
     /// reusable and refreshes the planner's counts. Takes a lock that does not block
     /// workers; reads the table and its indexes.
-    pub async fn vacuum(&self) -> Result<(), StoreError> {
-        sqlx::query("VACUUM (ANALYZE) processed_operations")
+    pub async fn vacuum(&self, garbage: Garbage) -> Result<(), StoreError> {
+        sqlx::query(&format!("VACUUM (ANALYZE) {}", garbage.table()))
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -217,15 +222,16 @@ impl Store {
         Ok(got.then(|| GcLeader { conn: Some(conn) }))
     }
 
-    /// Expired records that gc may delete (unpinned), and the age in seconds of the
+    /// Expired rows of `garbage` that gc may delete, and the age in seconds of the
     /// oldest one. Counts through the `expires_at` index: cheap when gc keeps up.
-    pub async fn expired(&self) -> Result<(i64, Option<f64>), StoreError> {
-        Ok(sqlx::query_as(
+    pub async fn expired(&self, garbage: Garbage) -> Result<(i64, Option<f64>), StoreError> {
+        let (table, keep) = (garbage.table(), garbage.kept());
+        Ok(sqlx::query_as(&format!(
             "SELECT count(*),
                     extract(epoch FROM now() - min(expires_at))::float8
-             FROM processed_operations
-             WHERE expires_at <= now() AND dead_lettered_at IS NULL",
-        )
+             FROM {table}
+             WHERE expires_at <= now() AND NOT ({keep})"
+        ))
         .fetch_one(&self.pool)
         .await?)
     }

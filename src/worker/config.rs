@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::gc::Pace;
+use crate::outbox::OutboxConfig;
 use crate::retry::RetryPolicy;
 use crate::topology::{self, QueueType};
 
@@ -88,6 +89,8 @@ pub struct WorkerConfig {
     /// `undecidable` with its last error. During an outage, when nothing is decided,
     /// nothing is dead-lettered.
     pub undecidable_after: u32,
+    /// How handlers' follow-up messages are published (see [`crate::outbox`]).
+    pub outbox: OutboxConfig,
 }
 
 impl Default for WorkerConfig {
@@ -109,6 +112,7 @@ impl Default for WorkerConfig {
             batch_linger: Duration::from_millis(1),
             batches_in_flight: 3,
             undecidable_after: 20,
+            outbox: OutboxConfig::default(),
         }
     }
 }

@@ -24,6 +24,7 @@ use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
+use crate::outbox;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
@@ -125,6 +126,8 @@ struct Parsed {
     value: Arc<Value>,
     key: Key,
     fingerprint: Fingerprint,
+    /// The message's correlation id, carried on to its follow-up messages.
+    correlation_id: Option<String>,
 }
 
 fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), String> {
@@ -146,6 +149,7 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
         value: Arc::new(value),
         key,
         fingerprint,
+        correlation_id: None,
     };
     Ok((parsed, message))
 }
@@ -156,7 +160,7 @@ async fn decide<H: Handler>(
     shared: &Shared<H>,
     settler: &Settler<'_>,
 ) -> Result<Outcome, WorkerError> {
-    let (parsed, message) = match parse(&*shared.handler, &settler.delivery.data) {
+    let (mut parsed, message) = match parse(&*shared.handler, &settler.delivery.data) {
         Ok(parsed) => parsed,
         Err(why) => return settle(settler, decision::malformed(why), None).await,
     };
@@ -180,6 +184,7 @@ async fn decide<H: Handler>(
                 .map(|s| storable(s.as_str()).into_owned()),
         },
     };
+    parsed.correlation_id = request.origin.correlation_id.clone();
     let retries = Retries {
         policy: &shared.config.retry,
         used: settler.retries(),
@@ -200,7 +205,7 @@ async fn decide<H: Handler>(
             Step::Run(lease) => {
                 span.record("attempt", lease.attempt);
                 failpoint::hit("after-claim");
-                let ran = run(shared, &parsed, message.take(), &lease).await?;
+                let ran = run(shared, settler, &parsed, message.take(), &lease).await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::Reconcile {
@@ -209,7 +214,15 @@ async fn decide<H: Handler>(
             } => {
                 span.record("attempt", lease.attempt);
                 let external_ref = external_ref.as_deref();
-                let ran = reconcile(shared, &parsed, message.take(), &lease, external_ref).await?;
+                let ran = reconcile(
+                    shared,
+                    settler,
+                    &parsed,
+                    message.take(),
+                    &lease,
+                    external_ref,
+                )
+                .await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::ClaimAgain { after } => {
@@ -239,7 +252,10 @@ async fn in_transaction<H: Handler>(
     loop {
         let step = match transactions.call(request.clone()).await {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
-            Ok(TxAnswer::Ran(ran)) => decision::after_run(ran, immediate.next(), retries),
+            Ok(TxAnswer::Ran(ran, follow_ups)) => {
+                send_follow_ups(shared, settler, follow_ups).await;
+                decision::after_run(ran, immediate.next(), retries)
+            }
             Ok(TxAnswer::Refused(why)) => Step::Settle(decision::malformed(why)),
             Err(error) if error.fault() == Fault::Message => Step::Settle(refused(&error)),
             Err(error) => return Err(error.into()),
@@ -302,13 +318,15 @@ fn prepare<H: Handler>(
         lease.attempt,
         lease.takeover,
         shared.store.pool().clone(),
-    );
+    )
+    .for_follow_ups(parsed.correlation_id.clone(), shared.config.outbox.handoff);
     Ok((message, ctx))
 }
 
 /// Runs the handler under `lease` with a heartbeat, and records its outcome.
 async fn run<H: Handler>(
     shared: &Shared<H>,
+    settler: &Settler<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
@@ -322,12 +340,13 @@ async fn run<H: Handler>(
     let result = guarded(&shared.store, lease, handling).await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
-    record(shared, &mut ctx, lease, result, false).await
+    record(shared, settler, &mut ctx, lease, result, false).await
 }
 
 /// Asks the handler what became of a pending operation, and acts on the answer.
 async fn reconcile<H: Handler>(
     shared: &Shared<H>,
+    settler: &Settler<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
@@ -340,17 +359,19 @@ async fn reconcile<H: Handler>(
         Reconciled::NotApplied => {
             info!("reconcile: not applied, running the handler again");
             drop(ctx);
-            return run(shared, parsed, Some(message), lease).await;
+            return run(shared, settler, parsed, Some(message), lease).await;
         }
         Reconciled::Failed(error) => Err(error),
     };
-    record(shared, &mut ctx, lease, answer, true).await
+    record(shared, settler, &mut ctx, lease, answer, true).await
 }
 
 /// Writes the outcome, fenced by the lease; a success commits the handler's transaction
-/// together with the `completed` record.
+/// together with the `completed` record, then publishes the follow-up messages it
+/// staged.
 async fn record<H: Handler>(
     shared: &Shared<H>,
+    settler: &Settler<'_>,
     ctx: &mut Context,
     lease: &Lease,
     result: Result<H::Output, HandlerError>,
@@ -400,8 +421,37 @@ async fn record<H: Handler>(
     };
     if matches!(ran, Ran::Completed { .. }) {
         failpoint::hit("after-complete");
+        send_follow_ups(shared, settler, ctx.take_staged()).await;
     }
     Ok(ran)
+}
+
+/// After the commit: publishes the follow-up messages the run staged. What it could not
+/// publish stays in the outbox for the relay, which it wakes; the delivery's outcome
+/// stands either way.
+async fn send_follow_ups<H: Handler>(shared: &Shared<H>, settler: &Settler<'_>, ids: Vec<i64>) {
+    if ids.is_empty() {
+        return;
+    }
+    failpoint::hit("before-dispatch");
+    let pool = shared.store.pool();
+    let retention = shared.store.config().retention;
+    let config = &shared.config.outbox;
+    match outbox::dispatch(pool, settler.channel, &ids, config, retention).await {
+        Ok(tally) if tally.published == ids.len() => {}
+        Ok(tally) => {
+            debug!(
+                staged = ids.len(),
+                published = tally.published,
+                "follow-ups left to the relay"
+            );
+            shared.relay_wake.notify_one();
+        }
+        Err(error) => {
+            warn!(error = %crate::error_line(&error), "follow-ups left to the relay");
+            shared.relay_wake.notify_one();
+        }
+    }
 }
 
 /// The handler returned but its result cannot be stored (it does not serialize, or

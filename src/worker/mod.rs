@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -40,9 +40,10 @@ mod undecided;
 pub use config::{Mode, WorkerConfig};
 
 use crate::fault::Fault;
-use crate::gc::{self, Pace};
+use crate::gc::{self, Garbage, Pace};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
+use crate::outbox::relay::Relay;
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
 use crate::topology::{self, Topology};
 use batch::Batcher;
@@ -142,6 +143,9 @@ struct Shared<H> {
     transactions: Option<Batcher<TxRequest, TxAnswer>>,
     /// Deliveries that could not be decided: the outage pause and the safety net.
     undecided: Undecided,
+    /// Wakes this process's outbox relay when a follow-up was not published after its
+    /// commit.
+    relay_wake: Arc<Notify>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -186,6 +190,9 @@ impl<H: Handler> Worker<H> {
             topology,
             broker,
         } = self;
+        // Background tasks, awaited on the way out so that their connections are
+        // closed when `run` returns.
+        let mut background = Vec::new();
         if let Some(every) = config.gc_every {
             let gc = collect_garbage(
                 store.clone(),
@@ -193,7 +200,19 @@ impl<H: Handler> Worker<H> {
                 config.gc_pace.clone(),
                 shutdown.clone(),
             );
-            tokio::spawn(gc);
+            background.push(tokio::spawn(gc));
+        }
+        let relay_wake = Arc::new(Notify::new());
+        if config.outbox.relay {
+            let relay = Relay {
+                pool: store.pool().clone(),
+                amqp_url: config.amqp_url.clone(),
+                name: format!("{}-relay", config.name),
+                config: config.outbox.clone(),
+                retention: store.config().retention,
+                wake: relay_wake.clone(),
+            };
+            background.push(tokio::spawn(relay.run(shutdown.clone())));
         }
         let handler = Arc::new(handler);
         let transactions = (config.mode == Mode::Transactional).then(|| {
@@ -205,9 +224,10 @@ impl<H: Handler> Worker<H> {
                 batch_size: config.batch_size.min(transactional::MAX_BATCH),
                 ..config.clone()
             };
+            let handoff = config.outbox.handoff;
             batched(&store, &config, move |store, requests| {
                 let handler = handler.clone();
-                async move { transactional::run(&*handler, &store, &requests).await }
+                async move { transactional::run(&*handler, &store, &requests, handoff).await }
             })
         });
         let shared = Arc::new(Shared {
@@ -219,6 +239,7 @@ impl<H: Handler> Worker<H> {
                 store.complete_many(&items).await
             }),
             undecided: Undecided::new(config.undecidable_after),
+            relay_wake,
             handler,
             store,
             config,
@@ -245,6 +266,9 @@ impl<H: Handler> Worker<H> {
             };
             if let WorkerError::Refused { .. } = error {
                 drain(&tasks, shared.config.shutdown_timeout).await;
+                for task in background {
+                    task.abort();
+                }
                 return Err(error);
             }
             if connected {
@@ -261,6 +285,9 @@ impl<H: Handler> Worker<H> {
         // running; let them finish (their acks go nowhere, their outcomes count).
         if !drained {
             drain(&tasks, shared.config.shutdown_timeout).await;
+        }
+        for task in background {
+            let _ = task.await;
         }
         info!("worker stopped");
         Ok(())
@@ -314,34 +341,44 @@ async fn collect_garbage(store: Store, every: Duration, pace: Pace, shutdown: Ca
                 continue;
             }
         };
-        let progress = |p: gc::Progress| {
-            info!(
-                deleted = p.deleted,
-                rows_per_s = p.rate() as u64,
-                "garbage collection going on"
-            );
-        };
-        let every_report = Duration::from_secs(10);
-        match gc::collect(&store, &pace, &shutdown, every_report, progress).await {
-            Ok(0) => {}
-            Ok(deleted) => {
-                info!(deleted, "garbage collection");
-                match gc::tidy(&store, deleted).await {
-                    Ok(Some(took)) => info!(
-                        took_ms = took.as_millis() as u64,
-                        "vacuumed (autovacuum is off)"
-                    ),
-                    Ok(None) => {}
-                    Err(error) => warn!(error = %crate::error_line(&error), "vacuum failed"),
-                }
-            }
-            Err(error) => warn!(error = %crate::error_line(&error), "garbage collection failed"),
-        }
-        if let Ok((rows, oldest)) = store.expired().await {
-            crate::metrics::gc_expired(rows, oldest);
+        for garbage in Garbage::ALL {
+            collect_one(&store, garbage, &pace, &shutdown).await;
         }
         if let Err(error) = leader.release().await {
             warn!(error = %crate::error_line(&error), "garbage collection: unlock failed");
         }
+    }
+}
+
+/// One gc round of `garbage`, logged; then its metrics.
+async fn collect_one(store: &Store, garbage: Garbage, pace: &Pace, shutdown: &CancellationToken) {
+    let what = garbage.as_str();
+    let progress = |p: gc::Progress| {
+        info!(
+            what,
+            deleted = p.deleted,
+            rows_per_s = p.rate() as u64,
+            "garbage collection going on"
+        );
+    };
+    let every_report = Duration::from_secs(10);
+    match gc::collect(store, garbage, pace, shutdown, every_report, progress).await {
+        Ok(0) => {}
+        Ok(deleted) => {
+            info!(what, deleted, "garbage collection");
+            match gc::tidy(store, garbage, deleted).await {
+                Ok(Some(took)) => info!(
+                    what,
+                    took_ms = took.as_millis() as u64,
+                    "vacuumed (autovacuum is off)"
+                ),
+                Ok(None) => {}
+                Err(error) => warn!(what, error = %crate::error_line(&error), "vacuum failed"),
+            }
+        }
+        Err(error) => warn!(what, error = %crate::error_line(&error), "garbage collection failed"),
+    }
+    if let Ok((rows, oldest)) = store.expired(garbage).await {
+        crate::metrics::gc_expired(garbage, rows, oldest);
     }
 }

@@ -94,6 +94,13 @@ impl TestQueue {
         idem::topology::dlq_name(&self.name)
     }
 
+    /// Another test queue named `<this queue>.<suffix>` (deleted on drop too).
+    pub async fn beside(&self, suffix: &str) -> TestQueue {
+        let mut other = TestQueue::new("beside").await;
+        other.name = format!("{}.{suffix}", self.name);
+        other
+    }
+
     /// Publishes a persistent message with a fresh message id, confirmed.
     pub async fn publish(&self, body: &[u8]) {
         let message_id = uuid::Uuid::new_v4().to_string();

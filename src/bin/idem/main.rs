@@ -7,13 +7,16 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use idem::gc::Garbage;
 use idem::{Store, StoreConfig};
 
 mod dlq;
 mod ops;
+mod outbox;
 
 use dlq::Dlq;
 use ops::Ops;
+use outbox::Outbox;
 
 #[derive(Parser)]
 #[command(
@@ -43,7 +46,11 @@ enum Command {
     /// Inspect operations by key, find stuck ones, release leases.
     #[command(subcommand)]
     Ops(Ops),
-    /// Delete expired records in short, paced batches (safe beside running workers).
+    /// Follow-up messages not published yet: the backlog and why.
+    #[command(subcommand)]
+    Outbox(Outbox),
+    /// Delete expired records and dispatched follow-up messages past their retention,
+    /// in short, paced batches (safe beside running workers).
     Gc(GcArgs),
 }
 
@@ -106,6 +113,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Gc(args) => gc(&cli, args).await?,
         Command::Dlq(command) => dlq::run(&cli, command).await?,
         Command::Ops(command) => ops::run(&cli, command).await?,
+        Command::Outbox(command) => outbox::run(&cli, command).await?,
     }
     Ok(())
 }
@@ -118,10 +126,6 @@ async fn gc(cli: &Cli, args: &GcArgs) -> anyhow::Result<()> {
         println!("another process is collecting garbage (it holds the gc lock); nothing to do");
         return Ok(());
     };
-    let (expired, _) = store.expired().await.context("gc: count expired records")?;
-    if expired > 0 {
-        println!("gc: {expired} expired records to delete");
-    }
     let pace = idem::gc::Pace {
         batch: args.batch.max(1),
         duty: args.duty,
@@ -129,11 +133,37 @@ async fn gc(cli: &Cli, args: &GcArgs) -> anyhow::Result<()> {
         ..idem::gc::Pace::default()
     };
     let stop = idem::shutdown::on_signal();
-    let every = std::time::Duration::from_secs(args.progress_secs.max(1));
+    for garbage in Garbage::ALL {
+        if stop.is_cancelled() {
+            break;
+        }
+        collect(&store, garbage, &pace, &stop, args.progress_secs).await?;
+    }
+    leader.release().await.context("gc: unlock")?;
+    Ok(())
+}
+
+/// One kind of garbage, with progress lines and a summary.
+async fn collect(
+    store: &Store,
+    garbage: Garbage,
+    pace: &idem::gc::Pace,
+    stop: &idem::CancellationToken,
+    progress_secs: u64,
+) -> anyhow::Result<()> {
+    let what = garbage.as_str();
+    let (expired, _) = store
+        .expired(garbage)
+        .await
+        .with_context(|| format!("gc: count expired {what}"))?;
+    if expired > 0 {
+        println!("gc: {expired} expired {what} to delete");
+    }
+    let every = std::time::Duration::from_secs(progress_secs.max(1));
     let progress = |p: idem::gc::Progress| {
         let left = (expired as u64).saturating_sub(p.deleted);
         println!(
-            "gc: deleted {} in {:.0} s ({:.0} rows/s), about {left} left; last batch {} rows in {:.1} ms, then {:.1} ms rest",
+            "gc: deleted {} {what} in {:.0} s ({:.0} rows/s), about {left} left; last batch {} rows in {:.1} ms, then {:.1} ms rest",
             p.deleted,
             p.elapsed.as_secs_f64(),
             p.rate(),
@@ -143,23 +173,23 @@ async fn gc(cli: &Cli, args: &GcArgs) -> anyhow::Result<()> {
         );
     };
     let started = std::time::Instant::now();
-    let deleted = idem::gc::collect(&store, &pace, &stop, every, progress)
+    let deleted = idem::gc::collect(store, garbage, pace, stop, every, progress)
         .await
         .context("gc")?;
     let took = started.elapsed().as_secs_f64();
     println!(
-        "deleted {deleted} expired records in {took:.1} s ({:.0} rows/s)",
+        "deleted {deleted} expired {what} in {took:.1} s ({:.0} rows/s)",
         deleted as f64 / took.max(1e-3)
     );
-    if let Some(vacuum) = idem::gc::tidy(&store, deleted)
+    if let Some(vacuum) = idem::gc::tidy(store, garbage, deleted)
         .await
         .context("gc: vacuum")?
     {
         println!(
-            "vacuumed processed_operations in {:.1} s (the server runs without autovacuum)",
+            "vacuumed {} in {:.1} s (the server runs without autovacuum)",
+            garbage.table(),
             vacuum.as_secs_f64()
         );
     }
-    leader.release().await.context("gc: unlock")?;
     Ok(())
 }

@@ -57,8 +57,9 @@ pub(super) enum TxAnswer {
     /// Not run: what the record says decides (completed, conflict, failed for good, in
     /// progress).
     Found(Claim),
-    /// Run or reconciled, and its outcome committed.
-    Ran(Ran),
+    /// Run or reconciled, and its outcome committed; with the outbox rows its run
+    /// staged (committed with it, to publish now).
+    Ran(Ran, Vec<i64>),
     /// The body no longer fits the message (it did when parsed): malformed.
     Refused(String),
 }
@@ -68,11 +69,12 @@ pub(super) async fn run<H: Handler>(
     handler: &H,
     store: &Store,
     requests: &[TxRequest],
+    handoff: Duration,
 ) -> Result<Vec<TxAnswer>, StoreError> {
     let mut careful = false;
     let mut last = None;
     for pass in 0..PASSES {
-        match once(handler, store, requests, careful).await {
+        match once(handler, store, requests, careful, handoff).await {
             Ok(Pass::Committed(answers)) => return Ok(answers),
             Ok(Pass::HandlerFailed) => careful = true,
             Ok(Pass::Raced) => debug!(pass, "a new key was inserted meanwhile; starting again"),
@@ -133,6 +135,8 @@ pub(super) enum RunResult {
     Done {
         output: Value,
         reconciled: bool,
+        /// The outbox rows the run staged.
+        follow_ups: Vec<i64>,
     },
     Failed(HandlerError),
     Refused(String),
@@ -149,6 +153,7 @@ async fn once<H: Handler>(
     store: &Store,
     requests: &[TxRequest],
     careful: bool,
+    handoff: Duration,
 ) -> Result<Pass, StoreError> {
     // Copies of a key after the first are decided later, when the first one's outcome
     // is committed: they see it then.
@@ -203,6 +208,8 @@ async fn once<H: Handler>(
         let ctx = RunIn {
             key: &request.claim.key,
             value: &request.value,
+            correlation_id: &request.claim.origin.correlation_id,
+            handoff,
             attempt,
             takeover,
         };
@@ -292,6 +299,8 @@ pub(super) fn lost_transaction() -> StoreError {
 struct RunIn<'a> {
     key: &'a Key,
     value: &'a Value,
+    correlation_id: &'a Option<String>,
+    handoff: Duration,
     attempt: i32,
     takeover: bool,
 }
@@ -315,7 +324,8 @@ impl RunIn<'_> {
             self.attempt,
             self.takeover,
             store.pool().clone(),
-        );
+        )
+        .for_follow_ups(self.correlation_id.clone(), self.handoff);
         if let Some(open) = tx.take() {
             ctx.put_tx(open);
         }
@@ -327,7 +337,7 @@ impl RunIn<'_> {
                 match decision::reconciled(asked.await) {
                     Reconciled::Applied(output) => {
                         *tx = ctx.take_tx();
-                        return done(output, true);
+                        return done(output, true, ctx.take_staged());
                     }
                     Reconciled::NotApplied => caught(handler.handle(message, &mut ctx)).await,
                     Reconciled::Failed(error) => Err(error),
@@ -338,15 +348,19 @@ impl RunIn<'_> {
         failpoint::hit("after-effect");
         *tx = ctx.take_tx();
         match result {
-            Ok(output) => done(output, false),
+            Ok(output) => done(output, false, ctx.take_staged()),
             Err(error) => RunResult::Failed(error),
         }
     }
 }
 
-fn done<O: serde::Serialize>(output: O, reconciled: bool) -> RunResult {
+fn done<O: serde::Serialize>(output: O, reconciled: bool, follow_ups: Vec<i64>) -> RunResult {
     match serde_json::to_value(output) {
-        Ok(output) => RunResult::Done { output, reconciled },
+        Ok(output) => RunResult::Done {
+            output,
+            reconciled,
+            follow_ups,
+        },
         Err(e) => RunResult::Failed(HandlerError::permanent(format!(
             "handler output does not serialize: {e}"
         ))),

@@ -171,14 +171,20 @@ pub(super) fn first_lease(id: i64, token: i64) -> Lease {
 /// The answer for a run whose outcome was written on the record of `lease`.
 pub(super) fn answer_of(lease: Lease, result: RunResult) -> TxAnswer {
     match result {
-        RunResult::Done { reconciled, .. } => TxAnswer::Ran(Ran::Completed { reconciled }),
+        RunResult::Done {
+            reconciled,
+            follow_ups,
+            ..
+        } => TxAnswer::Ran(Ran::Completed { reconciled }, follow_ups),
         RunResult::Refused(why) => TxAnswer::Refused(why),
         RunResult::Failed(HandlerError::Transient(error)) => {
-            TxAnswer::Ran(Ran::Transient { lease, error })
+            TxAnswer::Ran(Ran::Transient { lease, error }, Vec::new())
         }
         RunResult::Failed(HandlerError::Permanent(error)) => {
-            TxAnswer::Ran(Ran::Permanent { lease, error })
+            TxAnswer::Ran(Ran::Permanent { lease, error }, Vec::new())
         }
-        RunResult::Failed(HandlerError::Uncertain { .. }) => TxAnswer::Ran(Ran::Pending { lease }),
+        RunResult::Failed(HandlerError::Uncertain { .. }) => {
+            TxAnswer::Ran(Ran::Pending { lease }, Vec::new())
+        }
     }
 }

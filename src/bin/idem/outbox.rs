@@ -1,0 +1,126 @@
+//! `idem outbox`: the follow-up messages waiting to be published, and why.
+
+use clap::Subcommand;
+use idem::outbox::{self, OutboxEntry, OutboxStats};
+
+use crate::{Cli, store};
+
+#[derive(Subcommand)]
+pub(crate) enum Outbox {
+    /// The backlog: messages not published yet, the oldest one's age, and how many of
+    /// them failed their last publish (returned as unroutable, nacked, unconfirmed).
+    Stats {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Messages not published yet, oldest first, with the last error of each.
+    List {
+        /// Only those whose last publish failed.
+        #[arg(long)]
+        failing: bool,
+        /// Dispatched ones too (kept until their retention ends).
+        #[arg(long)]
+        all: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub(crate) async fn run(cli: &Cli, command: &Outbox) -> anyhow::Result<()> {
+    let store = store(cli).await?;
+    let pool = store.pool();
+    match command {
+        Outbox::Stats { json } => {
+            let stats = outbox::stats(pool).await?;
+            if *json {
+                println!("{}", stats_json(&stats));
+            } else {
+                print_stats(&stats);
+            }
+        }
+        Outbox::List {
+            failing,
+            all,
+            limit,
+            json,
+        } => {
+            let entries = outbox::list(pool, *all, *failing, *limit).await?;
+            if *json {
+                for entry in &entries {
+                    println!("{}", entry_json(entry));
+                }
+            } else if entries.is_empty() {
+                println!("nothing waits in the outbox");
+            } else {
+                for entry in &entries {
+                    print_entry(entry);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_stats(stats: &OutboxStats) {
+    let oldest = stats
+        .oldest_age_s
+        .map(|s| format!("{s:.1} s"))
+        .unwrap_or_else(|| "-".into());
+    println!("undispatched: {}", stats.undispatched);
+    println!("oldest:       {oldest}");
+    println!("failing:      {}", stats.failing);
+    println!(
+        "dispatched:   {} (kept until their retention ends)",
+        stats.dispatched
+    );
+}
+
+fn stats_json(stats: &OutboxStats) -> serde_json::Value {
+    serde_json::json!({
+        "undispatched": stats.undispatched,
+        "oldest_age_s": stats.oldest_age_s,
+        "failing": stats.failing,
+        "dispatched": stats.dispatched,
+    })
+}
+
+fn print_entry(entry: &OutboxEntry) {
+    let state = match (&entry.dispatched_at, &entry.last_error) {
+        (Some(at), _) => format!("dispatched {}", at.format("%Y-%m-%d %H:%M:%S")),
+        (None, Some(error)) => format!("failing: {error}"),
+        (None, None) => "waiting".into(),
+    };
+    println!(
+        "{} {} #{} from {}/{} to {:?}/{:?}, {} B, staged {}, {} attempts, {state}",
+        entry.id,
+        entry.message_id,
+        entry.position,
+        entry.operation,
+        &entry.source[..12.min(entry.source.len())],
+        entry.exchange,
+        entry.routing_key,
+        entry.body_bytes,
+        entry.staged_at.format("%Y-%m-%d %H:%M:%S"),
+        entry.attempts,
+    );
+}
+
+fn entry_json(entry: &OutboxEntry) -> serde_json::Value {
+    serde_json::json!({
+        "id": entry.id,
+        "message_id": entry.message_id,
+        "operation": entry.operation,
+        "source_key_hash": &entry.source[..12.min(entry.source.len())],
+        "position": entry.position,
+        "exchange": entry.exchange,
+        "routing_key": entry.routing_key,
+        "body_bytes": entry.body_bytes,
+        "staged_at": entry.staged_at,
+        "attempts": entry.attempts,
+        "last_error": entry.last_error,
+        "dispatched_at": entry.dispatched_at,
+    })
+}

@@ -1,0 +1,217 @@
+//! The relay: in every worker process, publishes the follow-up messages that a crash or
+//! a failed publish left in the outbox.
+//!
+//! It listens on the channel `idem_outbox`, which the outbox's insert trigger notifies
+//! when the staging transaction commits. A notification means rows become due after the
+//! handoff (the committing worker's head start), so the relay waits that long, then
+//! takes what is due; without notifications (the listener is down, or the database sits
+//! behind a pooler that cannot `LISTEN`) it still looks every [`OutboxConfig::poll`].
+//! Rows are taken with `FOR UPDATE SKIP LOCKED` and held under a lease, so that relays
+//! in several processes never publish the same row at the same moment.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::Channel;
+use lapin::options::ConfirmSelectOptions;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::OutboxConfig;
+use super::publish::publish_taken;
+use super::table;
+use crate::metrics;
+use crate::topology;
+
+/// The `NOTIFY` channel of the outbox's insert trigger.
+pub const CHANNEL: &str = "idem_outbox";
+
+/// How often the relay refreshes the backlog metrics.
+const STATS_EVERY: Duration = Duration::from_secs(5);
+
+/// Where the relay publishes and what it is told.
+pub struct Relay {
+    /// The database (its outbox).
+    pub pool: PgPool,
+    /// The broker's URL (or comma-separated node list).
+    pub amqp_url: String,
+    /// The connection name shown by the broker.
+    pub name: String,
+    /// Timing and batch size.
+    pub config: OutboxConfig,
+    /// How long dispatched rows are kept.
+    pub retention: Duration,
+    /// Woken by this process when its own publish failed, so it does not wait for the
+    /// next poll.
+    pub wake: Arc<Notify>,
+}
+
+impl Relay {
+    /// Runs until `shutdown`, reconnecting to the broker and the listener when they drop.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut listener = None;
+        let mut channel: Option<(lapin::Connection, Channel)> = None;
+        let mut stats_at = Instant::now() - STATS_EVERY;
+        let mut broker_backoff = Duration::from_millis(200);
+        while !shutdown.is_cancelled() {
+            if listener.is_none() {
+                listener = self.listen().await;
+            }
+            if channel
+                .as_ref()
+                .is_none_or(|(c, ch)| !c.status().connected() || !ch.status().connected())
+            {
+                match self.open().await {
+                    Ok(open) => {
+                        channel = Some(open);
+                        broker_backoff = Duration::from_millis(200);
+                    }
+                    Err(error) => {
+                        warn!(error = %crate::error_line(&error), "outbox relay: broker unreachable");
+                        channel = None;
+                        tokio::select! {
+                            _ = tokio::time::sleep(broker_backoff) => {}
+                            _ = shutdown.cancelled() => return,
+                        }
+                        broker_backoff = (broker_backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                }
+            }
+            if let Some((_, publish)) = &channel {
+                self.drain(publish, &shutdown).await;
+            }
+            if stats_at.elapsed() >= STATS_EVERY {
+                stats_at = Instant::now();
+                match table::stats(&self.pool).await {
+                    Ok(stats) => metrics::outbox_backlog(&stats),
+                    Err(error) => debug!(error = %crate::error_line(&error), "outbox stats"),
+                }
+            }
+            self.wait(&mut listener, &shutdown).await;
+        }
+        if let Some((connection, publish)) = channel {
+            let _ = publish.close(200, "shutdown".into()).await;
+            let _ = connection.close(200, "shutdown".into()).await;
+        }
+    }
+
+    async fn listen(&self) -> Option<PgListener> {
+        let listening = async {
+            let mut listener = PgListener::connect_with(&self.pool).await?;
+            listener.listen(CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        match listening.await {
+            Ok(listener) => Some(listener),
+            Err(error) => {
+                warn!(error = %crate::error_line(&error), "outbox relay: cannot LISTEN; polling every {} ms", self.config.poll.as_millis());
+                None
+            }
+        }
+    }
+
+    async fn open(&self) -> Result<(lapin::Connection, Channel), lapin::Error> {
+        let connection = topology::connect(&self.amqp_url, &self.name).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        info!("outbox relay connected");
+        Ok((connection, channel))
+    }
+
+    /// Publishes whatever is due, batch after batch, until a batch is not full.
+    async fn drain(&self, channel: &Channel, shutdown: &CancellationToken) {
+        while !shutdown.is_cancelled() {
+            let rows = match table::take_due(&self.pool, self.config.batch, self.config.lease).await
+            {
+                Ok(rows) => rows,
+                Err(error) => {
+                    warn!(error = %crate::error_line(&error), "outbox relay: cannot take due messages");
+                    return;
+                }
+            };
+            let taken = rows.len();
+            if taken == 0 {
+                return;
+            }
+            match publish_taken(
+                &self.pool,
+                channel,
+                rows,
+                false,
+                &self.config,
+                self.retention,
+            )
+            .await
+            {
+                Ok(tally) => {
+                    if tally.published > 0 || tally.failed > 0 {
+                        info!(
+                            published = tally.published,
+                            failed = tally.failed,
+                            waiting = tally.waiting,
+                            "outbox relay published what was left behind"
+                        );
+                    }
+                    if (taken as i64) < self.config.batch || tally.published == 0 {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    // The rows stay taken until their lease ends; then they are due again.
+                    warn!(error = %crate::error_line(&error), "outbox relay: cannot record what it published");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Sleeps until a notification's handoff has passed, this process's wake-up, the
+    /// next poll, or shutdown.
+    async fn wait(&self, listener: &mut Option<PgListener>, shutdown: &CancellationToken) {
+        let poll = tokio::time::sleep(self.config.poll);
+        tokio::pin!(poll);
+        let notified = async {
+            match listener.as_mut() {
+                Some(l) => l.recv().await.map(|_| ()),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            received = notified => {
+                if let Err(error) = received {
+                    warn!(error = %crate::error_line(&error), "outbox relay: listener lost; polling until it is back");
+                    *listener = None;
+                    return;
+                }
+                // Rows become due after the handoff: wait it out, and let the
+                // notifications of other commits meanwhile fold into this one.
+                let due = tokio::time::sleep(self.config.handoff + Duration::from_millis(5));
+                tokio::pin!(due);
+                loop {
+                    let next = async {
+                        match listener.as_mut() {
+                            Some(l) => l.recv().await.map(|_| ()),
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        _ = &mut due => return,
+                        _ = shutdown.cancelled() => return,
+                        received = next => if received.is_err() {
+                            *listener = None;
+                        },
+                    }
+                }
+            }
+            _ = self.wake.notified() => {}
+            _ = &mut poll => {}
+            _ = shutdown.cancelled() => {}
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! The statements on `outbox_messages`. Each is one short statement; only staging runs
+//! in a caller's transaction (the operation's).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use super::{FollowUp, Properties, backoff};
+use crate::store::{StoreError, storable};
+
+/// A staged message that is not published yet, as a publisher took it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub(crate) struct OutboxRow {
+    pub(crate) id: i64,
+    pub(crate) message_id: String,
+    pub(crate) source: String,
+    pub(crate) position: i32,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: sqlx::types::Json<Properties>,
+    pub(crate) attempts: i32,
+}
+
+/// Writes `message` to the outbox on `conn` (the operation's transaction). `source` is
+/// the operation's key digest; the row is left to the committing worker for `handoff`.
+pub(crate) async fn stage(
+    conn: &mut PgConnection,
+    source: &str,
+    operation: &str,
+    position: u32,
+    message_id: &str,
+    message: &FollowUp,
+    handoff: Duration,
+) -> Result<i64, sqlx::Error> {
+    let position = i32::try_from(position).unwrap_or(i32::MAX);
+    sqlx::query_scalar(
+        "INSERT INTO outbox_messages
+             (message_id, source, operation, position, exchange, routing_key, body,
+              properties, available_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8,
+                 clock_timestamp() + $9 * interval '1 millisecond')
+         RETURNING id",
+    )
+    .bind(message_id)
+    .bind(source)
+    .bind(operation)
+    .bind(position)
+    .bind(storable(&message.exchange).as_ref())
+    .bind(storable(&message.routing_key).as_ref())
+    .bind(&message.body)
+    .bind(sqlx::types::Json(&message.properties))
+    .bind(millis(handoff))
+    .fetch_one(conn)
+    .await
+}
+
+const ROW: &str =
+    "id, message_id, source, position, exchange, routing_key, body, properties, attempts";
+
+/// The committing worker takes the rows it staged, unless a relay took them first.
+pub(crate) async fn take_staged(
+    pool: &PgPool,
+    ids: &[i64],
+    lease: Duration,
+) -> Result<Vec<OutboxRow>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "UPDATE outbox_messages
+         SET available_at = now() + $2 * interval '1 millisecond', attempts = attempts + 1
+         WHERE id = ANY($1) AND dispatched_at IS NULL AND attempts = 0
+         RETURNING {ROW}"
+    ))
+    .bind(ids)
+    .bind(millis(lease))
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A relay takes up to `batch` rows that are due, oldest first, skipping rows another
+/// publisher is taking at this moment; they are its own for `lease`.
+pub(crate) async fn take_due(
+    pool: &PgPool,
+    batch: i64,
+    lease: Duration,
+) -> Result<Vec<OutboxRow>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "UPDATE outbox_messages
+         SET available_at = now() + $2 * interval '1 millisecond', attempts = attempts + 1
+         WHERE id IN (SELECT id FROM outbox_messages
+                      WHERE dispatched_at IS NULL AND available_at <= now()
+                      ORDER BY id LIMIT $1
+                      FOR UPDATE SKIP LOCKED)
+         RETURNING {ROW}"
+    ))
+    .bind(batch)
+    .bind(millis(lease))
+    .fetch_all(pool)
+    .await?)
+}
+
+/// For each of `sources`, the first position not yet dispatched among rows other than
+/// `held`: a held row after it must wait, or the operation's messages go out of order.
+pub(crate) async fn first_waiting(
+    pool: &PgPool,
+    sources: &[String],
+    held: &[i64],
+) -> Result<Vec<(String, i32)>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT source, min(position) FROM outbox_messages
+         WHERE source = ANY($1) AND dispatched_at IS NULL AND NOT (id = ANY($2))
+         GROUP BY source",
+    )
+    .bind(sources)
+    .bind(held)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Gives rows back without publishing them: due again after `after`.
+pub(crate) async fn defer(pool: &PgPool, ids: &[i64], after: Duration) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE outbox_messages SET available_at = now() + $2 * interval '1 millisecond'
+         WHERE id = ANY($1) AND dispatched_at IS NULL",
+    )
+    .bind(ids)
+    .bind(millis(after))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Marks published rows dispatched; they expire after `retention`.
+pub(crate) async fn mark_dispatched(
+    pool: &PgPool,
+    ids: &[i64],
+    retention: Duration,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE outbox_messages
+         SET dispatched_at = now(), expires_at = now() + $2 * interval '1 millisecond',
+             last_error = NULL
+         WHERE id = ANY($1) AND dispatched_at IS NULL",
+    )
+    .bind(ids)
+    .bind(millis(retention))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Records why a row was not published, and when it is due again.
+pub(crate) async fn mark_failed(
+    pool: &PgPool,
+    row: &OutboxRow,
+    why: &str,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE outbox_messages
+         SET available_at = now() + $2 * interval '1 millisecond', last_error = $3
+         WHERE id = $1 AND dispatched_at IS NULL",
+    )
+    .bind(row.id)
+    .bind(millis(backoff(row.attempts)))
+    .bind(storable(why).as_ref())
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The backlog, for `idem outbox stats` and the metrics.
+#[derive(Debug, Clone, Default, PartialEq, sqlx::FromRow)]
+pub struct OutboxStats {
+    /// Staged messages not published yet.
+    pub undispatched: i64,
+    /// The oldest of them, in seconds since it was staged.
+    pub oldest_age_s: Option<f64>,
+    /// Undispatched messages whose last publish failed (returned as unroutable, nacked,
+    /// not confirmed in time).
+    pub failing: i64,
+    /// Dispatched messages kept until their retention ends.
+    pub dispatched: i64,
+}
+
+/// Counts the backlog through the partial index of undispatched rows.
+pub async fn stats(pool: &PgPool) -> Result<OutboxStats, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) AS undispatched,
+                extract(epoch FROM now() - min(staged_at))::float8 AS oldest_age_s,
+                count(*) FILTER (WHERE last_error IS NOT NULL) AS failing,
+                (SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL)
+                    AS dispatched
+         FROM outbox_messages WHERE dispatched_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// One outbox row as operators see it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxEntry {
+    /// The row.
+    pub id: i64,
+    /// The AMQP `message_id`.
+    pub message_id: String,
+    /// The source operation's key digest (its first 12 digits are the short hash).
+    pub source: String,
+    /// The source operation's name.
+    pub operation: String,
+    /// Its position among the operation's messages.
+    pub position: i32,
+    /// Where it goes.
+    pub exchange: String,
+    /// Where it goes.
+    pub routing_key: String,
+    /// When it was staged.
+    pub staged_at: DateTime<Utc>,
+    /// Publishes tried.
+    pub attempts: i32,
+    /// Why the last one failed.
+    pub last_error: Option<String>,
+    /// When it was published, if it was.
+    pub dispatched_at: Option<DateTime<Utc>>,
+    /// The body's size in bytes.
+    pub body_bytes: i32,
+}
+
+/// Undispatched rows (or, with `all`, every row), oldest first; `failing` keeps only
+/// those whose last publish failed.
+pub async fn list(
+    pool: &PgPool,
+    all: bool,
+    failing: bool,
+    limit: i64,
+) -> Result<Vec<OutboxEntry>, StoreError> {
+    // Two statements rather than one with `$1 OR …`, so that the usual question (the
+    // backlog) is answered from the partial index of undispatched rows.
+    let which = match (all, failing) {
+        (false, false) => "dispatched_at IS NULL",
+        (false, true) => "dispatched_at IS NULL AND last_error IS NOT NULL",
+        (true, false) => "true",
+        (true, true) => "last_error IS NOT NULL",
+    };
+    Ok(sqlx::query_as(&format!(
+        "SELECT id, message_id, source, operation, position, exchange, routing_key,
+                staged_at, attempts, last_error, dispatched_at,
+                octet_length(body) AS body_bytes
+         FROM outbox_messages WHERE {which}
+         ORDER BY id LIMIT $1"
+    ))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A duration as whole milliseconds for SQL intervals, saturating.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
