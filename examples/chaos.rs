@@ -19,6 +19,12 @@
 //! event, none lost, one provider key per event, conflicts and only conflicts in the
 //! DLQ, nothing left `processing`, all workers alive. It prints one summary line and
 //! exits 1 if any check failed.
+//!
+//! With `--follow-ups`, every booked order also stages a follow-up message (the
+//! transactional outbox) to `<queue>.notify`, which `--downstream` `notifications_worker`
+//! processes consume, killed and disconnected like the others; `--negatives` adds orders
+//! that fail for good. Then it also checks exactly one notification per booked order,
+//! none for a conflict or a failed order, and nothing left in the outbox.
 
 #[allow(dead_code)]
 #[path = "orders_producer.rs"]
@@ -59,6 +65,17 @@ struct Args {
     /// in the handler's transaction too, and each event must have exactly one).
     #[arg(long, default_value = "leased")]
     mode: String,
+    /// Orders with a negative amount: they fail for good (DLQ `permanent_failure`)
+    /// and must leave no effect and no follow-up.
+    #[arg(long, default_value_t = 0)]
+    negatives: usize,
+    /// Booked orders stage a follow-up to `<queue>.notify`, consumed by `--downstream`
+    /// notifications workers.
+    #[arg(long)]
+    follow_ups: bool,
+    /// Notifications workers (with `--follow-ups`).
+    #[arg(long, default_value_t = 1)]
+    downstream: usize,
     /// Workers' lease in seconds.
     #[arg(long, default_value_t = 2)]
     lease_secs: u64,
@@ -123,32 +140,54 @@ struct Run {
     worker_url: String,
     worker_bin: PathBuf,
     log_dir: PathBuf,
+    /// Order workers, then notifications workers.
     workers: Vec<Child>,
     started_workers: usize,
 }
 
+/// The retry delays of every worker of the run (and the retry queues it deletes).
+const RETRY_DELAYS_MS: &str = "200,500,1000,2000,5000";
+
 impl Run {
-    fn spawn_worker(&mut self) -> anyhow::Result<Child> {
+    /// The queue of the follow-ups.
+    fn notify_queue(&self) -> String {
+        format!("{}.notify", self.queue)
+    }
+
+    /// Worker `i` of the run: an order worker, or past `--workers` a notifications one.
+    fn spawn_worker(&mut self, i: usize) -> anyhow::Result<Child> {
+        if i >= self.args.workers {
+            return self.spawn_downstream();
+        }
         self.started_workers += 1;
         let log = std::fs::File::create(
             self.log_dir
                 .join(format!("worker-{}.log", self.started_workers)),
         )?;
+        let lease = self.args.lease_secs.to_string();
+        let notify = self.notify_queue();
+        let mut args = vec![
+            "--queue",
+            &self.queue,
+            "--lease-secs",
+            &lease,
+            "--retry-delays-ms",
+            RETRY_DELAYS_MS,
+            "--concurrency",
+            "8",
+            "--prefetch",
+            "32",
+            "--mode",
+            &self.args.mode,
+            // A killed worker's taken follow-ups go out again soon (same id).
+            "--outbox-lease-secs",
+            "2",
+        ];
+        if self.args.follow_ups {
+            args.extend(["--follow-ups", notify.as_str()]);
+        }
         Command::new(&self.worker_bin)
-            .args([
-                "--queue",
-                &self.queue,
-                "--lease-secs",
-                &self.args.lease_secs.to_string(),
-                "--retry-delays-ms",
-                "200,500,1000,2000,5000",
-                "--concurrency",
-                "8",
-                "--prefetch",
-                "32",
-                "--mode",
-                &self.args.mode,
-            ])
+            .args(args)
             .env("DATABASE_URL", &self.worker_url)
             .env("AMQP_URL", &self.args.amqp_url)
             .env("RUST_LOG", "info,sqlx=warn")
@@ -158,6 +197,36 @@ impl Run {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("start {}", self.worker_bin.display()))
+    }
+
+    fn spawn_downstream(&mut self) -> anyhow::Result<Child> {
+        self.started_workers += 1;
+        let log = std::fs::File::create(
+            self.log_dir
+                .join(format!("notifications-{}.log", self.started_workers)),
+        )?;
+        let bin = self.worker_bin.with_file_name(format!(
+            "notifications_worker{}",
+            std::env::consts::EXE_SUFFIX
+        ));
+        Command::new(&bin)
+            .args([
+                "--queue",
+                &self.notify_queue(),
+                "--retry-delays-ms",
+                RETRY_DELAYS_MS,
+                "--concurrency",
+                "8",
+            ])
+            .env("DATABASE_URL", &self.worker_url)
+            .env("AMQP_URL", &self.args.amqp_url)
+            .env("RUST_LOG", "info,sqlx=warn")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("start {}", bin.display()))
     }
 }
 
@@ -197,8 +266,13 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         id,
         args,
     };
-    for _ in 0..run.args.workers {
-        let child = run.spawn_worker()?;
+    let downstream = if run.args.follow_ups {
+        run.args.downstream
+    } else {
+        0
+    };
+    for i in 0..run.args.workers + downstream {
+        let child = run.spawn_worker(i)?;
         run.workers.push(child);
     }
     let result = chaos(&mut run, &pool).await;
@@ -209,19 +283,21 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     if !run.args.keep {
         if let Ok(connection) = connect(&run.args.amqp_url).await {
             if let Ok(channel) = connection.create_channel().await {
-                for suffix in [
-                    "",
-                    ".dlq",
-                    ".retry.200ms",
-                    ".retry.500ms",
-                    ".retry.1s",
-                    ".retry.2s",
-                    ".retry.5s",
-                ] {
-                    let name = format!("{}{suffix}", run.queue);
-                    let _ = channel
-                        .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
-                        .await;
+                for queue in [run.queue.clone(), run.notify_queue()] {
+                    for suffix in [
+                        "",
+                        ".dlq",
+                        ".retry.200ms",
+                        ".retry.500ms",
+                        ".retry.1s",
+                        ".retry.2s",
+                        ".retry.5s",
+                    ] {
+                        let name = format!("{queue}{suffix}");
+                        let _ = channel
+                            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
                 }
             }
             let _ = connection.close(200, "done".into()).await;
@@ -342,7 +418,7 @@ async fn inject(
             let _ = run.workers[victim].wait().await;
             faults.kills += 1;
             tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
-            run.workers[victim] = run.spawn_worker()?;
+            run.workers[victim] = run.spawn_worker(victim)?;
         }
         "drop" => {
             rabbitmqctl(&["close_all_connections", "chaos: connection drop"]).await?;
@@ -363,15 +439,27 @@ async fn inject(
     Ok(())
 }
 
+/// Records not completed, but for the negative orders' (`$1`), which fail for good.
+const UNFINISHED: &str = "SELECT count(*) FROM processed_operations
+     WHERE status <> 'completed' AND NOT (status = 'failed' AND idempotency_key = ANY($1))";
+
 async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
     let args = run.args.clone();
     // Wait for the workers to declare the queue and create their tables.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let ready: bool = sqlx::query_scalar("SELECT to_regclass('example_ledger') IS NOT NULL")
-            .fetch_one(pool)
-            .await?;
-        if ready && queue_ready(&args.amqp_url, &run.queue).await.is_some() {
+        let ready: bool = sqlx::query_scalar(
+            "SELECT to_regclass('example_ledger') IS NOT NULL
+                AND ($1 OR to_regclass('example_notifications') IS NOT NULL)",
+        )
+        .bind(!args.follow_ups)
+        .fetch_one(pool)
+        .await?;
+        let notify_ready = !args.follow_ups
+            || queue_ready(&args.amqp_url, &run.notify_queue())
+                .await
+                .is_some();
+        if ready && notify_ready && queue_ready(&args.amqp_url, &run.queue).await.is_some() {
             break;
         }
         if Instant::now() > deadline {
@@ -411,6 +499,12 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
                 1_000_000 + i as i64,
             ));
         }
+    }
+    let negatives: Vec<String> = (0..args.negatives)
+        .map(|i| format!("{}-neg-{i}", run.id))
+        .collect();
+    for (i, event) in negatives.iter().enumerate() {
+        bodies.push(orders_producer::order_json(event, "acme", i, -1));
     }
     // Interleave locally: copies land near each other, as a producer's retries do.
     for i in (1..bodies.len()).rev() {
@@ -457,14 +551,34 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
             .fetch_one(pool)
             .await
             .unwrap_or(0);
-        let in_flight: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM processed_operations WHERE status <> 'completed'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap_or(1);
-        let queued = queues_total(&run.queue).await;
-        let settled = booked as usize == args.orders && in_flight == 0 && queued == Some(0);
+        let in_flight: i64 = sqlx::query_scalar(UNFINISHED)
+            .bind(&negatives)
+            .fetch_one(pool)
+            .await
+            .unwrap_or(1);
+        let mut queued = queues_total(&run.queue).await;
+        let mut follow_ups_done = true;
+        if args.follow_ups {
+            let notified: i64 = sqlx::query_scalar(
+                "SELECT count(DISTINCT order_event_id) FROM example_notifications",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap_or(0);
+            let undispatched: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NULL",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap_or(1);
+            follow_ups_done = notified as usize == args.orders && undispatched == 0;
+            let notify_queued = queues_total(&run.notify_queue()).await;
+            queued = queued.zip(notify_queued).map(|(a, b)| a + b);
+        }
+        let settled = booked as usize == args.orders
+            && follow_ups_done
+            && in_flight == 0
+            && queued == Some(0);
         if settled {
             // Quiet for a moment: no retry copy still on its way back.
             let since = *stable_since.get_or_insert_with(Instant::now);
@@ -502,15 +616,76 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
     let calls_mean = calls.iter().map(|c| c.0).sum::<i64>() as f64 / calls.len().max(1) as f64;
     let calls_max = calls.iter().map(|c| c.0).max().unwrap_or(0);
     let split_keys = calls.iter().filter(|c| c.1 != 1).count();
-    let unfinished: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM processed_operations WHERE status <> 'completed'")
+    // Negative orders fail for good: their records are `failed`, nothing else may be.
+    let unfinished: i64 = sqlx::query_scalar(UNFINISHED)
+        .bind(&negatives)
+        .fetch_one(pool)
+        .await?;
+    let negatives_booked = negatives.iter().filter(|e| ledger.contains_key(*e)).count();
+    let dead_letters = drain_dlq(&args.amqp_url, &run.queue).await?;
+    let dead = dead_letters.len();
+    let conflict_events: HashSet<String> = events.iter().take(args.conflicts).cloned().collect();
+    let negative_events: HashSet<String> = negatives.iter().cloned().collect();
+    // Conflicts dead-lettered as conflicts, negatives as permanent failures, nothing else.
+    let dead_not_conflict = dead_letters
+        .iter()
+        .filter(|(reason, key)| {
+            !(reason == "fingerprint_conflict" && conflict_events.contains(key)
+                || reason == "permanent_failure" && negative_events.contains(key))
+        })
+        .count();
+    let dead_keys: HashSet<&String> = dead_letters.iter().map(|(_, key)| key).collect();
+    let conflicts_ok = dead_not_conflict == 0
+        && dead_keys.len() == args.conflicts + args.negatives
+        && conflict_events.iter().all(|k| dead_keys.contains(k))
+        && negatives_booked == 0;
+    // The chain: one notification per booked order, none for a conflict or a failure.
+    let mut follow_ups_ok = true;
+    let mut chain = String::new();
+    if args.follow_ups {
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT order_event_id, count(*), max(amount_cents) FROM example_notifications
+             GROUP BY order_event_id",
+        )
+        .fetch_all(pool)
+        .await?;
+        let notified: BTreeMap<String, (i64, i64)> =
+            rows.into_iter().map(|(e, n, a)| (e, (n, a))).collect();
+        let duplicates: i64 = notified.values().map(|(n, _)| n - 1).sum();
+        let missing = events.iter().filter(|e| !notified.contains_key(*e)).count();
+        let for_failed = negatives
+            .iter()
+            .filter(|e| notified.contains_key(*e))
+            .count();
+        // Whichever payload of a conflicting pair booked, the notification is of that
+        // booking: never of the payload that was refused.
+        let unbooked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM example_notifications n WHERE NOT EXISTS (
+                 SELECT 1 FROM example_ledger l
+                 WHERE l.event_id = n.order_event_id AND l.amount_cents = n.amount_cents)",
+        )
+        .fetch_one(pool)
+        .await?;
+        let undispatched: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NULL")
+                .fetch_one(pool)
+                .await?;
+        let published: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_messages")
             .fetch_one(pool)
             .await?;
-    let (dead, dead_not_conflict, dead_keys) = drain_dlq(&args.amqp_url, &run.queue).await?;
-    let conflict_events: HashSet<String> = events.iter().take(args.conflicts).cloned().collect();
-    let conflicts_ok = dead_not_conflict == 0
-        && dead_keys.len() == args.conflicts
-        && dead_keys.iter().all(|k| conflict_events.contains(k));
+        let downstream_dead = drain_dlq(&args.amqp_url, &run.notify_queue()).await?.len();
+        follow_ups_ok = duplicates == 0
+            && missing == 0
+            && for_failed == 0
+            && unbooked == 0
+            && undispatched == 0
+            && published as usize == args.orders
+            && downstream_dead == 0;
+        chain = format!(
+            " follow_ups={published} notifications={} duplicate_notifications={duplicates} lost_notifications={missing} notifications_for_failed={for_failed} notifications_not_booked={unbooked} outbox_undispatched={undispatched} downstream_dlq={downstream_dead}",
+            notified.len()
+        );
+    }
     let mut dead_workers = 0;
     for worker in &mut run.workers {
         if worker.try_wait()?.is_some() {
@@ -525,9 +700,10 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
         && provider_ok
         && unfinished == 0
         && conflicts_ok
+        && follow_ups_ok
         && dead_workers == 0;
     println!(
-        "chaos: mode={} messages={} duplicate_publishes={} republished_after_errors={} conflicts={} kills={} connection_drops={} backend_kills={} backends_terminated={} broker_restarts={} effects={effects} duplicate_effects={duplicate_effects} lost={lost} provider_calls_per_event_mean={calls_mean:.3} provider_calls_per_event_max={calls_max} split_provider_keys={split_keys} dlq={dead} dlq_not_conflict={dead_not_conflict} unfinished={unfinished} dead_workers={dead_workers} publish_s={:.1} settle_s={:.1} result={}",
+        "chaos: mode={} messages={} duplicate_publishes={} republished_after_errors={} conflicts={} kills={} connection_drops={} backend_kills={} backends_terminated={} broker_restarts={} effects={effects} duplicate_effects={duplicate_effects} lost={lost} provider_calls_per_event_mean={calls_mean:.3} provider_calls_per_event_max={calls_max} split_provider_keys={split_keys} negatives={} dlq={dead} dlq_not_conflict={dead_not_conflict} unfinished={unfinished} dead_workers={dead_workers}{chain} publish_s={:.1} settle_s={:.1} result={}",
         args.mode,
         bodies.len(),
         duplicates,
@@ -538,6 +714,7 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
         faults.backend_kills,
         faults.backends_terminated,
         faults.broker_restarts,
+        args.negatives,
         (published_at - started).as_secs_f64(),
         settle.as_secs_f64(),
         if ok { "ok" } else { "FAILED" },
@@ -588,28 +765,21 @@ async fn queues_total(queue: &str) -> Option<u64> {
     )
 }
 
-/// Takes everything out of the DLQ: (messages, not conflicts, distinct keys).
-async fn drain_dlq(url: &str, queue: &str) -> anyhow::Result<(usize, usize, HashSet<String>)> {
+/// Takes everything out of the DLQ: each dead letter's reason and key.
+async fn drain_dlq(url: &str, queue: &str) -> anyhow::Result<Vec<(String, String)>> {
     let connection = connect(url).await?;
     let channel = connection.create_channel().await?;
     let dlq = idem::topology::dlq_name(queue);
-    let (mut n, mut not_conflict, mut keys) = (0, 0, HashSet::new());
+    let mut dead = Vec::new();
     while let Some(message) = channel
         .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: false })
         .await?
     {
         let p = &message.delivery.properties;
-        n += 1;
-        if dead_letter::header_str(p, dead_letter::REASON).as_deref()
-            != Some("fingerprint_conflict")
-        {
-            not_conflict += 1;
-        }
-        if let Some(key) = dead_letter::header_str(p, dead_letter::KEY) {
-            keys.insert(key);
-        }
+        let text = |name| dead_letter::header_str(p, name).unwrap_or_default();
+        dead.push((text(dead_letter::REASON), text(dead_letter::KEY)));
         message.delivery.ack(BasicAckOptions::default()).await?;
     }
     let _ = connection.close(200, "done".into()).await;
-    Ok((n, not_conflict, keys))
+    Ok(dead)
 }

@@ -18,7 +18,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use idem::{
-    Context, Handler, HandlerError, Mode, QueueType, Store, StoreConfig, Worker, WorkerConfig,
+    Context, Handler, HandlerError, Mode, QueueType, RetryPolicy, Store, StoreConfig, Worker,
+    WorkerConfig,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -106,6 +107,9 @@ struct Args {
     /// Handlers running at once.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// Delays of the retry queues in milliseconds, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [5_000u64, 30_000, 300_000])]
+    retry_delays_ms: Vec<u64>,
     /// Postgres URL.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
@@ -160,6 +164,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
             QueueType::Classic
         },
         concurrency: args.concurrency,
+        retry: RetryPolicy {
+            delays: args
+                .retry_delays_ms
+                .iter()
+                .map(|ms| Duration::from_millis(*ms))
+                .collect(),
+            ..RetryPolicy::default()
+        },
         shutdown_timeout: Duration::from_secs(10),
         name,
         ..WorkerConfig::default()

@@ -1,5 +1,5 @@
 //! Short chaos runs in CI, one per mode: the `chaos` example against the real broker and
-//! database.
+//! database, with follow-up messages to a downstream idem worker (the outbox).
 //!
 //! It closes every broker connection and restarts RabbitMQ, so it lives alone in this
 //! test binary: cargo runs test binaries one after another, never beside each other.
@@ -44,6 +44,9 @@ async fn chaos_run(mode: &str) {
             "--broker-restart",
             "--conflicts",
             "10",
+            "--negatives",
+            "10",
+            "--follow-ups",
             "--mode",
             mode,
         ])
@@ -75,6 +78,15 @@ async fn chaos_run(mode: &str) {
         "dlq_not_conflict=0",
         "unfinished=0",
         "dead_workers=0",
+        "negatives=10",
+        "follow_ups=2000",
+        "notifications=2000",
+        "duplicate_notifications=0",
+        "lost_notifications=0",
+        "notifications_for_failed=0",
+        "notifications_not_booked=0",
+        "outbox_undispatched=0",
+        "downstream_dlq=0",
         "result=ok",
     ] {
         assert!(

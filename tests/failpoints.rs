@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use idem::Mode;
+use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -176,4 +177,143 @@ async fn transactional_crash_after_the_batch_commits(o: PgPoolOptions, c: PgConn
     let (pool, q) = crash_and_restart_in(o, c, "after-complete", 5, Mode::Transactional).await;
     assert_booked_once(&pool, 1, 1).await;
     assert_eq!(q.counts(&q.dlq()).await.0, 0);
+}
+
+/// The follow-up queue's messages: (message_id, body).
+async fn follow_ups(out: &TestQueue) -> Vec<(String, Value)> {
+    out.drain(&out.name)
+        .await
+        .into_iter()
+        .map(|m| {
+            let id = m
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string());
+            (id.unwrap_or_default(), body_json(&m.delivery.data))
+        })
+        .collect()
+}
+
+/// The staged follow-up of `evt-f`: its message id, and whether it is dispatched.
+async fn staged(pool: &PgPool) -> Option<(String, bool)> {
+    sqlx::query_as("SELECT message_id, dispatched_at IS NOT NULL FROM outbox_messages")
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+/// A worker dies after the booking (and its follow-up) committed, before it published
+/// the follow-up: another process's relay publishes it, once, with the staged id.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn crash_between_the_commit_and_the_follow_ups_publish(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("fp-before-dispatch").await;
+    let out = q.beside("notify").await;
+    let args = ["--follow-ups", out.name.as_str()];
+    let mut crashing = spawn_orders_worker_with_env(
+        &url,
+        &q.name,
+        &args,
+        &[("IDEM_FAILPOINT", "before-dispatch")],
+    );
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    q.publish(&order("evt-f", "acme", 5)).await;
+    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
+        .await
+        .expect("the worker reaches the failpoint")
+        .unwrap();
+    assert!(!status.success());
+    let (id, dispatched) = staged(&pool).await.expect("the follow-up committed");
+    assert!(!dispatched);
+    assert_eq!(
+        out.counts(&out.name).await.0,
+        0,
+        "nothing published before the crash"
+    );
+
+    let _healthy = spawn_orders_worker(&url, &q.name, &args);
+    out.wait_for_messages(&out.name, 1, SETTLE).await;
+    wait_until(SETTLE, "marked dispatched", || async {
+        staged(&pool).await.is_some_and(|(_, d)| d)
+    })
+    .await;
+    let published = follow_ups(&out).await;
+    assert_eq!(published.len(), 1, "published once");
+    assert_eq!(published[0].0, id, "with the staged id");
+    assert_eq!(published[0].1["event_id"], json!(id));
+    assert_eq!(published[0].1["order_event_id"], json!("evt-f"));
+    assert_booked_once(&pool, 1, 1).await;
+}
+
+/// A worker dies after the broker confirmed the follow-up, before it marked it
+/// dispatched: when its lease on the row ends, a relay publishes it again. Both copies
+/// carry the same id, and the downstream idem worker notifies once.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn crash_between_the_follow_ups_confirm_and_its_mark(o: PgPoolOptions, c: PgConnectOptions) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("fp-before-mark").await;
+    let out = q.beside("notify").await;
+    let args = [
+        "--follow-ups",
+        out.name.as_str(),
+        "--outbox-lease-secs",
+        "1",
+    ];
+    let mut crashing = spawn_orders_worker_with_env(
+        &url,
+        &q.name,
+        &args,
+        &[("IDEM_FAILPOINT", "before-dispatch-mark")],
+    );
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    q.publish(&order("evt-f", "acme", 5)).await;
+    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
+        .await
+        .expect("the worker reaches the failpoint")
+        .unwrap();
+    assert!(!status.success());
+    assert_eq!(staged(&pool).await.map(|(_, d)| d), Some(false));
+
+    let mut healthy = spawn_orders_worker(&url, &q.name, &args);
+    out.wait_for_messages(&out.name, 2, SETTLE).await;
+    wait_until(SETTLE, "marked dispatched", || async {
+        staged(&pool).await.is_some_and(|(_, d)| d)
+    })
+    .await;
+    signal(&healthy, "TERM");
+    let _ = tokio::time::timeout(SETTLE, healthy.child.wait()).await;
+    let copies = follow_ups(&out).await;
+    assert_eq!(copies.len(), 2, "published twice");
+    assert_eq!(copies[0].0, copies[1].0, "with one id");
+    assert_eq!(copies[0].1, copies[1].1, "and one body");
+
+    // The downstream consumer sees both copies and notifies once.
+    for (id, body) in &copies {
+        let bytes = serde_json::to_vec(body).unwrap();
+        out.publish_with_id(&bytes, id).await;
+    }
+    let _downstream = spawn_notifications_worker(&url, &out.name);
+    wait_until(SETTLE, "both copies consumed", || async {
+        notifications(&pool).await.get("evt-f") == Some(&1)
+            && out.counts(&out.name).await.0 == 0
+            && unacked(&out.name).await == 0
+    })
+    .await;
+    assert_eq!(notifications(&pool).await.get("evt-f"), Some(&1));
+    let (status, attempts): (String, i32) = sqlx::query_as(
+        "SELECT status, attempts FROM processed_operations WHERE operation = 'notifications.send'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), attempts), ("completed", 1));
 }

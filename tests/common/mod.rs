@@ -103,7 +103,12 @@ impl TestQueue {
 
     /// Publishes a persistent message with a fresh message id, confirmed.
     pub async fn publish(&self, body: &[u8]) {
-        let message_id = uuid::Uuid::new_v4().to_string();
+        self.publish_with_id(body, &uuid::Uuid::new_v4().to_string())
+            .await;
+    }
+
+    /// Publishes a persistent message with `message_id`, confirmed.
+    pub async fn publish_with_id(&self, body: &[u8], message_id: &str) {
         let confirm = self
             .channel
             .basic_publish(
@@ -113,7 +118,7 @@ impl TestQueue {
                 body,
                 BasicProperties::default()
                     .with_delivery_mode(2)
-                    .with_message_id(message_id.as_str().into()),
+                    .with_message_id(message_id.into()),
             )
             .await
             .unwrap()
@@ -262,9 +267,14 @@ pub async fn statuses(pool: &PgPool) -> BTreeMap<String, i64> {
 
 /// The `orders_worker` example binary, built by `cargo test` beside the tests.
 pub fn orders_worker_path() -> PathBuf {
+    example_path("orders_worker")
+}
+
+/// An example binary, built by `cargo test` beside the tests.
+pub fn example_path(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap().parent().unwrap();
-    let path = dir.join("examples").join("orders_worker");
+    let path = dir.join("examples").join(name);
     assert!(
         path.exists(),
         "{} missing: build with cargo test",
@@ -312,13 +322,39 @@ pub fn spawn_orders_worker_with_env(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> WorkerProcess {
+    let mut args = vec!["--queue", queue, "--retry-delays-ms"];
+    let delays = retry_delays_arg();
+    args.push(&delays);
+    args.extend_from_slice(extra);
+    spawn_example("orders_worker", database_url, queue, &args, env)
+}
+
+/// A `notifications_worker` process on `queue` (the follow-ups of `orders_worker
+/// --follow-ups`).
+pub fn spawn_notifications_worker(database_url: &str, queue: &str) -> WorkerProcess {
+    let delays = retry_delays_arg();
+    let args = ["--queue", queue, "--retry-delays-ms", &delays];
+    spawn_example("notifications_worker", database_url, queue, &args, &[])
+}
+
+/// Starts the example `name` with `args` on the test's database, logging to a file
+/// under the temp dir named after `queue` (kept for post-mortems).
+fn spawn_example(
+    name: &str,
+    database_url: &str,
+    queue: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> WorkerProcess {
     let log_dir = std::env::temp_dir().join("idem-test-logs");
     let _ = std::fs::create_dir_all(&log_dir);
-    let log = log_dir.join(format!("{queue}-{}.log", uuid::Uuid::new_v4().simple()));
+    let log = log_dir.join(format!(
+        "{queue}-{name}-{}.log",
+        uuid::Uuid::new_v4().simple()
+    ));
     let file = std::fs::File::create(&log).unwrap();
-    let child = Command::new(orders_worker_path())
-        .args(["--queue", queue, "--retry-delays-ms", &retry_delays_arg()])
-        .args(extra)
+    let child = Command::new(example_path(name))
+        .args(args)
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", amqp_url())
         .env("RUST_LOG", "info,sqlx=warn")
@@ -328,8 +364,19 @@ pub fn spawn_orders_worker_with_env(
         .stderr(file)
         .kill_on_drop(true)
         .spawn()
-        .expect("spawn orders_worker");
+        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
     WorkerProcess { child, log }
+}
+
+/// Notifications written by `notifications_worker`, per order event.
+pub async fn notifications(pool: &PgPool) -> BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT order_event_id, count(*) FROM example_notifications GROUP BY order_event_id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    rows.into_iter().collect()
 }
 
 /// Sends a signal to a child process.
