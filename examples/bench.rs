@@ -19,7 +19,9 @@
 //! 5. `idem_ledger`: leased mode, a handler that inserts one ledger row through
 //!    `ctx.tx()`;
 //! 6. `idem_ledger_tx`, `idem_noop_tx`: the ledger and no-op handlers in transactional
-//!    mode (claim, effect and outcome in one transaction per batch).
+//!    mode (claim, effect and outcome in one transaction per batch);
+//! 7. `idem_orders_follow_up`: `idem_orders` staging one follow-up message per order
+//!    (the transactional outbox), published after the commit, confirmed, before the ack.
 //!
 //! It prints one line per variant and run, the medians, and a last line
 //! `idem_msgs_per_s=… raw_msgs_per_s=… ratio=…`, with p50/p99 of delivery-to-ack for idem
@@ -84,11 +86,11 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     in_flight: usize,
     /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
-    /// idem_ledger, idem_ledger_tx, idem_noop_tx.
+    /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "raw,handwritten,idem_noop,idem_orders,idem_ledger,idem_ledger_tx,idem_noop_tx"
+        default_value = "raw,handwritten,idem_noop,idem_orders,idem_orders_follow_up,idem_ledger,idem_ledger_tx,idem_noop_tx"
     )]
     variants: Vec<String>,
     /// Completed, unexpired records to put in the table first: how the rates hold up as
@@ -334,6 +336,16 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, orders_worker::Orders::default(), Mode::Leased).await?
                 }
+                "idem_orders_follow_up" => {
+                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    let follow_ups = format!("{queue}.follow");
+                    declare_plain(&connection, &follow_ups).await?;
+                    let orders = orders_worker::Orders {
+                        follow_ups: Some(follow_ups),
+                        ..orders_worker::Orders::default()
+                    };
+                    idem_variant(&bench, orders, Mode::Leased).await?
+                }
                 "idem_ledger" | "idem_ledger_tx" => {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, Ledger, mode_of(variant)).await?
@@ -379,6 +391,14 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                 m.msgs_per_s, m.cpu
             );
         }
+    }
+    if let (Some(with), Some(without)) = (median("idem_orders_follow_up"), median("idem_orders")) {
+        println!(
+            "follow_ups: idem_orders_follow_up_msgs_per_s={:.0} idem_orders_msgs_per_s={:.0} ratio={:.2}",
+            with.msgs_per_s,
+            without.msgs_per_s,
+            with.msgs_per_s / without.msgs_per_s
+        );
     }
     if let (Some(idem), Some(raw)) = (median("idem_noop"), median("raw")) {
         let hand = median("handwritten").map(|h| h.msgs_per_s).unwrap_or(0.0);
@@ -697,13 +717,30 @@ async fn delete_queues(connection: &Connection, queue: &str) {
     let Ok(channel) = connection.create_channel().await else {
         return;
     };
-    for suffix in ["", ".dlq", ".retry.5s"] {
+    for suffix in ["", ".dlq", ".retry.5s", ".follow"] {
         let name = format!("{queue}{suffix}");
         let _ = channel
             .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
             .await;
     }
     let _ = channel.close(200, "cleanup".into()).await;
+}
+
+/// Declares a durable classic queue (where follow-ups go).
+async fn declare_plain(connection: &Connection, queue: &str) -> anyhow::Result<()> {
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(())
 }
 
 /// Writes `n` completed records that expire in a week, with random keys (a uuid each, so

@@ -33,9 +33,9 @@ mod publish;
 pub mod relay;
 mod table;
 
-pub(crate) use publish::dispatch;
-pub(crate) use table::stage;
+pub(crate) use publish::{mark_dispatched, publish};
 pub use table::{OutboxEntry, OutboxStats, list, stats};
+pub(crate) use table::{OutboxRow, stage, take_staged};
 
 /// Header naming the source operation's short key hash on every follow-up message.
 pub const SOURCE_KEY_HEADER: &str = "idem-source-key";

@@ -21,58 +21,44 @@ use crate::store::StoreError;
 /// How long a row that waits for an earlier message of its operation (held by another
 /// publisher) stays untaken before a relay looks at it again.
 const WAIT_FOR_EARLIER: Duration = Duration::from_millis(100);
-
 /// What one round of publishing did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Tally {
-    pub(crate) published: usize,
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Published {
+    /// Rows the broker confirmed, to mark dispatched.
+    pub(crate) ids: Vec<i64>,
+    /// Rows whose publish failed (recorded with their error and backoff).
     pub(crate) failed: usize,
+    /// Rows left for later: an earlier message of their operation was not published.
     pub(crate) waiting: usize,
 }
 
-/// After the operation's commit: the committing worker publishes the rows it staged
-/// (`ids`), unless a relay took them first, and marks them dispatched.
-pub(crate) async fn dispatch(
-    pool: &PgPool,
-    channel: &Channel,
-    ids: &[i64],
-    config: &OutboxConfig,
-    retention: Duration,
-) -> Result<Tally, StoreError> {
-    let rows = table::take_staged(pool, ids, config.lease).await?;
-    // Some rows taken by a relay: the rest may have to wait for them.
-    let checked = rows.len() < ids.len();
-    publish_taken(pool, channel, rows, checked, config, retention).await
-}
-
-/// Publishes rows a publisher took, in order per operation, and writes what became of
-/// them. `check` asks the table whether an operation's earlier messages are held
-/// elsewhere, for rows that do not start their operation's sequence.
-pub(crate) async fn publish_taken(
+/// Publishes rows a publisher took, in order per operation, and records the failures
+/// and the rows that must wait; the confirmed ones are the caller's to mark with
+/// [`mark_dispatched`]. `check` asks the table whether an operation's earlier messages
+/// are held elsewhere, for rows that do not start their operation's sequence.
+pub(crate) async fn publish(
     pool: &PgPool,
     channel: &Channel,
     rows: Vec<OutboxRow>,
     check: bool,
     config: &OutboxConfig,
-    retention: Duration,
-) -> Result<Tally, StoreError> {
-    let mut tally = Tally::default();
+) -> Result<Published, StoreError> {
+    let mut done = Published::default();
     if rows.is_empty() {
-        return Ok(tally);
+        return Ok(done);
     }
     let (ready, waiting) = in_order(pool, rows, check).await?;
     if !waiting.is_empty() {
-        tally.waiting = waiting.len();
+        done.waiting = waiting.len();
         table::defer(pool, &waiting, WAIT_FOR_EARLIER).await?;
     }
     let sequences = ready
         .into_values()
         .map(|rows| publish_sequence(channel, rows, config));
-    let mut published = Vec::new();
     for outcome in join_all(sequences).await {
-        published.extend(outcome.published);
+        done.ids.extend(outcome.published);
         if let Some((row, why, rest)) = outcome.failed {
-            tally.failed += 1;
+            done.failed += 1;
             warn!(message_id = %row.message_id, attempts = row.attempts, error = %why, "follow-up not published; it stays in the outbox");
             metrics::outbox_failed();
             table::mark_failed(pool, &row, &why).await?;
@@ -82,13 +68,23 @@ pub(crate) async fn publish_taken(
             }
         }
     }
-    tally.published = published.len();
-    if !published.is_empty() {
-        crate::failpoint::hit("before-dispatch-mark");
-        table::mark_dispatched(pool, &published, retention).await?;
-        metrics::outbox_published(published.len() as u64);
+    Ok(done)
+}
+
+/// Marks confirmed rows dispatched (they expire after `retention`). A crash before this
+/// leaves them taken: when the lease ends, they are published again, with the same id.
+pub(crate) async fn mark_dispatched(
+    pool: &PgPool,
+    ids: &[i64],
+    retention: Duration,
+) -> Result<(), StoreError> {
+    if ids.is_empty() {
+        return Ok(());
     }
-    Ok(tally)
+    crate::failpoint::hit("before-dispatch-mark");
+    table::mark_dispatched(pool, ids, retention).await?;
+    metrics::outbox_published(ids.len() as u64);
+    Ok(())
 }
 
 /// The rows grouped by operation in staging order, and the ids of rows that must wait

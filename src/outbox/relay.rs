@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::OutboxConfig;
-use super::publish::publish_taken;
+use super::publish::{mark_dispatched, publish};
 use super::table;
 use crate::metrics;
 use crate::topology;
@@ -139,34 +139,28 @@ impl Relay {
             if taken == 0 {
                 return;
             }
-            match publish_taken(
-                &self.pool,
-                channel,
-                rows,
-                false,
-                &self.config,
-                self.retention,
-            )
-            .await
-            {
-                Ok(tally) => {
-                    if tally.published > 0 || tally.failed > 0 {
-                        info!(
-                            published = tally.published,
-                            failed = tally.failed,
-                            waiting = tally.waiting,
-                            "outbox relay published what was left behind"
-                        );
-                    }
-                    if (taken as i64) < self.config.batch || tally.published == 0 {
-                        return;
-                    }
-                }
+            let published = match publish(&self.pool, channel, rows, false, &self.config).await {
+                Ok(published) => published,
                 Err(error) => {
                     // The rows stay taken until their lease ends; then they are due again.
-                    warn!(error = %crate::error_line(&error), "outbox relay: cannot record what it published");
+                    warn!(error = %crate::error_line(&error), "outbox relay: cannot record a failed publish");
                     return;
                 }
+            };
+            if let Err(error) = mark_dispatched(&self.pool, &published.ids, self.retention).await {
+                warn!(error = %crate::error_line(&error), "outbox relay: cannot mark what it published");
+                return;
+            }
+            if !published.ids.is_empty() || published.failed > 0 {
+                info!(
+                    published = published.ids.len(),
+                    failed = published.failed,
+                    waiting = published.waiting,
+                    "outbox relay published what was left behind"
+                );
+            }
+            if (taken as i64) < self.config.batch || published.ids.is_empty() {
+                return;
             }
         }
     }

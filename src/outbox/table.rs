@@ -59,7 +59,8 @@ pub(crate) async fn stage(
 const ROW: &str =
     "id, message_id, source, position, exchange, routing_key, body, properties, attempts";
 
-/// The committing worker takes the rows it staged, unless a relay took them first.
+/// The committing workers take the rows they staged (of the operations that committed
+/// together), unless a relay took them first.
 pub(crate) async fn take_staged(
     pool: &PgPool,
     ids: &[i64],

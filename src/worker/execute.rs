@@ -434,24 +434,41 @@ async fn send_follow_ups<H: Handler>(shared: &Shared<H>, settler: &Settler<'_>, 
         return;
     }
     failpoint::hit("before-dispatch");
-    let pool = shared.store.pool();
-    let retention = shared.store.config().retention;
-    let config = &shared.config.outbox;
-    match outbox::dispatch(pool, settler.channel, &ids, config, retention).await {
-        Ok(tally) if tally.published == ids.len() => {}
-        Ok(tally) => {
+    match dispatch(shared, settler, &ids).await {
+        Ok(published) if published == ids.len() => {}
+        Ok(published) => {
             debug!(
                 staged = ids.len(),
-                published = tally.published,
-                "follow-ups left to the relay"
+                published, "follow-ups left to the relay"
             );
-            shared.relay_wake.notify_one();
+            shared.follow_ups.wake.notify_one();
         }
         Err(error) => {
             warn!(error = %crate::error_line(&error), "follow-ups left to the relay");
-            shared.relay_wake.notify_one();
+            shared.follow_ups.wake.notify_one();
         }
     }
+}
+
+/// Takes the rows `ids` (unless a relay was first), publishes them in order on the
+/// delivery's channel and marks them; returns how many went out.
+async fn dispatch<H: Handler>(
+    shared: &Shared<H>,
+    settler: &Settler<'_>,
+    ids: &[i64],
+) -> Result<usize, StoreError> {
+    let follow_ups = &shared.follow_ups;
+    let rows = follow_ups.takes.call(ids.to_vec()).await?;
+    // Some taken by a relay: the rest may have to wait for them.
+    let check = rows.len() < ids.len();
+    let pool = shared.store.pool();
+    let published =
+        outbox::publish(pool, settler.channel, rows, check, &shared.config.outbox).await?;
+    let n = published.ids.len();
+    if n > 0 {
+        follow_ups.marks.call(published.ids).await?;
+    }
+    Ok(n)
 }
 
 /// The handler returned but its result cannot be stored (it does not serialize, or

@@ -17,6 +17,7 @@
 //! - `batch` and `acks`: claims, completions and acks that share a round trip;
 //! - `undecided`: the pause while the store fails, and the safety net.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,6 +45,7 @@ use crate::gc::{self, Garbage, Pace};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::outbox::relay::Relay;
+use crate::outbox::{self, OutboxRow};
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
 use crate::topology::{self, Topology};
 use batch::Batcher;
@@ -143,9 +145,50 @@ struct Shared<H> {
     transactions: Option<Batcher<TxRequest, TxAnswer>>,
     /// Deliveries that could not be decided: the outage pause and the safety net.
     undecided: Undecided,
-    /// Wakes this process's outbox relay when a follow-up was not published after its
-    /// commit.
-    relay_wake: Arc<Notify>,
+    /// Follow-up messages to publish after their operation's commit.
+    follow_ups: FollowUps,
+}
+
+/// The in-process dispatch of follow-up messages: the takes and the marks of operations
+/// that commit together share a statement.
+struct FollowUps {
+    /// Each request: the rows one operation staged; each answer: those it took.
+    takes: Batcher<Vec<i64>, Vec<OutboxRow>>,
+    /// Each request: the rows one operation published.
+    marks: Batcher<Vec<i64>, ()>,
+    /// Wakes this process's relay when a follow-up was not published after its commit.
+    wake: Arc<Notify>,
+}
+
+impl FollowUps {
+    fn new(store: &Store, config: &WorkerConfig, wake: Arc<Notify>) -> Self {
+        let lease = config.outbox.lease;
+        let retention = store.config().retention;
+        let takes = batched(
+            store,
+            config,
+            move |store, requests: Arc<[Vec<i64>]>| async move {
+                let ids: Vec<i64> = requests.iter().flatten().copied().collect();
+                let rows = outbox::take_staged(store.pool(), &ids, lease).await?;
+                let mut taken: HashMap<i64, OutboxRow> =
+                    rows.into_iter().map(|r| (r.id, r)).collect();
+                Ok(requests
+                    .iter()
+                    .map(|ids| ids.iter().filter_map(|id| taken.remove(id)).collect())
+                    .collect())
+            },
+        );
+        let marks = batched(
+            store,
+            config,
+            move |store, requests: Arc<[Vec<i64>]>| async move {
+                let ids: Vec<i64> = requests.iter().flatten().copied().collect();
+                outbox::mark_dispatched(store.pool(), &ids, retention).await?;
+                Ok(vec![(); requests.len()])
+            },
+        );
+        Self { takes, marks, wake }
+    }
 }
 
 impl<H: Handler> Worker<H> {
@@ -239,7 +282,7 @@ impl<H: Handler> Worker<H> {
                 store.complete_many(&items).await
             }),
             undecided: Undecided::new(config.undecidable_after),
-            relay_wake,
+            follow_ups: FollowUps::new(&store, &config, relay_wake),
             handler,
             store,
             config,
