@@ -727,10 +727,15 @@ async fn metrics_after_a_known_scenario_match_it(
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
+    let notify = q.beside("notify").await;
     let _worker = spawn_orders_worker(
         &database_url(&connect),
         &q.name,
-        &[SEQUENTIAL, &["--metrics-addr", &addr]].concat(),
+        &[
+            SEQUENTIAL,
+            &["--metrics-addr", &addr, "--follow-ups", &notify.name],
+        ]
+        .concat(),
     );
     wait_for_worker_tables(&pool).await;
     wait_for_consumers(&q, 1).await;
@@ -782,5 +787,36 @@ async fn metrics_after_a_known_scenario_match_it(
     assert!(metrics.contains("idem_store_round_trip_seconds_bucket{call=\"claim_many\""));
     assert!(metrics.contains("idem_oldest_pending_age_seconds"));
     assert!(metrics.contains("idem_oldest_processing_age_seconds"));
+    // One follow-up per booked order, published after its commit.
+    notify.wait_for_messages(&notify.name, 5, SETTLE).await;
+    wait_until(SETTLE, "the follow-ups counted", || async {
+        let metrics = scrape(&addr, "/metrics").await.1;
+        metrics.contains("idem_outbox_published_total 5")
+    })
+    .await;
+
+    // A backlog (messages no publisher may take for an hour) shows in the gauges, and
+    // /healthz stays 200: a backlog is not an outage.
+    sqlx::query(
+        "INSERT INTO outbox_messages (message_id, source, operation, position, exchange,
+             routing_key, body, properties, staged_at, available_at)
+         SELECT 'held-' || i, repeat('c', 64), 'orders.create', 0, '', 'nowhere', '', '{}',
+                now() - interval '10 minutes', now() + interval '1 hour'
+         FROM generate_series(1, 7) AS i",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    wait_until(SETTLE, "the backlog in the gauges", || async {
+        let metrics = scrape(&addr, "/metrics").await.1;
+        metrics.contains("idem_outbox_pending 7")
+            && metrics
+                .lines()
+                .find(|l| l.starts_with("idem_outbox_oldest_age_seconds "))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .is_some_and(|age| age >= 600.0)
+    })
+    .await;
+    assert_eq!(scrape(&addr, "/healthz").await.0, 200);
     assert_eq!(scrape(&addr, "/nope").await.0, 404);
 }

@@ -47,6 +47,9 @@ async fn background_gc_runs_in_one_process_at_a_time_and_spares_pinned_and_fresh
         .unwrap();
     }
 
+    stage_rows(&pool, "sent", 1_000, true, "now() - interval '1 day'").await;
+    stage_rows(&pool, "unsent", 10, false, "").await;
+
     // An operator's gc holds the lock: both workers skip their rounds.
     let mut operator = pool.acquire().await.unwrap();
     sqlx::query("SELECT pg_advisory_lock($1)")
@@ -81,8 +84,78 @@ async fn background_gc_runs_in_one_process_at_a_time_and_spares_pinned_and_fresh
     .await;
     assert_eq!(count(&pool, "pinned").await, 50, "pinned records kept");
     assert_eq!(count(&pool, "fresh").await, 50, "unexpired records kept");
+    wait_until(SETTLE, "the dispatched follow-ups deleted", || async {
+        outbox_count(&pool, "sent").await == 0
+    })
+    .await;
+    assert_eq!(outbox_count(&pool, "unsent").await, 10, "unpublished kept");
     wait_until(SETTLE, "a worker to report its round", || async {
         a.log_contains("deleted=") || b.log_contains("deleted=")
     })
     .await;
+}
+
+/// Follow-up messages in the outbox: `n` rows named `<prefix>-i`, dispatched or not,
+/// expiring at `expires` (SQL) when dispatched.
+async fn stage_rows(pool: &PgPool, prefix: &str, n: i64, dispatched: bool, expires: &str) {
+    let (dispatched_at, expires_at) = if dispatched {
+        ("now() - interval '8 days'", expires)
+    } else {
+        ("NULL", "NULL")
+    };
+    sqlx::query(&format!(
+        "INSERT INTO outbox_messages (message_id, source, operation, position, exchange,
+             routing_key, body, properties, staged_at, available_at, dispatched_at, expires_at)
+         SELECT '{prefix}-' || i, repeat('b', 64), 'orders.create', 0, '', 'q', '', '{{}}',
+                now() - interval '8 days', now() + interval '1 hour', {dispatched_at},
+                {expires_at}
+         FROM generate_series(1, {n}) AS i"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn outbox_count(pool: &PgPool, prefix: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_messages WHERE message_id LIKE $1 || '-%'")
+        .bind(prefix)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// `idem gc` removes dispatched follow-ups past their retention in batches, and never a
+/// message that was not published, however old.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn gc_deletes_dispatched_follow_ups_and_never_undispatched_ones(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    stage_rows(&pool, "sent", 5_000, true, "now() - interval '1 day'").await;
+    stage_rows(&pool, "recent", 50, true, "now() + interval '1 day'").await;
+    stage_rows(&pool, "unsent", 50, false, "").await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["gc", "--batch", "1000", "--duty", "1"])
+        .env("DATABASE_URL", database_url(&connect))
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("deleted 5000 expired follow-ups"),
+        "{stdout}"
+    );
+    assert_eq!(outbox_count(&pool, "sent").await, 0);
+    assert_eq!(outbox_count(&pool, "recent").await, 50, "not expired yet");
+    assert_eq!(
+        outbox_count(&pool, "unsent").await,
+        50,
+        "never published: kept"
+    );
 }
