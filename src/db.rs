@@ -90,11 +90,13 @@ pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
     if !exists {
         let create = format!("CREATE DATABASE \"{}\"", database.replace('"', "\"\""));
         if let Err(source) = sqlx::query(&create).execute(&mut conn).await {
-            // 42P04 duplicate_database: another process won the race, which is fine.
+            // Another process won the race, which is fine: 42P04 duplicate_database
+            // when it had committed, 23505 on pg_database's unique index when both
+            // creates ran at the same moment.
             let raced = source
                 .as_database_error()
                 .and_then(|e| e.code())
-                .is_some_and(|code| code == "42P04");
+                .is_some_and(|code| code == "42P04" || code == "23505");
             if !raced {
                 return Err(DbError::CreateDatabase { database, source });
             }

@@ -1042,3 +1042,33 @@ async fn a_discard_keeps_exhausted_and_pending_operations_from_running_again(poo
         "a pending record must never expire"
     );
 }
+
+/// Workers that start together against a database that does not exist yet all create it
+/// and migrate it: the losers of the `CREATE DATABASE` race (42P04, or 23505 when the
+/// creates ran at the same moment) go on, none fails.
+#[tokio::test]
+async fn workers_starting_together_create_and_migrate_one_database() {
+    use sqlx::ConnectOptions;
+    use std::str::FromStr;
+    let server = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let name = format!(
+        "idem_race_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let options = sqlx::postgres::PgConnectOptions::from_str(&server).unwrap();
+    let url = options.clone().database(&name).to_url_lossy().to_string();
+    let starts = (0..6).map(|_| {
+        let url = url.clone();
+        tokio::spawn(async move { idem::db::connect_and_migrate(&url, 2).await })
+    });
+    let results = futures_util::future::join_all(starts).await;
+    let mut admin = options.database("postgres").connect().await.unwrap();
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    for result in results {
+        let pool = result.unwrap().map_err(|e| idem::error_line(&e));
+        assert!(pool.is_ok(), "{pool:?}");
+    }
+}
