@@ -539,3 +539,60 @@ impl Consumer {
             .map(|s| s.to_string())
     }
 }
+
+/// Three relays race for the same 600 messages left behind: every message is published
+/// exactly once (a row is taken by one publisher at a time), and all are marked.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn racing_relays_publish_each_message_once(o: PgPoolOptions, c: PgConnectOptions) {
+    let pool = o.max_connections(10).connect_with(c).await.unwrap();
+    let q = TestQueue::new("outbox-race").await;
+    declare(&q, &q.name).await;
+    const N: i64 = 600;
+    // Order under racing relays is `a_later_message_waits_for_an_earlier_one_held_elsewhere`'s
+    // business; here each operation has one message.
+    sqlx::query(
+        "INSERT INTO outbox_messages (message_id, source, operation, position, exchange,
+             routing_key, body, properties, available_at)
+         SELECT 'm-' || i, lpad(to_hex(i), 64, '0'), 'jobs.stage', 0, '', $1, '', '{}', now()
+         FROM generate_series(0, $2 - 1) AS i",
+    )
+    .bind(&q.name)
+    .bind(N)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relays: Vec<_> = (0..3)
+        .map(|i| {
+            let relay = Relay {
+                pool: pool.clone(),
+                amqp_url: amqp_url(),
+                name: format!("test-relay-{i}"),
+                config: OutboxConfig {
+                    poll: Duration::from_millis(20),
+                    batch: 25,
+                    ..OutboxConfig::default()
+                },
+                retention: Duration::from_secs(3600),
+                wake: Arc::new(tokio::sync::Notify::new()),
+            };
+            tokio::spawn(relay.run(stop.clone()))
+        })
+        .collect();
+    wait_until(SETTLE, "every message marked", || async {
+        outbox_rows(&pool).await.values().filter(|d| **d).count() == N as usize
+    })
+    .await;
+    stop.cancel();
+    for relay in relays {
+        relay.await.unwrap();
+    }
+    let messages = q.drain(&q.name).await;
+    let mut copies: BTreeMap<String, usize> = BTreeMap::new();
+    for m in &messages {
+        let id = m.delivery.properties.message_id().as_ref().unwrap();
+        *copies.entry(id.to_string()).or_default() += 1;
+    }
+    assert_eq!(copies.len(), N as usize, "every message published");
+    assert!(copies.values().all(|n| *n == 1), "none twice");
+}
