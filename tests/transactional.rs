@@ -236,6 +236,12 @@ async fn conflicts_malformed_and_uncertain_in_transactional_mode(pool: PgPool) {
     })
     .await;
     q.publish(&job("evt-a", 1)).await;
+    // Decided first, so that the payload below is the conflicting one (with 16 handlers
+    // at once, whichever of two payloads is decided first wins).
+    wait_until(SETTLE, "evt-a completed", || async {
+        statuses(&pool).await.get("completed") == Some(&1)
+    })
+    .await;
     q.publish(&job("evt-a", 2)).await; // same key, other payload
     q.publish(&job("evt-a", 1)).await; // a duplicate
     q.publish(b"not json").await;
