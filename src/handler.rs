@@ -10,7 +10,9 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::fault::Fault;
 use crate::key::Key;
-use crate::outbox::{self, CORRELATION_HEADER, FollowUp, SOURCE_KEY_HEADER};
+use crate::outbox::{
+    self, CORRELATION_HEADER, FollowUp, FollowUpError, SHORT_STRING_MAX, SOURCE_KEY_HEADER,
+};
 
 /// One job type: how to read its messages, name their intent, and run the effect.
 ///
@@ -178,6 +180,17 @@ impl From<sqlx::Error> for HandlerError {
     }
 }
 
+/// A follow-up the handler got wrong fails the run for good; one the database did not
+/// take fails by the database error's cause.
+impl From<FollowUpError> for HandlerError {
+    fn from(error: FollowUpError) -> Self {
+        match error {
+            FollowUpError::Invalid(why) => Self::Permanent(why),
+            FollowUpError::Database(error) => error.into(),
+        }
+    }
+}
+
 /// Marks any error as transient or permanent: `call().await.transient()?`.
 pub trait ResultExt<T> {
     /// Maps the error to [`HandlerError::Transient`].
@@ -291,21 +304,23 @@ impl Context {
     /// The message carries the headers `idem-source-key` (this operation's short key
     /// hash) and, when the source message had one, `idem-correlation-id`; its
     /// `correlation_id` is the source message's unless set on the [`FollowUp`].
-    pub async fn publish(&mut self, message: FollowUp) -> Result<String, sqlx::Error> {
+    pub async fn publish(&mut self, message: FollowUp) -> Result<String, FollowUpError> {
+        message.check()?;
         let position = self.staged.len() as u32;
         let id = outbox::message_id(&self.key, position);
         let mut message = message.header(SOURCE_KEY_HEADER, self.key.short_hash());
         if let Some(correlation_id) = &self.correlation_id {
+            // The header has no length limit; the property does (a longer source id
+            // travels in the header only).
             message = message.header(CORRELATION_HEADER, correlation_id.as_str());
-            if message.properties.correlation_id.is_none() {
+            if message.properties.correlation_id.is_none()
+                && correlation_id.len() <= SHORT_STRING_MAX
+            {
                 message = message.correlation_id(correlation_id.as_str());
             }
         }
-        let (source, operation, handoff) = (
-            self.key.digest(),
-            self.key.operation().to_owned(),
-            self.handoff,
-        );
+        let (source, operation) = (self.key.digest(), self.key.operation().to_owned());
+        let handoff = self.handoff;
         let conn = self.tx().await?;
         let row =
             outbox::stage(conn, &source, &operation, position, &id, &message, handoff).await?;

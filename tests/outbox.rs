@@ -32,6 +32,9 @@ struct Job {
     n: usize,
     /// Negative: fails for good after staging.
     amount: i64,
+    /// Where the follow-ups go (the default exchange if absent).
+    #[serde(default)]
+    exchange: String,
 }
 
 /// Stages `n` follow-ups to `to`, each naming its source, position and attempt; the
@@ -73,7 +76,7 @@ impl Handler for Staging {
                 "position": position,
                 "attempt": ctx.attempt(),
             });
-            let message = FollowUp::json("", self.to.as_str(), &body)
+            let message = FollowUp::json(job.exchange.as_str(), self.to.as_str(), &body)
                 .map_err(HandlerError::permanent)?
                 .header("position", position as i64);
             ctx.publish(message).await?;
@@ -329,20 +332,22 @@ async fn a_later_message_waits_for_an_earlier_one_held_elsewhere(
         wake: Arc::new(tokio::sync::Notify::new()),
     };
     let task = tokio::spawn(relay.run(stop.clone()));
-    let attempts = |position: i32| {
+    let updates = || {
         let pool = pool.clone();
         async move {
-            sqlx::query_scalar::<_, i32>("SELECT attempts FROM outbox_messages WHERE position = $1")
-                .bind(position)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
+            sqlx::query_scalar::<_, i64>(
+                "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_messages'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
         }
     };
+    // Each look is a take and a deferral: two updates.
     wait_until(
         SETTLE,
         "the relay looked at the second message twice",
-        || async { attempts(1).await >= 2 },
+        || async { updates().await >= 4 },
     )
     .await;
     assert_eq!(
@@ -595,4 +600,103 @@ async fn racing_relays_publish_each_message_once(o: PgPoolOptions, c: PgConnectO
     }
     assert_eq!(copies.len(), N as usize, "every message published");
     assert!(copies.values().all(|n| *n == 1), "none twice");
+}
+
+/// A follow-up to an exchange that does not exist makes the broker close the channel it
+/// was published on: it stays in the outbox with the broker's reason, and the worker
+/// goes on (its dead letters and its other follow-ups are not on that channel).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_follow_up_to_a_missing_exchange_fails_alone(o: PgPoolOptions, c: PgConnectOptions) {
+    let pool = o.connect_with(c).await.unwrap();
+    let q = TestQueue::new("outbox-no-exchange").await;
+    let out = q.beside("follow-ups").await;
+    declare(&q, &out.name).await;
+    let (stop, task) =
+        start_in_process(&pool, &q, Staging::to(&out.name), |c| c.concurrency = 1).await;
+    let lost = serde_json::to_vec(&json!({
+        "event_id": "evt-x", "tenant": "acme", "n": 1, "amount": 1,
+        "exchange": "idem-test-no-such-exchange",
+    }))
+    .unwrap();
+    q.publish(&lost).await;
+    wait_until(SETTLE, "the broker's reason recorded", || async {
+        sqlx::query_scalar::<_, Option<String>>("SELECT last_error FROM outbox_messages")
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+            .flatten()
+            .is_some_and(|e| e.contains("NOT_FOUND"))
+    })
+    .await;
+    q.publish(&job("evt-neg", 0, -1)).await; // dead-lettered on the worker's channel
+    q.publish(&job("evt-ok", 1, 1)).await; // its follow-up on a fresh channel
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    out.wait_for_messages(&out.name, 1, SETTLE).await;
+    let sent = out.drain(&out.name).await;
+    assert_eq!(body_json(&sent[0].delivery.data)["source"], json!("evt-ok"));
+    let dead = q.drain(&q.dlq()).await;
+    assert_eq!(dead[0].reason.as_deref(), Some("permanent_failure"));
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+/// Rows waiting behind failed messages of their operations (in backoff for an hour) do
+/// not fill the relay's batches: a message due after them, of another operation, still
+/// goes out.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn messages_behind_failures_do_not_starve_the_others(o: PgPoolOptions, c: PgConnectOptions) {
+    let pool = o.connect_with(c).await.unwrap();
+    let q = TestQueue::new("outbox-starve").await;
+    declare(&q, &q.name).await;
+    // 150 operations whose first message failed (due in an hour) and whose second is
+    // due now, then one operation's only message, due now, last in id order.
+    sqlx::query(
+        "INSERT INTO outbox_messages (message_id, source, operation, position, exchange,
+             routing_key, body, properties, available_at, attempts, last_error)
+         SELECT 'w-' || i || '-' || p, lpad(to_hex(i), 64, '0'), 'jobs.stage', p, '', $1,
+                '', '{}',
+                CASE p WHEN 0 THEN now() + interval '1 hour' ELSE now() END,
+                CASE p WHEN 0 THEN 3 ELSE 0 END,
+                CASE p WHEN 0 THEN 'returned by the broker: 312 NO_ROUTE' END
+         FROM generate_series(1, 150) AS i, generate_series(0, 1) AS p
+         ORDER BY i, p",
+    )
+    .bind(&q.name)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_messages (message_id, source, operation, position, exchange,
+             routing_key, body, properties, available_at)
+         VALUES ('free', repeat('f', 64), 'jobs.stage', 0, '', $1, '', '{}', now())",
+    )
+    .bind(&q.name)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relay = Relay {
+        pool: pool.clone(),
+        amqp_url: amqp_url(),
+        name: "test-relay".into(),
+        config: OutboxConfig {
+            poll: Duration::from_millis(100),
+            ..OutboxConfig::default()
+        },
+        retention: Duration::from_secs(3600),
+        wake: Arc::new(tokio::sync::Notify::new()),
+    };
+    let task = tokio::spawn(relay.run(stop.clone()));
+    q.wait_for_messages(&q.name, 1, SETTLE).await;
+    let sent = q.drain(&q.name).await;
+    let id = sent[0]
+        .delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .unwrap()
+        .to_string();
+    assert_eq!(id, "free", "only the free message, nothing out of order");
+    stop.cancel();
+    task.await.unwrap();
 }

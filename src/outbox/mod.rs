@@ -34,13 +34,30 @@ pub mod relay;
 mod table;
 
 pub(crate) use publish::{mark_dispatched, publish};
-pub use table::{OutboxEntry, OutboxStats, list, stats};
+pub use table::{OutboxEntry, OutboxStats, dispatched, list, stats};
 pub(crate) use table::{OutboxRow, stage, take_staged};
 
 /// Header naming the source operation's short key hash on every follow-up message.
 pub const SOURCE_KEY_HEADER: &str = "idem-source-key";
 /// Header carrying the source message's correlation id, when it had one.
 pub const CORRELATION_HEADER: &str = "idem-correlation-id";
+
+/// The longest AMQP short string, in bytes: exchange, routing key, header names,
+/// `content_type`, `type`, `correlation_id`.
+pub const SHORT_STRING_MAX: usize = 255;
+
+/// Why [`crate::Context::publish`] did not stage a message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FollowUpError {
+    /// The message cannot be published as it is (a field longer than AMQP allows): the
+    /// handler's fault, a permanent failure of the run.
+    #[error("follow-up refused: {0}")]
+    Invalid(String),
+    /// Writing it to the outbox failed.
+    #[error("follow-up not staged")]
+    Database(#[from] sqlx::Error),
+}
 
 /// A message a handler publishes after its operation commits.
 ///
@@ -146,6 +163,36 @@ impl FollowUp {
     pub fn body(&self) -> &[u8] {
         &self.body
     }
+
+    /// Whether it can be published: every AMQP short string within
+    /// [`SHORT_STRING_MAX`] bytes.
+    pub fn check(&self) -> Result<(), FollowUpError> {
+        let p = &self.properties;
+        let fields = [
+            ("exchange", Some(self.exchange.as_str())),
+            ("routing key", Some(self.routing_key.as_str())),
+            ("content type", p.content_type.as_deref()),
+            ("type", p.kind.as_deref()),
+            ("correlation id", p.correlation_id.as_deref()),
+        ]
+        .into_iter()
+        .chain(
+            p.headers
+                .keys()
+                .map(|name| ("header name", Some(name.as_str()))),
+        );
+        for (what, text) in fields {
+            if let Some(text) = text
+                && text.len() > SHORT_STRING_MAX
+            {
+                return Err(FollowUpError::Invalid(format!(
+                    "its {what} is {} bytes; AMQP allows {SHORT_STRING_MAX}",
+                    text.len()
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The id of the message at `position` (from 0) among those the operation with `key`
@@ -182,8 +229,17 @@ pub struct OutboxConfig {
     pub handoff: Duration,
     /// Most rows a relay takes at once.
     pub batch: i64,
-    /// How long a publish may wait for the broker's confirm before it counts as failed.
+    /// How long a publish may wait for the broker's confirm before it counts as failed;
+    /// at most half the lease is used, so that no publisher still waits for a confirm
+    /// when another may take the row.
     pub confirm_timeout: Duration,
+}
+
+impl OutboxConfig {
+    /// The confirm timeout in use: `confirm_timeout`, at most half of `lease`.
+    pub fn confirm_wait(&self) -> Duration {
+        self.confirm_timeout.min(self.lease / 2)
+    }
 }
 
 impl Default for OutboxConfig {
@@ -225,6 +281,37 @@ mod tests {
         assert_ne!(a0, message_id(&key("evt-2"), 0));
         let uuid = uuid::Uuid::parse_str(&a0).unwrap();
         assert_eq!(uuid.get_version_num(), 8);
+    }
+
+    #[test]
+    fn a_field_longer_than_amqp_allows_is_refused_at_staging() {
+        let ok = FollowUp::to_queue("q", "body").header("h", "v");
+        assert!(ok.check().is_ok());
+        let long = "x".repeat(SHORT_STRING_MAX + 1);
+        for message in [
+            FollowUp::to_queue(long.as_str(), "body"),
+            FollowUp::new(long.as_str(), "q", "body"),
+            ok.clone().header(long.as_str(), 1),
+            ok.clone().correlation_id(long.as_str()),
+            ok.clone().content_type(long.as_str()),
+            ok.clone().kind(long.as_str()),
+        ] {
+            let refused = message.check().unwrap_err().to_string();
+            assert!(refused.contains("256 bytes"), "{refused}");
+        }
+    }
+
+    #[test]
+    fn the_confirm_wait_is_at_most_half_the_lease() {
+        let config = OutboxConfig {
+            lease: Duration::from_secs(2),
+            ..OutboxConfig::default()
+        };
+        assert_eq!(config.confirm_wait(), Duration::from_secs(1));
+        assert_eq!(
+            OutboxConfig::default().confirm_wait(),
+            Duration::from_secs(10)
+        );
     }
 
     #[test]

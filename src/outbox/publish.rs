@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use futures_util::future::join_all;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -13,7 +14,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 use tracing::warn;
 
-use super::table::{self, OutboxRow};
+use super::table::{self, Deferral, OutboxRow};
 use super::{OutboxConfig, Properties};
 use crate::metrics;
 use crate::store::StoreError;
@@ -28,47 +29,84 @@ pub(crate) struct Published {
     pub(crate) ids: Vec<i64>,
     /// Rows whose publish failed (recorded with their error and backoff).
     pub(crate) failed: usize,
-    /// Rows left for later: an earlier message of their operation was not published.
+    /// Rows given back for later: an earlier message of their operation was not
+    /// published, or the channel closed before their turn.
     pub(crate) waiting: usize,
 }
 
 /// Publishes rows a publisher took, in order per operation, and records the failures
-/// and the rows that must wait; the confirmed ones are the caller's to mark with
-/// [`mark_dispatched`]. `check` asks the table whether an operation's earlier messages
-/// are held elsewhere, for rows that do not start their operation's sequence.
+/// and the rows that must wait (best effort: a row whose record fails stays taken until
+/// its lease ends); the confirmed ones are the caller's to mark with
+/// [`mark_dispatched`], whatever else failed. `check` asks the table whether an
+/// operation's earlier messages are held elsewhere, for rows that do not start their
+/// operation's sequence.
 pub(crate) async fn publish(
     pool: &PgPool,
     channel: &Channel,
     rows: Vec<OutboxRow>,
     check: bool,
     config: &OutboxConfig,
-) -> Result<Published, StoreError> {
+) -> Published {
     let mut done = Published::default();
     if rows.is_empty() {
-        return Ok(done);
+        return done;
     }
-    let (ready, waiting) = in_order(pool, rows, check).await?;
-    if !waiting.is_empty() {
-        done.waiting = waiting.len();
-        table::defer(pool, &waiting, WAIT_FOR_EARLIER).await?;
-    }
+    let (ready, mut waiting) = match in_order(pool, rows, check).await {
+        Ok(sorted) => sorted,
+        Err(error) => {
+            warn!(error = %crate::error_line(&error), "follow-ups: cannot check their order; left for later");
+            return done;
+        }
+    };
     let sequences = ready
         .into_values()
         .map(|rows| publish_sequence(channel, rows, config));
+    let mut failed = Vec::new();
     for outcome in join_all(sequences).await {
         done.ids.extend(outcome.published);
-        if let Some((row, why, rest)) = outcome.failed {
-            done.failed += 1;
-            warn!(message_id = %row.message_id, attempts = row.attempts, error = %why, "follow-up not published; it stays in the outbox");
-            metrics::outbox_failed();
-            table::mark_failed(pool, &row, &why).await?;
-            if !rest.is_empty() {
+        match outcome.stopped {
+            Stopped::Done => {}
+            Stopped::Failed { row, why, rest } => {
+                warn!(message_id = %row.message_id, attempts = row.attempts, error = %why, "follow-up not published; it stays in the outbox");
+                metrics::outbox_failed();
+                let until = None;
                 let after = super::backoff(row.attempts).max(WAIT_FOR_EARLIER);
-                table::defer(pool, &rest, after).await?;
+                waiting.extend(rest.into_iter().map(|r| (deferral(&r, until), after)));
+                failed.push((row, why));
+            }
+            Stopped::ChannelClosed { rest } => {
+                waiting.extend(
+                    rest.into_iter()
+                        .map(|r| (deferral(&r, None), WAIT_FOR_EARLIER)),
+                );
             }
         }
     }
-    Ok(done)
+    done.failed = failed.len();
+    done.waiting = waiting.len();
+    for (row, why) in &failed {
+        if let Err(error) = table::mark_failed(pool, row, why).await {
+            warn!(error = %crate::error_line(&error), "follow-ups: cannot record a failed publish");
+        }
+    }
+    let mut by_delay: BTreeMap<Duration, Vec<Deferral>> = BTreeMap::new();
+    for (row, after) in waiting {
+        by_delay.entry(after).or_default().push(row);
+    }
+    for (after, rows) in by_delay {
+        if let Err(error) = table::defer(pool, &rows, after).await {
+            warn!(error = %crate::error_line(&error), "follow-ups: cannot give rows back");
+        }
+    }
+    done
+}
+
+fn deferral(row: &OutboxRow, until: Option<DateTime<Utc>>) -> Deferral {
+    Deferral {
+        id: row.id,
+        attempts: row.attempts,
+        until,
+    }
 }
 
 /// Marks confirmed rows dispatched (they expire after `retention`). A crash before this
@@ -87,13 +125,9 @@ pub(crate) async fn mark_dispatched(
     Ok(())
 }
 
-/// The rows grouped by operation in staging order, and the ids of rows that must wait
-/// because an earlier message of their operation is neither dispatched nor here.
-async fn in_order(
-    pool: &PgPool,
-    rows: Vec<OutboxRow>,
-    check: bool,
-) -> Result<(BTreeMap<String, Vec<OutboxRow>>, Vec<i64>), StoreError> {
+/// The rows grouped by operation in staging order, and the rows that must wait because
+/// an earlier message of their operation is neither dispatched nor here.
+async fn in_order(pool: &PgPool, rows: Vec<OutboxRow>, check: bool) -> Result<Sorted, StoreError> {
     let mut by_source: BTreeMap<String, Vec<OutboxRow>> = BTreeMap::new();
     for row in rows {
         by_source.entry(row.source.clone()).or_default().push(row);
@@ -118,11 +152,17 @@ async fn in_order(
         return Ok((by_source, waiting));
     }
     let held: Vec<i64> = by_source.values().flatten().map(|row| row.id).collect();
-    for (source, first) in table::first_waiting(pool, &unsure, &held).await? {
+    for (source, first, failing_until) in table::first_waiting(pool, &unsure, &held).await? {
         if let Some(rows) = by_source.get_mut(&source) {
             let (ready, wait): (Vec<_>, Vec<_>) =
                 rows.drain(..).partition(|row| row.position < first);
-            waiting.extend(wait.iter().map(|row| row.id));
+            // Behind a message in backoff: due with it, so that rows waiting behind
+            // failures never fill a relay's batches. Behind one another publisher
+            // holds: soon (it is usually published within milliseconds).
+            waiting.extend(
+                wait.iter()
+                    .map(|row| (deferral(row, failing_until), WAIT_FOR_EARLIER)),
+            );
             *rows = ready;
         }
     }
@@ -130,11 +170,28 @@ async fn in_order(
     Ok((by_source, waiting))
 }
 
+/// Rows to publish per operation, and rows to give back with their earliest delay.
+type Sorted = (BTreeMap<String, Vec<OutboxRow>>, Vec<(Deferral, Duration)>);
+
 /// What became of one operation's rows.
 struct Sequence {
     published: Vec<i64>,
-    /// The row that failed, why, and the ids after it that were not tried.
-    failed: Option<(OutboxRow, String, Vec<i64>)>,
+    stopped: Stopped,
+}
+
+/// Why a sequence stopped.
+enum Stopped {
+    /// Every row was published.
+    Done,
+    /// The broker did not take `row`; `rest` were not tried.
+    Failed {
+        row: Box<OutboxRow>,
+        why: String,
+        rest: Vec<OutboxRow>,
+    },
+    /// The channel closed (another sequence's publish made the broker close it): `rest`
+    /// were not tried, and it is no failure of theirs.
+    ChannelClosed { rest: Vec<OutboxRow> },
 }
 
 async fn publish_sequence(
@@ -145,35 +202,49 @@ async fn publish_sequence(
     let mut published = Vec::new();
     let mut rows = rows.into_iter();
     while let Some(row) = rows.next() {
-        if let Err(why) = publish_one(channel, &row, config.confirm_timeout).await {
-            let rest = rows.map(|row| row.id).collect();
+        if !channel.status().connected() {
+            let rest = std::iter::once(row).chain(rows).collect();
             return Sequence {
                 published,
-                failed: Some((row, why, rest)),
+                stopped: Stopped::ChannelClosed { rest },
+            };
+        }
+        if let Err(why) = publish_one(channel, &row, config.confirm_wait()).await {
+            let rest = rows.collect();
+            return Sequence {
+                published,
+                stopped: Stopped::Failed {
+                    row: Box::new(row),
+                    why,
+                    rest,
+                },
             };
         }
         published.push(row.id);
     }
     Sequence {
         published,
-        failed: None,
+        stopped: Stopped::Done,
     }
 }
 
 /// Publishes one row (persistent, `mandatory`) and waits for the confirm; the error
 /// says why the broker did not take it.
 async fn publish_one(channel: &Channel, row: &OutboxRow, timeout: Duration) -> Result<(), String> {
+    let properties = properties(&row.message_id, &row.properties)?;
+    let exchange = short(&row.exchange, "exchange")?;
+    let routing_key = short(&row.routing_key, "routing key")?;
     let publishing = async {
         channel
             .basic_publish(
-                row.exchange.as_str().into(),
-                row.routing_key.as_str().into(),
+                exchange,
+                routing_key,
                 BasicPublishOptions {
                     mandatory: true,
                     ..BasicPublishOptions::default()
                 },
                 &row.body,
-                properties(&row.message_id, &row.properties),
+                properties,
             )
             .await?
             .await
@@ -194,26 +265,39 @@ async fn publish_one(channel: &Channel, row: &OutboxRow, timeout: Duration) -> R
     }
 }
 
-/// The AMQP properties of a staged message: persistent, with its derived id.
-fn properties(message_id: &str, stored: &Properties) -> BasicProperties {
+/// An AMQP short string (at most 255 bytes), or why not: lapin panics on a longer one.
+fn short(text: &str, what: &str) -> Result<ShortString, String> {
+    if text.len() > super::SHORT_STRING_MAX {
+        return Err(format!(
+            "its {what} is {} bytes; AMQP allows {}",
+            text.len(),
+            super::SHORT_STRING_MAX
+        ));
+    }
+    Ok(ShortString::from(text))
+}
+
+/// The AMQP properties of a staged message: persistent, with its derived id. Staging
+/// checked the lengths; a row written otherwise fails here, never panics.
+fn properties(message_id: &str, stored: &Properties) -> Result<BasicProperties, String> {
     let mut headers = FieldTable::default();
     for (name, value) in &stored.headers {
-        headers.insert(ShortString::from(name.as_str()), header_value(value));
+        headers.insert(short(name, "header name")?, header_value(value));
     }
     let mut properties = BasicProperties::default()
         .with_delivery_mode(2)
-        .with_message_id(message_id.into())
+        .with_message_id(short(message_id, "message id")?)
         .with_headers(headers);
     if let Some(content_type) = &stored.content_type {
-        properties = properties.with_content_type(content_type.as_str().into());
+        properties = properties.with_content_type(short(content_type, "content type")?);
     }
     if let Some(kind) = &stored.kind {
-        properties = properties.with_type(kind.as_str().into());
+        properties = properties.with_type(short(kind, "type")?);
     }
     if let Some(correlation_id) = &stored.correlation_id {
-        properties = properties.with_correlation_id(correlation_id.as_str().into());
+        properties = properties.with_correlation_id(short(correlation_id, "correlation id")?);
     }
-    properties
+    Ok(properties)
 }
 
 fn header_value(value: &Value) -> AMQPValue {
@@ -245,5 +329,22 @@ mod tests {
             header_value(&serde_json::json!({"a": 1})),
             AMQPValue::LongString(r#"{"a":1}"#.into())
         );
+    }
+
+    #[test]
+    fn a_field_longer_than_amqp_allows_is_an_error_not_a_panic() {
+        let long = "x".repeat(256);
+        assert!(short(&"x".repeat(255), "exchange").is_ok());
+        assert!(short(&long, "exchange").unwrap_err().contains("256 bytes"));
+        let stored = Properties {
+            correlation_id: Some(long.clone()),
+            ..Properties::default()
+        };
+        assert!(properties("id", &stored).is_err());
+        let stored = Properties {
+            headers: [(long, Value::from(1))].into(),
+            ..Properties::default()
+        };
+        assert!(properties("id", &stored).is_err());
     }
 }

@@ -51,37 +51,45 @@ pub struct Relay {
 
 impl Relay {
     /// Runs until `shutdown`, reconnecting to the broker and the listener when they drop.
+    /// While the broker is unreachable it goes on listening and refreshing the backlog
+    /// metrics, and tries the broker again with backoff.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut listener = None;
-        let mut channel: Option<(lapin::Connection, Channel)> = None;
+        let mut broker: Option<(lapin::Connection, Channel)> = None;
         let mut stats_at = Instant::now() - STATS_EVERY;
         let mut broker_backoff = Duration::from_millis(200);
+        let mut broker_retry_at = Instant::now();
         while !shutdown.is_cancelled() {
             if listener.is_none() {
-                listener = self.listen().await;
+                listener = tokio::select! {
+                    listening = self.listen() => listening,
+                    _ = shutdown.cancelled() => break,
+                };
             }
-            if channel
+            let up = broker
                 .as_ref()
-                .is_none_or(|(c, ch)| !c.status().connected() || !ch.status().connected())
-            {
-                match self.open().await {
+                .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected());
+            if !up && Instant::now() >= broker_retry_at {
+                let opened = tokio::select! {
+                    opened = self.open() => opened,
+                    _ = shutdown.cancelled() => break,
+                };
+                match opened {
                     Ok(open) => {
-                        channel = Some(open);
+                        broker = Some(open);
                         broker_backoff = Duration::from_millis(200);
                     }
                     Err(error) => {
-                        warn!(error = %crate::error_line(&error), "outbox relay: broker unreachable");
-                        channel = None;
-                        tokio::select! {
-                            _ = tokio::time::sleep(broker_backoff) => {}
-                            _ = shutdown.cancelled() => return,
-                        }
+                        warn!(error = %crate::error_line(&error), retry_in_ms = broker_backoff.as_millis() as u64, "outbox relay: broker unreachable");
+                        broker = None;
+                        broker_retry_at = Instant::now() + broker_backoff;
                         broker_backoff = (broker_backoff * 2).min(Duration::from_secs(5));
-                        continue;
                     }
                 }
             }
-            if let Some((_, publish)) = &channel {
+            if let Some((_, publish)) = &broker
+                && publish.status().connected()
+            {
                 self.drain(publish, &shutdown).await;
             }
             if stats_at.elapsed() >= STATS_EVERY {
@@ -93,7 +101,7 @@ impl Relay {
             }
             self.wait(&mut listener, &shutdown).await;
         }
-        if let Some((connection, publish)) = channel {
+        if let Some((connection, publish)) = broker {
             let _ = publish.close(200, "shutdown".into()).await;
             let _ = connection.close(200, "shutdown".into()).await;
         }
@@ -124,7 +132,8 @@ impl Relay {
         Ok((connection, channel))
     }
 
-    /// Publishes whatever is due, batch after batch, until a batch is not full.
+    /// Publishes whatever is due, batch after batch, until a batch is not full or
+    /// publishes nothing.
     async fn drain(&self, channel: &Channel, shutdown: &CancellationToken) {
         while !shutdown.is_cancelled() {
             let rows = match table::take_due(&self.pool, self.config.batch, self.config.lease).await
@@ -139,14 +148,7 @@ impl Relay {
             if taken == 0 {
                 return;
             }
-            let published = match publish(&self.pool, channel, rows, false, &self.config).await {
-                Ok(published) => published,
-                Err(error) => {
-                    // The rows stay taken until their lease ends; then they are due again.
-                    warn!(error = %crate::error_line(&error), "outbox relay: cannot record a failed publish");
-                    return;
-                }
-            };
+            let published = publish(&self.pool, channel, rows, false, &self.config).await;
             if let Err(error) = mark_dispatched(&self.pool, &published.ids, self.retention).await {
                 warn!(error = %crate::error_line(&error), "outbox relay: cannot mark what it published");
                 return;

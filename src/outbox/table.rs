@@ -100,17 +100,20 @@ pub(crate) async fn take_due(
     .await?)
 }
 
-/// For each of `sources`, the first position not yet dispatched among rows other than
-/// `held`: a held row after it must wait, or the operation's messages go out of order.
+/// For each of `sources`, the first message not yet dispatched among rows other than
+/// `held`: its position, and when it is due again if its last publish failed. A held
+/// row after it must wait, or the operation's messages go out of order.
 pub(crate) async fn first_waiting(
     pool: &PgPool,
     sources: &[String],
     held: &[i64],
-) -> Result<Vec<(String, i32)>, StoreError> {
+) -> Result<Vec<(String, i32, Option<DateTime<Utc>>)>, StoreError> {
     Ok(sqlx::query_as(
-        "SELECT source, min(position) FROM outbox_messages
+        "SELECT DISTINCT ON (source) source, position,
+                CASE WHEN last_error IS NOT NULL THEN available_at END
+         FROM outbox_messages
          WHERE source = ANY($1) AND dispatched_at IS NULL AND NOT (id = ANY($2))
-         GROUP BY source",
+         ORDER BY source, position",
     )
     .bind(sources)
     .bind(held)
@@ -118,13 +121,36 @@ pub(crate) async fn first_waiting(
     .await?)
 }
 
-/// Gives rows back without publishing them: due again after `after`.
-pub(crate) async fn defer(pool: &PgPool, ids: &[i64], after: Duration) -> Result<(), StoreError> {
+/// A taken row given back unpublished, due again at `until` (at the earliest in
+/// `WAIT_FOR_EARLIER`); its take does not count as an attempt.
+#[derive(Debug, Clone)]
+pub(crate) struct Deferral {
+    pub(crate) id: i64,
+    /// `attempts` as the take left it: the fence (a row taken again since is not ours).
+    pub(crate) attempts: i32,
+    pub(crate) until: Option<DateTime<Utc>>,
+}
+
+/// Gives rows back without publishing them, each due again at its `until` or after
+/// `after`, whichever is later.
+pub(crate) async fn defer(
+    pool: &PgPool,
+    rows: &[Deferral],
+    after: Duration,
+) -> Result<(), StoreError> {
+    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
+    let until: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.until).collect();
     sqlx::query(
-        "UPDATE outbox_messages SET available_at = now() + $2 * interval '1 millisecond'
-         WHERE id = ANY($1) AND dispatched_at IS NULL",
+        "UPDATE outbox_messages o
+         SET available_at = greatest(d.until, now() + $4 * interval '1 millisecond'),
+             attempts = greatest(o.attempts - 1, 1)
+         FROM unnest($1::bigint[], $2::int[], $3::timestamptz[]) AS d(id, attempts, until)
+         WHERE o.id = d.id AND o.attempts = d.attempts AND o.dispatched_at IS NULL",
     )
-    .bind(ids)
+    .bind(&ids)
+    .bind(&attempts)
+    .bind(&until)
     .bind(millis(after))
     .execute(pool)
     .await?;
@@ -156,14 +182,17 @@ pub(crate) async fn mark_failed(
     row: &OutboxRow,
     why: &str,
 ) -> Result<(), StoreError> {
+    // Fenced by the take: a row another publisher took since (after this one's lease
+    // ended) is not this one's to reschedule.
     sqlx::query(
         "UPDATE outbox_messages
          SET available_at = now() + $2 * interval '1 millisecond', last_error = $3
-         WHERE id = $1 AND dispatched_at IS NULL",
+         WHERE id = $1 AND dispatched_at IS NULL AND attempts = $4",
     )
     .bind(row.id)
     .bind(millis(backoff(row.attempts)))
     .bind(storable(why).as_ref())
+    .bind(row.attempts)
     .execute(pool)
     .await?;
     Ok(())
@@ -179,22 +208,30 @@ pub struct OutboxStats {
     /// Undispatched messages whose last publish failed (returned as unroutable, nacked,
     /// not confirmed in time).
     pub failing: i64,
-    /// Dispatched messages kept until their retention ends.
-    pub dispatched: i64,
 }
 
-/// Counts the backlog through the partial index of undispatched rows.
+/// Counts the backlog through the partial index of undispatched rows (what the relays
+/// refresh the metrics with, every few seconds).
 pub async fn stats(pool: &PgPool) -> Result<OutboxStats, StoreError> {
     Ok(sqlx::query_as(
         "SELECT count(*) AS undispatched,
                 extract(epoch FROM now() - min(staged_at))::float8 AS oldest_age_s,
-                count(*) FILTER (WHERE last_error IS NOT NULL) AS failing,
-                (SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL)
-                    AS dispatched
+                count(*) FILTER (WHERE last_error IS NOT NULL) AS failing
          FROM outbox_messages WHERE dispatched_at IS NULL",
     )
     .fetch_one(pool)
     .await?)
+}
+
+/// Dispatched messages kept until their retention ends: every one of them is counted
+/// (through the index of `expires_at`), so this is for an operator's question, not for a
+/// loop.
+pub async fn dispatched(pool: &PgPool) -> Result<i64, StoreError> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM outbox_messages WHERE expires_at IS NOT NULL")
+            .fetch_one(pool)
+            .await?,
+    )
 }
 
 /// One outbox row as operators see it.

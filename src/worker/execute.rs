@@ -15,6 +15,7 @@ use super::acks::Acks;
 use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
 use super::guard::guarded;
+use super::session::FollowUpChannel;
 use super::settle::Settler;
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
@@ -32,6 +33,7 @@ use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, 
 pub(super) async fn process<H: Handler>(
     shared: &Shared<H>,
     publish: &Channel,
+    follow_ups: &FollowUpChannel,
     acks: &Acks,
     delivery: Delivery,
 ) {
@@ -50,6 +52,7 @@ pub(super) async fn process<H: Handler>(
         operation: H::OPERATION,
         store: &shared.store,
         channel: publish,
+        follow_ups,
         delivery: &delivery,
         queue: &shared.config.queue,
     };
@@ -456,14 +459,14 @@ async fn dispatch<H: Handler>(
     shared: &Shared<H>,
     settler: &Settler<'_>,
     ids: &[i64],
-) -> Result<usize, StoreError> {
+) -> Result<usize, WorkerError> {
+    let channel = settler.follow_ups.get().await?;
     let follow_ups = &shared.follow_ups;
     let rows = follow_ups.takes.call(ids.to_vec()).await?;
     // Some taken by a relay: the rest may have to wait for them.
     let check = rows.len() < ids.len();
     let pool = shared.store.pool();
-    let published =
-        outbox::publish(pool, settler.channel, rows, check, &shared.config.outbox).await?;
+    let published = outbox::publish(pool, &channel, rows, check, &shared.config.outbox).await;
     let n = published.ids.len();
     if n > 0 {
         follow_ups.marks.call(published.ids).await?;

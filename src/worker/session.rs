@@ -90,6 +90,8 @@ impl<H: Handler> Session<H> {
             connected: false,
             error,
         })?;
+        let connection = Arc::new(connection);
+        let follow_ups = Arc::new(FollowUpChannel::new(connection.clone()));
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
         self.broker.set(true);
@@ -115,8 +117,9 @@ impl<H: Handler> Session<H> {
                     acks.delivered(delivery.delivery_tag);
                     let shared = self.shared.clone();
                     let (publish, acks) = (publish.clone(), acks.clone());
+                    let follow_ups = follow_ups.clone();
                     tasks.spawn(async move {
-                        execute::process(&shared, &publish, &acks, delivery).await;
+                        execute::process(&shared, &publish, &follow_ups, &acks, delivery).await;
                         drop(permit);
                     });
                 }
@@ -136,6 +139,40 @@ impl<H: Handler> Session<H> {
         let _ = publish.close(200, "shutdown".into()).await;
         let _ = connection.close(200, "shutdown".into()).await;
         Ok(())
+    }
+}
+
+/// The channel follow-up messages are published on, opened on first use: a channel of
+/// its own, because the broker answers some publishes (to an exchange that does not
+/// exist) by closing the channel, and the retries' and dead letters' must not go with
+/// it. A closed one is opened again on the next use.
+pub(super) struct FollowUpChannel {
+    connection: Arc<lapin::Connection>,
+    channel: tokio::sync::Mutex<Option<lapin::Channel>>,
+}
+
+impl FollowUpChannel {
+    fn new(connection: Arc<lapin::Connection>) -> Self {
+        Self {
+            connection,
+            channel: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The channel, in confirm mode; a new one if the last was closed.
+    pub(super) async fn get(&self) -> Result<lapin::Channel, lapin::Error> {
+        let mut slot = self.channel.lock().await;
+        if let Some(channel) = slot.as_ref()
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
+        }
+        let channel = self.connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        *slot = Some(channel.clone());
+        Ok(channel)
     }
 }
 

@@ -9,6 +9,7 @@ use tracing::warn;
 use super::WorkerError;
 use super::acks::Acks;
 use super::decision::{DeadLetterOrder, Settle};
+use super::session::FollowUpChannel;
 use crate::dead_letter::{self, DeadLetter};
 use crate::failpoint;
 use crate::key::Key;
@@ -22,8 +23,10 @@ pub(super) struct Settler<'a> {
     pub(super) acks: &'a Acks,
     pub(super) operation: &'static str,
     pub(super) store: &'a Store,
-    /// The publishing channel (in confirm mode).
+    /// The publishing channel (in confirm mode) of retries and dead letters.
     pub(super) channel: &'a Channel,
+    /// Where the delivery's follow-up messages are published.
+    pub(super) follow_ups: &'a FollowUpChannel,
     pub(super) delivery: &'a Delivery,
     pub(super) queue: &'a str,
 }

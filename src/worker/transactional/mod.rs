@@ -333,13 +333,28 @@ impl RunIn<'_> {
         let result = match reconcile {
             None => caught(handler.handle(message, &mut ctx)).await,
             Some(external_ref) => {
+                // What reconcile writes or stages counts only if it finds the effect
+                // applied: "not applied" runs the handler afresh, as in leased mode.
+                if let Err(error) = savepoint(&mut ctx, "SAVEPOINT idem_reconcile").await {
+                    *tx = ctx.take_tx();
+                    return RunResult::Failed(error);
+                }
                 let asked = caught(handler.reconcile(&message, external_ref.as_deref(), &mut ctx));
                 match decision::reconciled(asked.await) {
                     Reconciled::Applied(output) => {
                         *tx = ctx.take_tx();
                         return done(output, true, ctx.take_staged());
                     }
-                    Reconciled::NotApplied => caught(handler.handle(message, &mut ctx)).await,
+                    Reconciled::NotApplied => {
+                        let undone = savepoint(&mut ctx, "ROLLBACK TO SAVEPOINT idem_reconcile");
+                        match undone.await {
+                            Ok(()) => {
+                                ctx.take_staged();
+                                caught(handler.handle(message, &mut ctx)).await
+                            }
+                            Err(error) => Err(error),
+                        }
+                    }
                     Reconciled::Failed(error) => Err(error),
                 }
             }
@@ -352,6 +367,12 @@ impl RunIn<'_> {
             Err(error) => RunResult::Failed(error),
         }
     }
+}
+
+/// Runs a savepoint statement on the batch's transaction, which the context holds.
+async fn savepoint(ctx: &mut Context, statement: &str) -> Result<(), HandlerError> {
+    sqlx::query(statement).execute(ctx.tx().await?).await?;
+    Ok(())
 }
 
 fn done<O: serde::Serialize>(output: O, reconciled: bool, follow_ups: Vec<i64>) -> RunResult {
