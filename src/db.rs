@@ -46,6 +46,14 @@ pub enum DbError {
     /// A migration failed to apply.
     #[error("cannot apply migrations")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The database lacks migrations this build needs (an older idem migrated it).
+    #[error("{target} lacks migrations {missing}; run `idem migrate` first")]
+    Behind {
+        /// `host:port/database`, without credentials.
+        target: String,
+        /// The migrations not applied, by version and description.
+        missing: String,
+    },
     /// The database exists but holds no idem schema (`idem migrate` was never run).
     #[error("{target} has no processed_operations table; run `idem migrate` first")]
     NotMigrated {
@@ -134,7 +142,8 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError>
 }
 
 /// Fails with [`DbError::NotMigrated`] unless `processed_operations` exists in the
-/// database `pool` is on.
+/// database `pool` is on, and with [`DbError::Behind`] unless every migration this
+/// build knows is applied (a newer database is fine: migrations only add).
 pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
     let options = pool.connect_options();
     let connect_error = |source| DbError::Connect {
@@ -145,11 +154,27 @@ pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
         .fetch_one(pool)
         .await
         .map_err(connect_error)?;
-    if exists {
+    if !exists {
+        return Err(DbError::NotMigrated {
+            target: target(&options),
+        });
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(pool)
+            .await
+            .map_err(connect_error)?;
+    let missing: Vec<String> = MIGRATOR
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{} {}", m.version, m.description))
+        .collect();
+    if missing.is_empty() {
         Ok(())
     } else {
-        Err(DbError::NotMigrated {
+        Err(DbError::Behind {
             target: target(&options),
+            missing: missing.join(", "),
         })
     }
 }

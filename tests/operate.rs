@@ -600,6 +600,33 @@ async fn an_older_build_accepts_a_database_migrated_further(
     assert_eq!(newer, 1, "the newer migration's record is left alone");
 }
 
+/// A database an older idem migrated (here: the outbox's migration not recorded): the
+/// inspecting commands say which migrations are missing instead of failing half-way;
+/// `idem migrate` brings it up to date (the migration is safe to apply again).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn commands_on_a_database_behind_this_build_ask_for_migrate(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = 20261201000003")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let url = database_url(&connect);
+    let out = idem_command(&url, &["gc"]).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("lacks migrations 20261201000003 outbox; run `idem migrate` first"),
+        "{stderr}"
+    );
+    let (code, out) = idem(&url, &["migrate"]).await;
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = idem(&url, &["gc"]).await;
+    assert_eq!(code, 0, "{out}");
+}
+
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn gc_of_200k_expired_rows_never_blocks_live_claims(
     pool_options: PgPoolOptions,
