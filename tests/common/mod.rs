@@ -23,7 +23,9 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| idem::topology::DEFAULT_AMQP_URL.into())
 }
 
-/// The URL of the test's own database, for worker processes.
+/// The URL of the test's own database, for worker processes and the `idem` command:
+/// through PgBouncer when `IDEM_TEST_PGBOUNCER` names one (`host:port`, in session
+/// pooling; `.ci/run` runs the process tests through it a second time).
 pub fn database_url(options: &PgConnectOptions) -> String {
     // PgConnectOptions does not expose the password: take it from DATABASE_URL.
     let url = std::env::var("DATABASE_URL").unwrap_or_default();
@@ -33,12 +35,15 @@ pub fn database_url(options: &PgConnectOptions) -> String {
         .and_then(|(credentials, _)| credentials.split_once(':'))
         .map(|(_, password)| password.to_string())
         .unwrap_or_default();
+    let server = match std::env::var("IDEM_TEST_PGBOUNCER") {
+        Ok(bouncer) if !bouncer.is_empty() => bouncer,
+        _ => format!("{}:{}", options.get_host(), options.get_port()),
+    };
     format!(
-        "postgres://{}:{}@{}:{}/{}",
+        "postgres://{}:{}@{}/{}",
         options.get_username(),
         password,
-        options.get_host(),
-        options.get_port(),
+        server,
         options.get_database().unwrap_or("postgres"),
     )
 }
