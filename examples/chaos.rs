@@ -30,6 +30,9 @@
 #[path = "orders_producer.rs"]
 mod orders_producer;
 
+#[path = "support/publisher.rs"]
+mod publisher;
+
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
@@ -39,8 +42,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use idem::dead_letter;
-use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeleteOptions};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::Connection;
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
+use publisher::Publisher;
 use rand::Rng;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgPool};
@@ -327,44 +331,6 @@ async fn connect(url: &str) -> anyhow::Result<Connection> {
     Ok(idem::topology::connect(url, "idem-chaos").await?)
 }
 
-/// A publisher that reconnects and republishes until the broker confirms.
-struct Publisher {
-    url: String,
-    channel: Option<(Connection, Channel)>,
-    republished: usize,
-}
-
-impl Publisher {
-    async fn publish(&mut self, queue: &str, body: &[u8]) {
-        loop {
-            if self.channel.is_none()
-                && let Ok(connection) = connect(&self.url).await
-                && let Ok(channel) = connection.create_channel().await
-                && channel
-                    .confirm_select(ConfirmSelectOptions::default())
-                    .await
-                    .is_ok()
-            {
-                self.channel = Some((connection, channel));
-            }
-            if let Some((_, channel)) = &self.channel {
-                let message_id = uuid::Uuid::new_v4().to_string();
-                let properties =
-                    BasicProperties::default().with_message_id(message_id.as_str().into());
-                match idem::topology::publish_confirmed(channel, queue, body, properties).await {
-                    Ok(()) => return,
-                    Err(_) => {
-                        // Unknown whether it landed: publish again (a duplicate at worst).
-                        self.channel = None;
-                        self.republished += 1;
-                    }
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-}
-
 async fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
     let status = Command::new("rabbitmqctl")
         .args(args)
@@ -514,11 +480,7 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
 
     let total_faults = args.kills + args.conn_drops + args.pg_kills;
     let mut faults = Faults::default();
-    let mut publisher = Publisher {
-        url: args.amqp_url.clone(),
-        channel: None,
-        republished: 0,
-    };
+    let mut publisher = Publisher::new(&args.amqp_url, "idem-chaos");
     let fault_every = bodies.len() / (total_faults + 1).max(1);
     let restart_at = bodies.len() / 2;
     let started = Instant::now();
@@ -719,9 +681,7 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
         settle.as_secs_f64(),
         if ok { "ok" } else { "FAILED" },
     );
-    if let Some((_, channel)) = publisher.channel.take() {
-        let _ = channel.close(200, "done".into()).await;
-    }
+    publisher.close().await;
     Ok(ok)
 }
 
