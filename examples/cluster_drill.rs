@@ -18,7 +18,8 @@
 //! asks the cluster which node leads the queue, SIGKILLs that node's Erlang VM, and
 //! restarts it some seconds later. Then it waits until everything settled and prints one
 //! line: effects, duplicate effects, lost orders, workers alive. It exits 1 if a check
-//! failed, and stops its nodes and drops its database either way (`--keep` keeps them).
+//! failed, and stops its nodes and drops its database either way, after
+//! `--deadline-secs` at the latest (`--keep` keeps them).
 
 #[allow(dead_code)]
 #[path = "orders_producer.rs"]
@@ -57,8 +58,12 @@ struct Args {
     #[arg(long, default_value = "/tmp/idem-cluster-drill")]
     dir: PathBuf,
     /// Give up waiting for the run to settle after this many seconds.
-    #[arg(long, default_value_t = 180)]
+    #[arg(long, default_value_t = 120)]
     settle_timeout_secs: u64,
+    /// Give up on the whole drill after this many seconds (its nodes, workers and
+    /// database are removed all the same).
+    #[arg(long, default_value_t = 200)]
+    deadline_secs: u64,
     /// The worker binary (default: `orders_worker` beside this one).
     #[arg(long)]
     worker_bin: Option<PathBuf>,
@@ -114,7 +119,6 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             worker_bin.display()
         );
     }
-    start_cluster(&args.dir).await?;
     let server = PgConnectOptions::from_str(&args.database_url)?;
     let database = format!("idem_drill_{id}");
     let url = server
@@ -122,22 +126,45 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         .database(&database)
         .to_url_lossy()
         .to_string();
-    let result = drill(&args, &worker_bin, &url).await;
-    if !args.keep {
-        for n in 1..=NODES {
-            let _ = rabbitmqctl(n, &["stop"]).await;
-        }
-        let _ = std::fs::remove_dir_all(&args.dir);
-        let mut admin = server.database("postgres").connect().await?;
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await?;
-    } else {
+    // Nodes of an earlier drill that did not get to clean up hold the names and ports.
+    for n in 1..=NODES {
+        let _ = rabbitmqctl(n, &["stop"]).await;
+    }
+    let deadline = Duration::from_secs(args.deadline_secs);
+    let result = match start_cluster(&args.dir).await {
+        Ok(()) => match tokio::time::timeout(deadline, drill(&args, &worker_bin, &url)).await {
+            Ok(result) => result,
+            Err(_) => Err(anyhow::anyhow!(
+                "the drill did not finish in {} s (--deadline-secs)",
+                args.deadline_secs
+            )),
+        },
+        Err(error) => Err(error),
+    };
+    if args.keep {
         println!(
             "kept: nodes {}, data {}, database {database}",
             node_list(),
             args.dir.display()
         );
+        return result;
+    }
+    // Always: the nodes, the data, the database (the workers died with `drill`).
+    for n in 1..=NODES {
+        if rabbitmqctl(n, &["stop"]).await.is_err() {
+            let _ = kill_node(&args.dir, n).await;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&args.dir);
+    let dropped = async {
+        let mut admin = server.database("postgres").connect().await?;
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await?;
+        Ok::<_, sqlx::Error>(())
+    };
+    if let Err(error) = dropped.await {
+        eprintln!("cluster_drill: database {database} not dropped: {error}");
     }
     result
 }

@@ -2,6 +2,8 @@
 -- messages, staged in the transaction that records its outcome, published after the
 -- commit and kept until their retention ends.
 
+CREATE SEQUENCE IF NOT EXISTS outbox_messages_take_seq;
+
 CREATE TABLE IF NOT EXISTS outbox_messages (
     -- Staging order: an operation's messages get increasing ids in one transaction.
     id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -22,6 +24,11 @@ CREATE TABLE IF NOT EXISTS outbox_messages (
     -- publishes it first), then after each take the lease of whoever took it, then
     -- after a failed publish the backoff.
     available_at   timestamptz NOT NULL,
+    -- The last take's token, from outbox_messages_take_seq (0: never taken). It only
+    -- grows, and a publisher writes a failure or a give-back only on the row as it
+    -- took it.
+    take_token     bigint      NOT NULL DEFAULT 0,
+    -- Failed publishes (the backoff grows with them).
     attempts       integer     NOT NULL DEFAULT 0,
     -- Why the last publish failed (the broker's reason for a returned message).
     last_error     text,

@@ -34,9 +34,10 @@ async fn killing_the_quorum_queues_leader_loses_and_duplicates_nothing() {
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .output();
-    let out = tokio::time::timeout(Duration::from_secs(240), run)
+    // The drill gives up after 200 s and then removes its nodes, workers and database.
+    let out = tokio::time::timeout(Duration::from_secs(300), run)
         .await
-        .expect("the drill finishes in 4 minutes")
+        .expect("the drill finishes in 5 minutes")
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);

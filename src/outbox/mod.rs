@@ -165,7 +165,7 @@ impl FollowUp {
     }
 
     /// Whether it can be published: every AMQP short string within
-    /// [`SHORT_STRING_MAX`] bytes.
+    /// [`SHORT_STRING_MAX`] bytes and without a NUL.
     pub fn check(&self) -> Result<(), FollowUpError> {
         let p = &self.properties;
         let fields = [
@@ -181,14 +181,17 @@ impl FollowUp {
                 .keys()
                 .map(|name| ("header name", Some(name.as_str()))),
         );
-        for (what, text) in fields {
-            if let Some(text) = text
-                && text.len() > SHORT_STRING_MAX
-            {
+        for (what, text) in fields.filter_map(|(what, text)| Some((what, text?))) {
+            if text.len() > SHORT_STRING_MAX {
                 return Err(FollowUpError::Invalid(format!(
                     "its {what} is {} bytes; AMQP allows {SHORT_STRING_MAX}",
                     text.len()
                 )));
+            }
+            // Postgres text cannot hold a NUL (it would be stored as U+FFFD, three
+            // bytes, and no longer be what the handler asked for).
+            if text.contains('\0') {
+                return Err(FollowUpError::Invalid(format!("its {what} holds a NUL")));
             }
         }
         Ok(())
@@ -299,6 +302,8 @@ mod tests {
             let refused = message.check().unwrap_err().to_string();
             assert!(refused.contains("256 bytes"), "{refused}");
         }
+        let nul = FollowUp::to_queue("q\0", "body").check().unwrap_err();
+        assert!(nul.to_string().contains("routing key holds a NUL"), "{nul}");
     }
 
     #[test]

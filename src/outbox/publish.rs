@@ -58,19 +58,23 @@ pub(crate) async fn publish(
             return done;
         }
     };
+    // One deadline for the round, half the lease: every publish of it is confirmed or
+    // given up before another publisher may take the rows.
+    let deadline = tokio::time::Instant::now() + config.confirm_wait();
     let sequences = ready
         .into_values()
-        .map(|rows| publish_sequence(channel, rows, config));
+        .map(|rows| publish_sequence(channel, rows, deadline));
     let mut failed = Vec::new();
     for outcome in join_all(sequences).await {
         done.ids.extend(outcome.published);
         match outcome.stopped {
             Stopped::Done => {}
             Stopped::Failed { row, why, rest } => {
-                warn!(message_id = %row.message_id, attempts = row.attempts, error = %why, "follow-up not published; it stays in the outbox");
+                let attempts = row.attempts + 1;
+                warn!(message_id = %row.message_id, attempts, error = %why, "follow-up not published; it stays in the outbox");
                 metrics::outbox_failed();
                 let until = None;
-                let after = super::backoff(row.attempts).max(WAIT_FOR_EARLIER);
+                let after = super::backoff(attempts).max(WAIT_FOR_EARLIER);
                 waiting.extend(rest.into_iter().map(|r| (deferral(&r, until), after)));
                 failed.push((row, why));
             }
@@ -104,7 +108,7 @@ pub(crate) async fn publish(
 fn deferral(row: &OutboxRow, until: Option<DateTime<Utc>>) -> Deferral {
     Deferral {
         id: row.id,
-        attempts: row.attempts,
+        take_token: row.take_token,
         until,
     }
 }
@@ -197,7 +201,7 @@ enum Stopped {
 async fn publish_sequence(
     channel: &Channel,
     rows: Vec<OutboxRow>,
-    config: &OutboxConfig,
+    deadline: tokio::time::Instant,
 ) -> Sequence {
     let mut published = Vec::new();
     let mut rows = rows.into_iter();
@@ -209,7 +213,7 @@ async fn publish_sequence(
                 stopped: Stopped::ChannelClosed { rest },
             };
         }
-        if let Err(why) = publish_one(channel, &row, config.confirm_wait()).await {
+        if let Err(why) = publish_one(channel, &row, deadline).await {
             let rest = rows.collect();
             return Sequence {
                 published,
@@ -228,9 +232,13 @@ async fn publish_sequence(
     }
 }
 
-/// Publishes one row (persistent, `mandatory`) and waits for the confirm; the error
-/// says why the broker did not take it.
-async fn publish_one(channel: &Channel, row: &OutboxRow, timeout: Duration) -> Result<(), String> {
+/// Publishes one row (persistent, `mandatory`) and waits for the confirm until
+/// `deadline`; the error says why the broker did not take it.
+async fn publish_one(
+    channel: &Channel,
+    row: &OutboxRow,
+    deadline: tokio::time::Instant,
+) -> Result<(), String> {
     let properties = properties(&row.message_id, &row.properties)?;
     let exchange = short(&row.exchange, "exchange")?;
     let routing_key = short(&row.routing_key, "routing key")?;
@@ -249,10 +257,10 @@ async fn publish_one(channel: &Channel, row: &OutboxRow, timeout: Duration) -> R
             .await?
             .await
     };
-    let confirm = match tokio::time::timeout(timeout, publishing).await {
+    let confirm = match tokio::time::timeout_at(deadline, publishing).await {
         Ok(Ok(confirm)) => confirm,
         Ok(Err(error)) => return Err(crate::error_line(&error)),
-        Err(_) => return Err(format!("not confirmed within {} ms", timeout.as_millis())),
+        Err(_) => return Err("not confirmed in time (half the lease)".into()),
     };
     match confirm {
         Confirmation::Ack(None) => Ok(()),

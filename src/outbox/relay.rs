@@ -66,6 +66,22 @@ impl Relay {
                     _ = shutdown.cancelled() => break,
                 };
             }
+            // A channel the broker closed (a publish to a missing exchange) on a live
+            // connection: a new channel, not a new connection.
+            if let Some((connection, channel)) = broker.as_mut()
+                && connection.status().connected()
+                && !channel.status().connected()
+            {
+                match Self::confirming(connection).await {
+                    Ok(fresh) => *channel = fresh,
+                    Err(error) => {
+                        warn!(error = %crate::error_line(&error), "outbox relay: cannot reopen its channel");
+                        if let Some((connection, _)) = broker.take() {
+                            let _ = connection.close(200, "reconnecting".into()).await;
+                        }
+                    }
+                }
+            }
             let up = broker
                 .as_ref()
                 .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected());
@@ -76,12 +92,16 @@ impl Relay {
                 };
                 match opened {
                     Ok(open) => {
-                        broker = Some(open);
+                        if let Some((connection, _)) = broker.replace(open) {
+                            let _ = connection.close(200, "reconnected".into()).await;
+                        }
                         broker_backoff = Duration::from_millis(200);
                     }
                     Err(error) => {
                         warn!(error = %crate::error_line(&error), retry_in_ms = broker_backoff.as_millis() as u64, "outbox relay: broker unreachable");
-                        broker = None;
+                        if let Some((connection, _)) = broker.take() {
+                            let _ = connection.close(200, "reconnecting".into()).await;
+                        }
                         broker_retry_at = Instant::now() + broker_backoff;
                         broker_backoff = (broker_backoff * 2).min(Duration::from_secs(5));
                     }
@@ -124,12 +144,18 @@ impl Relay {
 
     async fn open(&self) -> Result<(lapin::Connection, Channel), lapin::Error> {
         let connection = topology::connect(&self.amqp_url, &self.name).await?;
+        let channel = Self::confirming(&connection).await?;
+        info!("outbox relay connected");
+        Ok((connection, channel))
+    }
+
+    /// A new channel on `connection`, in confirm mode.
+    async fn confirming(connection: &lapin::Connection) -> Result<Channel, lapin::Error> {
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        info!("outbox relay connected");
-        Ok((connection, channel))
+        Ok(channel)
     }
 
     /// Publishes whatever is due, batch after batch, until a batch is not full or

@@ -20,7 +20,10 @@ pub(crate) struct OutboxRow {
     pub(crate) routing_key: String,
     pub(crate) body: Vec<u8>,
     pub(crate) properties: sqlx::types::Json<Properties>,
+    /// Failed publishes before this take.
     pub(crate) attempts: i32,
+    /// This take's token: the fence of what the taker writes back.
+    pub(crate) take_token: i64,
 }
 
 /// Writes `message` to the outbox on `conn` (the operation's transaction). `source` is
@@ -56,8 +59,8 @@ pub(crate) async fn stage(
     .await
 }
 
-const ROW: &str =
-    "id, message_id, source, position, exchange, routing_key, body, properties, attempts";
+const ROW: &str = "id, message_id, source, position, exchange, routing_key, body, properties, \
+                   attempts, take_token";
 
 /// The committing workers take the rows they staged (of the operations that committed
 /// together), unless a relay took them first.
@@ -68,8 +71,9 @@ pub(crate) async fn take_staged(
 ) -> Result<Vec<OutboxRow>, StoreError> {
     Ok(sqlx::query_as(&format!(
         "UPDATE outbox_messages
-         SET available_at = now() + $2 * interval '1 millisecond', attempts = attempts + 1
-         WHERE id = ANY($1) AND dispatched_at IS NULL AND attempts = 0
+         SET available_at = now() + $2 * interval '1 millisecond',
+             take_token = nextval('outbox_messages_take_seq')
+         WHERE id = ANY($1) AND dispatched_at IS NULL AND take_token = 0
          RETURNING {ROW}"
     ))
     .bind(ids)
@@ -87,7 +91,8 @@ pub(crate) async fn take_due(
 ) -> Result<Vec<OutboxRow>, StoreError> {
     Ok(sqlx::query_as(&format!(
         "UPDATE outbox_messages
-         SET available_at = now() + $2 * interval '1 millisecond', attempts = attempts + 1
+         SET available_at = now() + $2 * interval '1 millisecond',
+             take_token = nextval('outbox_messages_take_seq')
          WHERE id IN (SELECT id FROM outbox_messages
                       WHERE dispatched_at IS NULL AND available_at <= now()
                       ORDER BY id LIMIT $1
@@ -121,13 +126,13 @@ pub(crate) async fn first_waiting(
     .await?)
 }
 
-/// A taken row given back unpublished, due again at `until` (at the earliest in
-/// `WAIT_FOR_EARLIER`); its take does not count as an attempt.
+/// A taken row given back unpublished, due again at `until` (at the earliest after the
+/// delay `defer` is given).
 #[derive(Debug, Clone)]
 pub(crate) struct Deferral {
     pub(crate) id: i64,
-    /// `attempts` as the take left it: the fence (a row taken again since is not ours).
-    pub(crate) attempts: i32,
+    /// The take's token: the fence (a row taken again since is not ours).
+    pub(crate) take_token: i64,
     pub(crate) until: Option<DateTime<Utc>>,
 }
 
@@ -139,17 +144,16 @@ pub(crate) async fn defer(
     after: Duration,
 ) -> Result<(), StoreError> {
     let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-    let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
+    let tokens: Vec<i64> = rows.iter().map(|r| r.take_token).collect();
     let until: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.until).collect();
     sqlx::query(
         "UPDATE outbox_messages o
-         SET available_at = greatest(d.until, now() + $4 * interval '1 millisecond'),
-             attempts = greatest(o.attempts - 1, 1)
-         FROM unnest($1::bigint[], $2::int[], $3::timestamptz[]) AS d(id, attempts, until)
-         WHERE o.id = d.id AND o.attempts = d.attempts AND o.dispatched_at IS NULL",
+         SET available_at = greatest(d.until, now() + $4 * interval '1 millisecond')
+         FROM unnest($1::bigint[], $2::bigint[], $3::timestamptz[]) AS d(id, token, until)
+         WHERE o.id = d.id AND o.take_token = d.token AND o.dispatched_at IS NULL",
     )
     .bind(&ids)
-    .bind(&attempts)
+    .bind(&tokens)
     .bind(&until)
     .bind(millis(after))
     .execute(pool)
@@ -176,7 +180,8 @@ pub(crate) async fn mark_dispatched(
     Ok(())
 }
 
-/// Records why a row was not published, and when it is due again.
+/// Records why a row was not published (one more failed attempt), and when it is due
+/// again.
 pub(crate) async fn mark_failed(
     pool: &PgPool,
     row: &OutboxRow,
@@ -186,13 +191,14 @@ pub(crate) async fn mark_failed(
     // ended) is not this one's to reschedule.
     sqlx::query(
         "UPDATE outbox_messages
-         SET available_at = now() + $2 * interval '1 millisecond', last_error = $3
-         WHERE id = $1 AND dispatched_at IS NULL AND attempts = $4",
+         SET available_at = now() + $2 * interval '1 millisecond', last_error = $3,
+             attempts = attempts + 1
+         WHERE id = $1 AND dispatched_at IS NULL AND take_token = $4",
     )
     .bind(row.id)
-    .bind(millis(backoff(row.attempts)))
+    .bind(millis(backoff(row.attempts + 1)))
     .bind(storable(why).as_ref())
-    .bind(row.attempts)
+    .bind(row.take_token)
     .execute(pool)
     .await?;
     Ok(())

@@ -212,6 +212,7 @@ async fn once<H: Handler>(
             handoff,
             attempt,
             takeover,
+            careful,
         };
         let result = ctx.run(handler, store, &mut tx, reconcile).await;
         let failed = !matches!(result, RunResult::Done { .. });
@@ -303,6 +304,8 @@ struct RunIn<'a> {
     handoff: Duration,
     attempt: i32,
     takeover: bool,
+    /// The careful pass: the run is in the savepoint `idem_run` already.
+    careful: bool,
 }
 
 impl RunIn<'_> {
@@ -334,8 +337,20 @@ impl RunIn<'_> {
             None => caught(handler.handle(message, &mut ctx)).await,
             Some(external_ref) => {
                 // What reconcile writes or stages counts only if it finds the effect
-                // applied: "not applied" runs the handler afresh, as in leased mode.
-                if let Err(error) = savepoint(&mut ctx, "SAVEPOINT idem_reconcile").await {
+                // applied: "not applied" runs the handler afresh, as in leased mode. The
+                // careful pass goes back to its run's savepoint (one subtransaction per
+                // delivery, as MAX_BATCH counts them); the optimistic one sets its own.
+                let (set, undo) = if self.careful {
+                    (None, "ROLLBACK TO SAVEPOINT idem_run")
+                } else {
+                    (
+                        Some("SAVEPOINT idem_reconcile"),
+                        "ROLLBACK TO SAVEPOINT idem_reconcile",
+                    )
+                };
+                if let Some(set) = set
+                    && let Err(error) = savepoint(&mut ctx, set).await
+                {
                     *tx = ctx.take_tx();
                     return RunResult::Failed(error);
                 }
@@ -346,7 +361,7 @@ impl RunIn<'_> {
                         return done(output, true, ctx.take_staged());
                     }
                     Reconciled::NotApplied => {
-                        let undone = savepoint(&mut ctx, "ROLLBACK TO SAVEPOINT idem_reconcile");
+                        let undone = savepoint(&mut ctx, undo);
                         match undone.await {
                             Ok(()) => {
                                 ctx.take_staged();
