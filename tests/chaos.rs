@@ -4,8 +4,11 @@
 //! It closes every broker connection and restarts RabbitMQ, so it lives alone in this
 //! test binary: cargo runs test binaries one after another, never beside each other.
 
-use std::process::Stdio;
+mod common;
+
 use std::time::Duration;
+
+use common::run_drill;
 
 /// Both modes, one after the other (each restarts the broker).
 #[tokio::test]
@@ -16,55 +19,27 @@ async fn short_chaos_runs_have_no_duplicate_and_no_lost_effect() {
 }
 
 async fn chaos_run(mode: &str) {
-    let exe = std::env::current_exe().unwrap();
-    let chaos = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("chaos");
-    assert!(
-        chaos.exists(),
-        "{} missing: run through cargo test",
-        chaos.display()
-    );
-    let run = tokio::process::Command::new(&chaos)
-        .args([
-            "--orders",
-            "2000",
-            "--workers",
-            "2",
-            "--kills",
-            "6",
-            "--conn-drops",
-            "2",
-            "--pg-kills",
-            "2",
-            "--broker-restart",
-            "--conflicts",
-            "10",
-            "--negatives",
-            "10",
-            "--follow-ups",
-            "--mode",
-            mode,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(300), run)
-        .await
-        .expect("the chaos run finishes in 5 minutes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("{stdout}");
-    let summary = stdout
-        .lines()
-        .find(|l| l.starts_with("chaos: "))
-        .unwrap_or_else(|| panic!("no summary line; stderr: {stderr}"));
+    let args = [
+        "--orders",
+        "2000",
+        "--workers",
+        "2",
+        "--kills",
+        "6",
+        "--conn-drops",
+        "2",
+        "--pg-kills",
+        "2",
+        "--broker-restart",
+        "--conflicts",
+        "10",
+        "--negatives",
+        "10",
+        "--follow-ups",
+        "--mode",
+        mode,
+    ];
+    let (summary, success, stderr) = run_drill("chaos", &args, Duration::from_secs(300)).await;
     let mode_field = format!("mode={mode}");
     for expected in [
         mode_field.as_str(),
@@ -100,5 +75,5 @@ async fn chaos_run(mode: &str) {
             "every effect in the transaction, once: {summary}"
         );
     }
-    assert!(out.status.success(), "{summary}\n{stderr}");
+    assert!(success, "{summary}\n{stderr}");
 }

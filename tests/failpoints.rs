@@ -204,6 +204,21 @@ async fn staged(pool: &PgPool) -> Option<(String, bool)> {
         .unwrap()
 }
 
+/// Starts a worker with `args` that aborts at `point`, publishes `evt-f` and waits for
+/// the abort.
+async fn crash_at(pool: &PgPool, url: &str, q: &TestQueue, args: &[&str], point: &str) {
+    let mut crashing =
+        spawn_orders_worker_with_env(url, &q.name, args, &[("IDEM_FAILPOINT", point)]);
+    wait_for_worker_tables(pool).await;
+    wait_for_consumers(q, 1).await;
+    q.publish(&order("evt-f", "acme", 5)).await;
+    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
+        .await
+        .expect("the worker reaches the failpoint")
+        .unwrap();
+    assert!(!status.success(), "aborted at {point}: {status:?}");
+}
+
 /// A worker dies after the booking (and its follow-up) committed, before it published
 /// the follow-up: another process's relay publishes it, once, with the staged id.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -216,20 +231,7 @@ async fn crash_between_the_commit_and_the_follow_ups_publish(
     let q = TestQueue::new("fp-before-dispatch").await;
     let out = q.beside("notify").await;
     let args = ["--follow-ups", out.name.as_str()];
-    let mut crashing = spawn_orders_worker_with_env(
-        &url,
-        &q.name,
-        &args,
-        &[("IDEM_FAILPOINT", "before-dispatch")],
-    );
-    wait_for_worker_tables(&pool).await;
-    wait_for_consumers(&q, 1).await;
-    q.publish(&order("evt-f", "acme", 5)).await;
-    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
-        .await
-        .expect("the worker reaches the failpoint")
-        .unwrap();
-    assert!(!status.success());
+    crash_at(&pool, &url, &q, &args, "before-dispatch").await;
     let (id, dispatched) = staged(&pool).await.expect("the follow-up committed");
     assert!(!dispatched);
     assert_eq!(
@@ -267,20 +269,7 @@ async fn crash_between_the_follow_ups_confirm_and_its_mark(o: PgPoolOptions, c: 
         "--outbox-lease-secs",
         "1",
     ];
-    let mut crashing = spawn_orders_worker_with_env(
-        &url,
-        &q.name,
-        &args,
-        &[("IDEM_FAILPOINT", "before-dispatch-mark")],
-    );
-    wait_for_worker_tables(&pool).await;
-    wait_for_consumers(&q, 1).await;
-    q.publish(&order("evt-f", "acme", 5)).await;
-    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
-        .await
-        .expect("the worker reaches the failpoint")
-        .unwrap();
-    assert!(!status.success());
+    crash_at(&pool, &url, &q, &args, "before-dispatch-mark").await;
     assert_eq!(staged(&pool).await.map(|(_, d)| d), Some(false));
 
     let mut healthy = spawn_orders_worker(&url, &q.name, &args);

@@ -142,6 +142,31 @@ async fn outbox_rows(pool: &PgPool) -> BTreeMap<String, bool> {
     .collect()
 }
 
+/// A relay on the test's database with `config`, running until `stop` is cancelled.
+fn spawn_relay(
+    pool: &PgPool,
+    config: OutboxConfig,
+    stop: &tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let relay = Relay {
+        pool: pool.clone(),
+        amqp_url: amqp_url(),
+        name: "test-relay".into(),
+        config,
+        retention: Duration::from_secs(3600),
+        wake: Arc::new(tokio::sync::Notify::new()),
+    };
+    tokio::spawn(relay.run(stop.clone()))
+}
+
+/// Polling every 100 ms.
+fn polling() -> OutboxConfig {
+    OutboxConfig {
+        poll: Duration::from_millis(100),
+        ..OutboxConfig::default()
+    }
+}
+
 async fn follow_ups_once_in_order(pool: PgPool, mode: Mode) {
     let q = TestQueue::new(&format!("outbox-{}", mode.as_str())).await;
     let to = format!("{}.follow-ups", q.name);
@@ -320,18 +345,7 @@ async fn a_later_message_waits_for_an_earlier_one_held_elsewhere(
         .unwrap();
     }
     let stop = tokio_util::sync::CancellationToken::new();
-    let relay = Relay {
-        pool: pool.clone(),
-        amqp_url: amqp_url(),
-        name: "test-relay".into(),
-        config: OutboxConfig {
-            poll: Duration::from_millis(100),
-            ..OutboxConfig::default()
-        },
-        retention: Duration::from_secs(3600),
-        wake: Arc::new(tokio::sync::Notify::new()),
-    };
-    let task = tokio::spawn(relay.run(stop.clone()));
+    let task = spawn_relay(&pool, polling(), &stop);
     let updates = || {
         let pool = pool.clone();
         async move {
@@ -457,15 +471,7 @@ async fn the_relay_publishes_what_a_commit_left_within_100_ms(
         poll: Duration::from_secs(10),
         ..OutboxConfig::default()
     };
-    let relay = Relay {
-        pool: pool.clone(),
-        amqp_url: amqp_url(),
-        name: "test-relay".into(),
-        config: config.clone(),
-        retention: Duration::from_secs(3600),
-        wake: Arc::new(tokio::sync::Notify::new()),
-    };
-    let task = tokio::spawn(relay.run(stop.clone()));
+    let task = spawn_relay(&pool, config.clone(), &stop);
     // The relay is listening once a first message goes through.
     let mut latencies = Vec::new();
     let consumer = Consumer::new(&q).await;
@@ -567,22 +573,13 @@ async fn racing_relays_publish_each_message_once(o: PgPoolOptions, c: PgConnectO
     .await
     .unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
+    let config = OutboxConfig {
+        poll: Duration::from_millis(20),
+        batch: 25,
+        ..OutboxConfig::default()
+    };
     let relays: Vec<_> = (0..3)
-        .map(|i| {
-            let relay = Relay {
-                pool: pool.clone(),
-                amqp_url: amqp_url(),
-                name: format!("test-relay-{i}"),
-                config: OutboxConfig {
-                    poll: Duration::from_millis(20),
-                    batch: 25,
-                    ..OutboxConfig::default()
-                },
-                retention: Duration::from_secs(3600),
-                wake: Arc::new(tokio::sync::Notify::new()),
-            };
-            tokio::spawn(relay.run(stop.clone()))
-        })
+        .map(|_| spawn_relay(&pool, config.clone(), &stop))
         .collect();
     wait_until(SETTLE, "every message marked", || async {
         outbox_rows(&pool).await.values().filter(|d| **d).count() == N as usize
@@ -675,18 +672,7 @@ async fn messages_behind_failures_do_not_starve_the_others(o: PgPoolOptions, c: 
     .await
     .unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
-    let relay = Relay {
-        pool: pool.clone(),
-        amqp_url: amqp_url(),
-        name: "test-relay".into(),
-        config: OutboxConfig {
-            poll: Duration::from_millis(100),
-            ..OutboxConfig::default()
-        },
-        retention: Duration::from_secs(3600),
-        wake: Arc::new(tokio::sync::Notify::new()),
-    };
-    let task = tokio::spawn(relay.run(stop.clone()));
+    let task = spawn_relay(&pool, polling(), &stop);
     q.wait_for_messages(&q.name, 1, SETTLE).await;
     let sent = q.drain(&q.name).await;
     let id = sent[0]

@@ -288,6 +288,31 @@ pub fn example_path(name: &str) -> PathBuf {
     path
 }
 
+/// Runs the drill example `name` with `args` (at most `limit`), prints its output and
+/// returns its summary line (the one starting with `<name>: `), its success and stderr.
+pub async fn run_drill(name: &str, args: &[&str], limit: Duration) -> (String, bool, String) {
+    let run = Command::new(example_path(name))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{name} finishes within {limit:?}"))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    println!("{stdout}");
+    let prefix = format!("{name}: ");
+    let summary = stdout
+        .lines()
+        .find(|l| l.starts_with(&prefix))
+        .unwrap_or_else(|| panic!("no summary line; stderr: {stderr}"))
+        .to_owned();
+    (summary, out.status.success(), stderr)
+}
+
 /// An `orders_worker` process and its log file.
 pub struct WorkerProcess {
     pub child: Child,
