@@ -14,7 +14,7 @@ use idem::outbox::relay::Relay;
 use idem::outbox::{CORRELATION_HEADER, OutboxConfig, SOURCE_KEY_HEADER};
 use idem::{Context, FollowUp, Handler, HandlerError, Key, Mode};
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -112,22 +112,21 @@ async fn declare(q: &TestQueue, queue: &str) {
 
 /// Publishes `body` to `queue` with a correlation id, confirmed.
 async fn publish_correlated(q: &TestQueue, queue: &str, body: &[u8], correlation_id: &str) {
-    let confirm = q
-        .channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            body,
-            BasicProperties::default()
-                .with_delivery_mode(2)
-                .with_correlation_id(correlation_id.into()),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack());
+    let properties = BasicProperties::default().with_correlation_id(correlation_id.into());
+    q.publish_to(queue, body, properties).await;
+}
+
+/// Waits until the outbox's one row has a last error containing `reason`.
+async fn wait_for_last_error(pool: &PgPool, reason: &str) {
+    wait_until(SETTLE, "the broker's reason recorded", || async {
+        sqlx::query_scalar::<_, Option<String>>("SELECT last_error FROM outbox_messages")
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+            .flatten()
+            .is_some_and(|e| e.contains(reason))
+    })
+    .await;
 }
 
 /// Rows of the outbox: (message_id, dispatched).
@@ -399,15 +398,7 @@ async fn an_unroutable_follow_up_waits_in_the_outbox_with_the_brokers_reason(
     let to = format!("{}.follow-ups", q.name);
     let (stop, task) = start_in_process(&pool, &q, Staging::to(&to), |_| {}).await;
     q.publish(&job("evt-r", 1, 1)).await;
-    wait_until(SETTLE, "the broker's reason recorded", || async {
-        sqlx::query_scalar::<_, Option<String>>("SELECT last_error FROM outbox_messages")
-            .fetch_optional(&pool)
-            .await
-            .unwrap()
-            .flatten()
-            .is_some_and(|e| e.contains("NO_ROUTE"))
-    })
-    .await;
+    wait_for_last_error(&pool, "NO_ROUTE").await;
     // The operation itself completed: the follow-up's fate does not undo it.
     wait_until(SETTLE, "the delivery acked", || async {
         q.counts(&q.name).await.0 == 0 && unacked(&q.name).await == 0
@@ -616,15 +607,7 @@ async fn a_follow_up_to_a_missing_exchange_fails_alone(o: PgPoolOptions, c: PgCo
     }))
     .unwrap();
     q.publish(&lost).await;
-    wait_until(SETTLE, "the broker's reason recorded", || async {
-        sqlx::query_scalar::<_, Option<String>>("SELECT last_error FROM outbox_messages")
-            .fetch_optional(&pool)
-            .await
-            .unwrap()
-            .flatten()
-            .is_some_and(|e| e.contains("NOT_FOUND"))
-    })
-    .await;
+    wait_for_last_error(&pool, "NOT_FOUND").await;
     q.publish(&job("evt-neg", 0, -1)).await; // dead-lettered on the worker's channel
     q.publish(&job("evt-ok", 1, 1)).await; // its follow-up on a fresh channel
     q.wait_for_messages(&q.dlq(), 1, SETTLE).await;

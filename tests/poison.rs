@@ -14,8 +14,7 @@ use common::proxy::Proxy;
 use common::*;
 use idem::replay::{self, Action};
 use idem::{Context, Handler, HandlerError, Reconciliation, Store, StoreConfig};
-use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -32,26 +31,6 @@ fn order_with(event_id: &str, tenant: &str, order_id: &str) -> Vec<u8> {
         "event_id": event_id, "tenant": tenant, "order_id": order_id, "amount_cents": 1,
     }))
     .unwrap()
-}
-
-/// Publishes `body` with `message_id`, confirmed.
-async fn publish_with_id(q: &TestQueue, body: &[u8], message_id: &str) {
-    let confirm = q
-        .channel
-        .basic_publish(
-            "".into(),
-            q.name.as_str().into(),
-            BasicPublishOptions::default(),
-            body,
-            BasicProperties::default()
-                .with_delivery_mode(2)
-                .with_message_id(message_id.into()),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack());
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -131,9 +110,12 @@ async fn hostile_inputs_end_in_the_ledger_once_or_in_the_dlq_within_seconds(
     }
     // A message property Postgres cannot store, between good messages of its batch: it
     // is kept with U+FFFD for the NUL, and booked like its neighbours.
-    publish_with_id(&q, &order("evt-neighbour-1", "acme", 1), "m-1").await;
-    publish_with_id(&q, &order("evt-bad-id", "acme", 1), "m-\u{0}").await;
-    publish_with_id(&q, &order("evt-neighbour-2", "acme", 1), "m-2").await;
+    q.publish_with_id(&order("evt-neighbour-1", "acme", 1), "m-1")
+        .await;
+    q.publish_with_id(&order("evt-bad-id", "acme", 1), "m-\u{0}")
+        .await;
+    q.publish_with_id(&order("evt-neighbour-2", "acme", 1), "m-2")
+        .await;
     q.publish(&big).await;
     q.publish(&order("evt-after", "acme", 1)).await;
 

@@ -114,16 +114,20 @@ impl TestQueue {
 
     /// Publishes a persistent message with `message_id`, confirmed.
     pub async fn publish_with_id(&self, body: &[u8], message_id: &str) {
+        let properties = BasicProperties::default().with_message_id(message_id.into());
+        self.publish_to(&self.name, body, properties).await;
+    }
+
+    /// Publishes `body` persistently to `queue` with `properties`, confirmed.
+    pub async fn publish_to(&self, queue: &str, body: &[u8], properties: BasicProperties) {
         let confirm = self
             .channel
             .basic_publish(
                 "".into(),
-                self.name.as_str().into(),
+                queue.into(),
                 BasicPublishOptions::default(),
                 body,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(message_id.into()),
+                properties.with_delivery_mode(2),
             )
             .await
             .unwrap()
