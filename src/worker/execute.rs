@@ -14,8 +14,8 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 use super::acks::Acks;
 use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
+use super::follow_ups::FollowUpChannel;
 use super::guard::guarded;
-use super::session::FollowUpChannel;
 use super::settle::Settler;
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
@@ -25,7 +25,6 @@ use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
-use crate::outbox;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
@@ -256,7 +255,7 @@ async fn in_transaction<H: Handler>(
         let step = match transactions.call(request.clone()).await {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
             Ok(TxAnswer::Ran(ran, follow_ups)) => {
-                send_follow_ups(shared, settler, follow_ups).await;
+                shared.follow_ups.send(settler.follow_ups, follow_ups).await;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Ok(TxAnswer::Refused(why)) => Step::Settle(decision::malformed(why)),
@@ -424,54 +423,12 @@ async fn record<H: Handler>(
     };
     if matches!(ran, Ran::Completed { .. }) {
         failpoint::hit("after-complete");
-        send_follow_ups(shared, settler, ctx.take_staged()).await;
+        shared
+            .follow_ups
+            .send(settler.follow_ups, ctx.take_staged())
+            .await;
     }
     Ok(ran)
-}
-
-/// After the commit: publishes the follow-up messages the run staged. What it could not
-/// publish stays in the outbox for the relay, which it wakes; the delivery's outcome
-/// stands either way.
-async fn send_follow_ups<H: Handler>(shared: &Shared<H>, settler: &Settler<'_>, ids: Vec<i64>) {
-    if ids.is_empty() {
-        return;
-    }
-    failpoint::hit("before-dispatch");
-    match dispatch(shared, settler, &ids).await {
-        Ok(published) if published == ids.len() => {}
-        Ok(published) => {
-            debug!(
-                staged = ids.len(),
-                published, "follow-ups left to the relay"
-            );
-            shared.follow_ups.wake.notify_one();
-        }
-        Err(error) => {
-            warn!(error = %crate::error_line(&error), "follow-ups left to the relay");
-            shared.follow_ups.wake.notify_one();
-        }
-    }
-}
-
-/// Takes the rows `ids` (unless a relay was first), publishes them in order on the
-/// delivery's channel and marks them; returns how many went out.
-async fn dispatch<H: Handler>(
-    shared: &Shared<H>,
-    settler: &Settler<'_>,
-    ids: &[i64],
-) -> Result<usize, WorkerError> {
-    let channel = settler.follow_ups.get().await?;
-    let follow_ups = &shared.follow_ups;
-    let rows = follow_ups.takes.call(ids.to_vec()).await?;
-    // Some taken by a relay: the rest may have to wait for them.
-    let check = rows.len() < ids.len();
-    let pool = shared.store.pool();
-    let published = outbox::publish(pool, &channel, rows, check, &shared.config.outbox).await;
-    let n = published.ids.len();
-    if n > 0 {
-        follow_ups.marks.call(published.ids).await?;
-    }
-    Ok(n)
 }
 
 /// The handler returned but its result cannot be stored (it does not serialize, or

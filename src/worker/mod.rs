@@ -11,13 +11,13 @@
 //! - `session`: one broker connection (declare, consume, dispatch, drain);
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, run or reconcile under the lease, record;
+//! - `follow_ups`: a run's follow-up messages, published after its commit;
 //! - `transactional`: transactional mode, a batch of deliveries in one transaction;
 //! - `guard`: calls into the handler, panics caught, heartbeats in leased mode;
 //! - `settle`: ack, retry, requeue or dead-letter on the broker;
 //! - `batch` and `acks`: claims, completions and acks that share a round trip;
 //! - `undecided`: the pause while the store fails, and the safety net.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +32,7 @@ mod batch;
 mod config;
 mod decision;
 mod execute;
+mod follow_ups;
 mod guard;
 mod session;
 mod settle;
@@ -45,10 +46,10 @@ use crate::gc::{self, Garbage, Pace};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::outbox::relay::Relay;
-use crate::outbox::{self, OutboxRow};
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
 use crate::topology::{self, Topology};
 use batch::Batcher;
+use follow_ups::FollowUps;
 use session::{Session, SessionError};
 use transactional::{TxAnswer, TxRequest};
 use undecided::Undecided;
@@ -147,48 +148,6 @@ struct Shared<H> {
     undecided: Undecided,
     /// Follow-up messages to publish after their operation's commit.
     follow_ups: FollowUps,
-}
-
-/// The in-process dispatch of follow-up messages: the takes and the marks of operations
-/// that commit together share a statement.
-struct FollowUps {
-    /// Each request: the rows one operation staged; each answer: those it took.
-    takes: Batcher<Vec<i64>, Vec<OutboxRow>>,
-    /// Each request: the rows one operation published.
-    marks: Batcher<Vec<i64>, ()>,
-    /// Wakes this process's relay when a follow-up was not published after its commit.
-    wake: Arc<Notify>,
-}
-
-impl FollowUps {
-    fn new(store: &Store, config: &WorkerConfig, wake: Arc<Notify>) -> Self {
-        let lease = config.outbox.lease;
-        let retention = store.config().retention;
-        let takes = batched(
-            store,
-            config,
-            move |store, requests: Arc<[Vec<i64>]>| async move {
-                let ids: Vec<i64> = requests.iter().flatten().copied().collect();
-                let rows = outbox::take_staged(store.pool(), &ids, lease).await?;
-                let mut taken: HashMap<i64, OutboxRow> =
-                    rows.into_iter().map(|r| (r.id, r)).collect();
-                Ok(requests
-                    .iter()
-                    .map(|ids| ids.iter().filter_map(|id| taken.remove(id)).collect())
-                    .collect())
-            },
-        );
-        let marks = batched(
-            store,
-            config,
-            move |store, requests: Arc<[Vec<i64>]>| async move {
-                let ids: Vec<i64> = requests.iter().flatten().copied().collect();
-                outbox::mark_dispatched(store.pool(), &ids, retention).await?;
-                Ok(vec![(); requests.len()])
-            },
-        );
-        Self { takes, marks, wake }
-    }
 }
 
 impl<H: Handler> Worker<H> {

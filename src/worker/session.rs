@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 use tracing::info;
 
 use super::acks::Acks;
+use super::follow_ups::FollowUpChannel;
 use super::{Shared, WorkerError, drain, execute};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
@@ -139,40 +140,6 @@ impl<H: Handler> Session<H> {
         let _ = publish.close(200, "shutdown".into()).await;
         let _ = connection.close(200, "shutdown".into()).await;
         Ok(())
-    }
-}
-
-/// The channel follow-up messages are published on, opened on first use: a channel of
-/// its own, because the broker answers some publishes (to an exchange that does not
-/// exist) by closing the channel, and the retries' and dead letters' must not go with
-/// it. A closed one is opened again on the next use.
-pub(super) struct FollowUpChannel {
-    connection: Arc<lapin::Connection>,
-    channel: tokio::sync::Mutex<Option<lapin::Channel>>,
-}
-
-impl FollowUpChannel {
-    fn new(connection: Arc<lapin::Connection>) -> Self {
-        Self {
-            connection,
-            channel: tokio::sync::Mutex::new(None),
-        }
-    }
-
-    /// The channel, in confirm mode; a new one if the last was closed.
-    pub(super) async fn get(&self) -> Result<lapin::Channel, lapin::Error> {
-        let mut slot = self.channel.lock().await;
-        if let Some(channel) = slot.as_ref()
-            && channel.status().connected()
-        {
-            return Ok(channel.clone());
-        }
-        let channel = self.connection.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        *slot = Some(channel.clone());
-        Ok(channel)
     }
 }
 

@@ -9,7 +9,7 @@ use tracing::warn;
 use super::WorkerError;
 use super::acks::Acks;
 use super::decision::{DeadLetterOrder, Settle};
-use super::session::FollowUpChannel;
+use super::follow_ups::FollowUpChannel;
 use crate::dead_letter::{self, DeadLetter};
 use crate::failpoint;
 use crate::key::Key;
