@@ -62,6 +62,11 @@ pub(crate) async fn stage(
 const ROW: &str = "id, message_id, source, position, exchange, routing_key, body, properties, \
                    attempts, take_token";
 
+/// What a take writes: the row is the taker's for the lease (`$2`, in milliseconds),
+/// under a token no earlier take had.
+const TAKE: &str = "available_at = now() + $2 * interval '1 millisecond', \
+                    take_token = nextval('outbox_messages_take_seq')";
+
 /// The committing workers take the rows they staged (of the operations that committed
 /// together), unless a relay took them first.
 pub(crate) async fn take_staged(
@@ -70,9 +75,7 @@ pub(crate) async fn take_staged(
     lease: Duration,
 ) -> Result<Vec<OutboxRow>, StoreError> {
     Ok(sqlx::query_as(&format!(
-        "UPDATE outbox_messages
-         SET available_at = now() + $2 * interval '1 millisecond',
-             take_token = nextval('outbox_messages_take_seq')
+        "UPDATE outbox_messages SET {TAKE}
          WHERE id = ANY($1) AND dispatched_at IS NULL AND take_token = 0
          RETURNING {ROW}"
     ))
@@ -90,9 +93,7 @@ pub(crate) async fn take_due(
     lease: Duration,
 ) -> Result<Vec<OutboxRow>, StoreError> {
     Ok(sqlx::query_as(&format!(
-        "UPDATE outbox_messages
-         SET available_at = now() + $2 * interval '1 millisecond',
-             take_token = nextval('outbox_messages_take_seq')
+        "UPDATE outbox_messages SET {TAKE}
          WHERE id IN (SELECT id FROM outbox_messages
                       WHERE dispatched_at IS NULL AND available_at <= now()
                       ORDER BY id LIMIT $1
