@@ -52,6 +52,8 @@
 //! [`topology`], [`retry`] and [`dead_letter`] are the queues and what travels through
 //! them; [`replay`] brings dead letters back; [`outbox`] carries a handler's follow-up
 //! messages; [`gc`] expires what is done; [`metrics`] and [`db`] serve operators.
+//! With the feature `http`, `http` puts axum routes with an `Idempotency-Key` on the
+//! same store.
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod db;
@@ -62,6 +64,8 @@ pub mod fault;
 pub mod fingerprint;
 pub mod gc;
 pub mod handler;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod key;
 pub mod metrics;
 pub mod outbox;

@@ -19,6 +19,7 @@
 //! | `idem_outbox_publish_failures_total` | counter | |
 //! | `idem_outbox_pending`, `idem_outbox_failing` | gauge | |
 //! | `idem_outbox_oldest_age_seconds` | gauge | |
+//! | `idem_http_requests_total` | counter | `operation` (`POST /payments`), `outcome` |
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -55,6 +56,16 @@ pub enum MetricsError {
 /// Counts one delivery's outcome.
 pub(crate) fn delivery(operation: &'static str, outcome: &'static str) {
     ::metrics::counter!("idem_deliveries_total", "operation" => operation, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Counts one keyed HTTP request's outcome (feature `http`): `executed`, `replayed`,
+/// `conflict`, `in_progress`, `pending`, `failed`, `uncertain`, `taken_over`,
+/// `missing_key`, `invalid_key`, `too_large`, `response_too_large`,
+/// `store_unavailable`.
+#[cfg(feature = "http")]
+pub(crate) fn http_request(operation: &str, outcome: &'static str) {
+    ::metrics::counter!("idem_http_requests_total", "operation" => operation.to_owned(), "outcome" => outcome)
         .increment(1);
 }
 

@@ -26,7 +26,8 @@ const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= 
      OR (p.status = 'failed' AND p.retryable)
      OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))";
 
-/// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`.
+/// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`,
+/// and no expiry while it is in flight (a freed HTTP key had one).
 /// A record that is or ever was uncertain (`reconcile_first`) is taken as `pending`, so
 /// the taker reconciles it instead of running it (a replay or a released lease brings
 /// it back here too).
@@ -40,6 +41,7 @@ const TAKE: &str = "SET status = CASE WHEN p.status = 'pending' OR p.reconcile_f
         lease_expires_at = now() + $5::bigint * interval '1 millisecond',
         owner = $6,
         retryable = false,
+        expires_at = NULL,
         updated_at = now()";
 
 /// The columns every claim statement returns, after `found`, for [`ClaimRow`].

@@ -72,6 +72,28 @@ static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// A failure that leaves the key free for a retry, with the stored error `$3`, that
+/// expires after `$4` ms if no retry comes (an HTTP request that failed: unlike a
+/// message, nothing is bound to bring it back).
+static FAIL_EXPIRING_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations
+         SET status = 'failed', retryable = true, error = $3, lease_expires_at = NULL,
+             expires_at = now() + $4::bigint * interval '1 millisecond', updated_at = now()
+         WHERE {FENCED}"
+    )
+});
+
+/// Gives a lease back with nothing written but the lease: the claim did not count as an
+/// attempt (a `pending` HTTP key, which no reconciler serves, stays as it was).
+static GIVE_BACK_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE processed_operations
+         SET lease_expires_at = NULL, attempts = attempts - 1, updated_at = now()
+         WHERE {FENCED}"
+    )
+});
+
 /// An uncertain outcome with the provider's reference `$3` and the stored error `$4`;
 /// the lease is given up, and the operation is marked to be reconciled before it may
 /// ever run again.
@@ -192,6 +214,40 @@ impl Store {
             .execute(executor)
             .await?;
         metrics::store_round_trip("fail", started);
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Records a failure that leaves the key free for a retry and expires the record
+    /// after the retention if none comes, if `lease` still owns the record.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) async fn fail_expiring(
+        &self,
+        lease: &Lease,
+        error: &Value,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let done = sqlx::query(FAIL_EXPIRING_SQL.as_str())
+            .bind(lease.id)
+            .bind(lease.token)
+            .bind(error)
+            .bind(millis(self.config.retention))
+            .execute(&self.pool)
+            .await?;
+        metrics::store_round_trip("fail", started);
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Gives `lease` back unused: the record keeps its status and outcome, its lease
+    /// lapses now, and the claim is not counted as an attempt.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) async fn give_back(&self, lease: &Lease) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let done = sqlx::query(GIVE_BACK_SQL.as_str())
+            .bind(lease.id)
+            .bind(lease.token)
+            .execute(&self.pool)
+            .await?;
+        metrics::store_round_trip("give_back", started);
         fenced(done.rows_affected(), lease)
     }
 

@@ -371,6 +371,15 @@ pub fn spawn_notifications_worker(database_url: &str, queue: &str) -> WorkerProc
     spawn_example("notifications_worker", database_url, queue, &args, &[])
 }
 
+/// A `payments_api` process listening on 127.0.0.1:`port` (the HTTP layer's example).
+pub fn spawn_payments_api(database_url: &str, port: u16, extra: &[&str]) -> WorkerProcess {
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = vec!["--listen", listen.as_str()];
+    args.extend_from_slice(extra);
+    let name = format!("payments-{port}");
+    spawn_example("payments_api", database_url, &name, &args, &[])
+}
+
 /// Starts the example `name` with `args` on the test's database, logging to a file
 /// under the temp dir named after `queue` (kept for post-mortems).
 fn spawn_example(

@@ -1,0 +1,265 @@
+//! HTTP entry points on the same store: an `Idempotency-Key` layer for axum routes
+//! (docs/DESIGN.md, "HTTP entry points"; feature `http`).
+//!
+//! A request with an `Idempotency-Key` is an intent like a message: scope = the
+//! authenticated principal (the application's [`Idempotency::new`] closure says how to
+//! get it), operation = method and matched route (`POST /payments`), key = the header.
+//! The fingerprint is the canonical JSON of the body and the request target, so the
+//! same key with another body or URL is a conflict (422), never a second run. The first
+//! request claims the record with a lease and runs the handler; its writes go through
+//! the request's [`Tx`] and commit with the stored response and the fencing check.
+//! A repeat while it runs gets 409 (`Retry-After`), or 202 with a `Location` to poll
+//! where the route says so; a repeat afterwards gets the stored status, allow-listed
+//! headers and byte-identical body, marked `Idempotency-Replayed: true`.
+//!
+//! ```no_run
+//! use axum::{Json, Router, http::StatusCode, routing::post};
+//! use idem::http::{Idempotency, Tx};
+//!
+//! async fn create(mut tx: Tx, Json(p): Json<serde_json::Value>)
+//!     -> Result<(StatusCode, Json<serde_json::Value>), idem::HandlerError> {
+//!     sqlx::query("INSERT INTO payments (body) VALUES ($1)").bind(&p).execute(&mut *tx).await?;
+//!     Ok((StatusCode::CREATED, Json(p)))
+//! }
+//!
+//! # fn principal(_: &axum::http::request::Parts) -> Result<String, axum::response::Response> { Ok("alice".into()) }
+//! # fn app(store: idem::Store) -> Router {
+//! let keys = Idempotency::new(store, principal); // principal: &Parts -> Result<String, Response>
+//! Router::new().route("/payments", post(create).route_layer(keys.required()))
+//! # }
+//! ```
+//!
+//! What the layer answers itself (RFC 9457 bodies, `application/problem+json`, with a
+//! `type` of `urn:idem:problem:<case>`):
+//!
+//! | case | answer | recorded |
+//! |---|---|---|
+//! | no key on a route that requires one | 400 | nothing |
+//! | key not valid (empty, too long, control characters) | 400 | nothing |
+//! | body over [`Idempotency::max_body_bytes`] | 413 | nothing |
+//! | same key, other body or URL | 422 | nothing |
+//! | same key while the first runs | 409 + `Retry-After` (or 202 + `Location`) | nothing |
+//! | same key while the first is `pending` | 409 + `Retry-After` | nothing |
+//! | same key after an answer below 500 | the stored answer + `Idempotency-Replayed: true` | |
+//! | handler answers 5xx or a transient error | its answer | key free for a retry, writes rolled back |
+//! | handler's outcome uncertain | its answer (502) | `pending`, writes rolled back |
+//! | answer over [`Idempotency::max_response_bytes`] | 500 | key free, writes rolled back |
+//! | store unreachable | 503 + `Retry-After` | nothing |
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+
+use axum::extract::Request;
+use axum::http::request::Parts;
+use axum::http::{HeaderName, header};
+use axum::response::Response;
+use futures_util::future::BoxFuture;
+use tower::{Layer, Service};
+
+use crate::key::Key;
+use crate::store::Store;
+
+mod problem;
+mod service;
+mod stored;
+mod tx;
+
+pub use problem::PROBLEM_JSON;
+pub use stored::IDEMPOTENCY_REPLAYED;
+pub use tx::{IdempotentRequest, Tx};
+
+/// The request header that carries the key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// How the application finds a request's scope (its authenticated principal) in the
+/// request's parts, or answers for itself (typically 401) when there is none.
+pub type ScopeFn = dyn Fn(&Parts) -> Result<String, Response> + Send + Sync;
+
+/// Where a 202 answer tells a client to poll while the first request with its key runs.
+pub type LocationFn = dyn Fn(&Key) -> String + Send + Sync;
+
+/// The idempotency settings of one application, shared by its routes: build it once
+/// and take a layer per route from [`Idempotency::required`] or
+/// [`Idempotency::optional`].
+#[derive(Clone)]
+pub struct Idempotency {
+    shared: Arc<Shared>,
+}
+
+/// What every route of one [`Idempotency`] shares.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) store: Store,
+    pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) max_body: usize,
+    pub(crate) max_response: usize,
+    pub(crate) replay_headers: Vec<HeaderName>,
+}
+
+/// Default [`Idempotency::max_body_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default [`Idempotency::max_response_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1 << 20;
+
+impl Idempotency {
+    /// Settings on `store` (its lease and retention apply to HTTP records as to
+    /// messages), with `scope` naming each request's principal.
+    pub fn new(
+        store: Store,
+        scope: impl Fn(&Parts) -> Result<String, Response> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                store,
+                scope: Arc::new(scope),
+                max_body: DEFAULT_MAX_BODY_BYTES,
+                max_response: DEFAULT_MAX_RESPONSE_BYTES,
+                replay_headers: vec![
+                    header::CONTENT_TYPE,
+                    header::CONTENT_LANGUAGE,
+                    header::LOCATION,
+                    header::ETAG,
+                    header::LAST_MODIFIED,
+                    header::LINK,
+                ],
+            }),
+        }
+    }
+
+    /// The largest request body a keyed request may have: a larger one is answered 413
+    /// before anything is claimed (the body is read whole to fingerprint it).
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.shared).max_body = bytes;
+        self
+    }
+
+    /// The largest response body the layer stores for replay. A larger answer is not
+    /// sent: the handler's writes are rolled back, the key is left free for a retry and
+    /// the client gets 500, because an answer that cannot be replayed would make the
+    /// retry of a lost response see something else.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.shared).max_response = bytes;
+        self
+    }
+
+    /// The response headers a replay repeats (default: `content-type`,
+    /// `content-language`, `location`, `etag`, `last-modified`, `link`). Others, such
+    /// as `set-cookie`, are sent with the first answer only.
+    pub fn replay_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        Arc::make_mut(&mut self.shared).replay_headers = names.into_iter().collect();
+        self
+    }
+
+    /// A layer for a route whose unsafe requests (POST, PUT, PATCH, DELETE) must carry
+    /// an `Idempotency-Key` (400 without one).
+    pub fn required(&self) -> IdempotencyLayer {
+        self.layer(true)
+    }
+
+    /// A layer for a route where the key is optional: a request without one runs once
+    /// per request, its writes still in the request's [`Tx`].
+    pub fn optional(&self) -> IdempotencyLayer {
+        self.layer(false)
+    }
+
+    fn layer(&self, required: bool) -> IdempotencyLayer {
+        IdempotencyLayer {
+            shared: self.shared.clone(),
+            route: Arc::new(Route {
+                required,
+                volatile: Vec::new(),
+                location: None,
+            }),
+        }
+    }
+
+    /// The answer for a client polling the `Location` of a 202 (see
+    /// [`IdempotencyLayer::accept_while_running`]): the stored answer once there is one
+    /// (marked replayed), 202 with `Retry-After` while it runs or is pending, 404 when
+    /// there is no answer to wait for (no such key, or it failed and must be sent again).
+    pub async fn poll(&self, key: &Key) -> Response {
+        service::poll(&self.shared, key).await
+    }
+}
+
+/// The idempotency layer of one route: add it with `route_layer` (or `layer`) on the
+/// route's method router, so that the matched route names the operation.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+    route: Arc<Route>,
+}
+
+/// One route's settings.
+#[derive(Clone)]
+pub(crate) struct Route {
+    pub(crate) required: bool,
+    /// The volatile fields as paths into the fingerprinted payload (`body.` + field).
+    pub(crate) volatile: Vec<String>,
+    pub(crate) location: Option<Arc<LocationFn>>,
+}
+
+impl IdempotencyLayer {
+    /// Body fields left out of the fingerprint (dotted paths, as a handler's
+    /// `VOLATILE_FIELDS`): a retry that changes only these is the same intent.
+    pub fn volatile(mut self, fields: &[&str]) -> Self {
+        Arc::make_mut(&mut self.route).volatile =
+            fields.iter().map(|f| format!("body.{f}")).collect();
+        self
+    }
+
+    /// While the first request with a key runs, answer a repeat 202 Accepted with a
+    /// `Location` (made by `location` from the key) and `Retry-After`, instead of 409,
+    /// for clients that poll (serve the location with [`Idempotency::poll`]).
+    pub fn accept_while_running(
+        mut self,
+        location: impl Fn(&Key) -> String + Send + Sync + 'static,
+    ) -> Self {
+        Arc::make_mut(&mut self.route).location = Some(Arc::new(location));
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            shared: self.shared.clone(),
+            route: self.route.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps a route in.
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+    route: Arc<Route>,
+}
+
+impl<S> Service<Request> for IdempotencyService<S>
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        // The clone may not be ready; the one polled ready is used (tower's pattern).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        let route = self.route.clone();
+        Box::pin(async move { Ok(service::serve(&shared, &route, inner, request).await) })
+    }
+}

@@ -1,0 +1,724 @@
+//! The HTTP layer against the real database with a real HTTP client: the
+//! `payments_api` example as a process (concurrent repeats, conflicts, a server killed
+//! mid-request, the body limit), and routes served in the test for the outcomes the
+//! example does not produce (transient, uncertain, too large, 202 and polling, the
+//! operator commands on HTTP records).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use common::{WorkerProcess, database_url, signal, spawn_payments_api, wait_until};
+use idem::http::{IDEMPOTENCY_REPLAYED, Idempotency, IdempotentRequest, Tx};
+use idem::{HandlerError, Key, Store, StoreConfig};
+use reqwest::header::HeaderMap;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// One answer: status, headers, body bytes.
+struct Answer {
+    status: u16,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get(IDEMPOTENCY_REPLAYED)
+            .is_some_and(|v| v == "true")
+    }
+
+    fn problem_type(&self) -> String {
+        let body: Value = serde_json::from_slice(&self.body).unwrap_or(Value::Null);
+        body["type"].as_str().unwrap_or_default().to_owned()
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// POSTs `body` to `url` as `principal` with `key`.
+async fn post_json(
+    client: &reqwest::Client,
+    url: &str,
+    principal: Option<&str>,
+    key: Option<&str>,
+    body: &[u8],
+) -> Result<Answer, reqwest::Error> {
+    let mut request = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_vec());
+    if let Some(principal) = principal {
+        request = request.bearer_auth(principal);
+    }
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let response = request.send().await?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.bytes().await?.to_vec();
+    Ok(Answer {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn payment(customer: &str, amount_cents: i64) -> Vec<u8> {
+    json!({"customer": customer, "amount_cents": amount_cents, "currency": "EUR"})
+        .to_string()
+        .into_bytes()
+}
+
+async fn payments(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM example_payments")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+async fn records(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM processed_operations")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A free port on loopback (bound, then let go, so a restarted server can take it).
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// A `payments_api` process, ready.
+async fn start_api(url: &str, port: u16, extra: &[&str]) -> WorkerProcess {
+    let api = spawn_payments_api(url, port, extra);
+    let health = format!("http://127.0.0.1:{port}/healthz");
+    let client = reqwest::Client::new();
+    wait_until(
+        Duration::from_secs(60),
+        "payments_api listening",
+        || async { client.get(&health).send().await.is_ok() },
+    )
+    .await;
+    api
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn thirty_concurrent_requests_with_one_key_make_one_payment(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let port = free_port();
+    let _api = start_api(&database_url(&c), port, &["--provider-delay-ms", "300"]).await;
+    let url = format!("http://127.0.0.1:{port}/payments");
+    let client = reqwest::Client::new();
+    let body = payment("c-1", 1250);
+    let start = Arc::new(tokio::sync::Barrier::new(30));
+    let mut racers = tokio::task::JoinSet::new();
+    for _ in 0..30 {
+        let (client, url, body, start) = (client.clone(), url.clone(), body.clone(), start.clone());
+        racers.spawn(async move {
+            start.wait().await;
+            post_json(&client, &url, Some("alice"), Some("order-17"), &body)
+                .await
+                .unwrap()
+        });
+    }
+    let answers = racers.join_all().await;
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status).collect();
+    assert!(
+        statuses.iter().all(|s| *s == 201 || *s == 409),
+        "every answer is 201 or 409: {statuses:?}"
+    );
+    let created: Vec<&Answer> = answers.iter().filter(|a| a.status == 201).collect();
+    let executed: Vec<&&Answer> = created.iter().filter(|a| !a.replayed()).collect();
+    assert_eq!(executed.len(), 1, "one request ran: {statuses:?}");
+    assert!(statuses.contains(&409), "the requests raced: {statuses:?}");
+    for conflict in answers.iter().filter(|a| a.status == 409) {
+        assert_eq!(
+            conflict.problem_type(),
+            "urn:idem:problem:request-in-progress"
+        );
+        assert_eq!(conflict.header("retry-after"), Some("1"));
+        assert_eq!(
+            conflict.header("content-type"),
+            Some("application/problem+json")
+        );
+    }
+    assert_eq!(payments(&pool).await, 1, "exactly one payment");
+
+    let retry = post_json(&client, &url, Some("alice"), Some("order-17"), &body)
+        .await
+        .unwrap();
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed(), "the retry is a replay");
+    assert_eq!(retry.body, executed[0].body, "byte-identical body");
+    assert_eq!(
+        retry.header("content-type"),
+        executed[0].header("content-type")
+    );
+    for replay in created.iter().filter(|a| a.replayed()) {
+        assert_eq!(replay.body, executed[0].body);
+    }
+    assert_eq!(payments(&pool).await, 1);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_reused_key_conflicts_a_missing_key_is_refused_and_principals_are_apart(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let port = free_port();
+    let _api = start_api(&database_url(&c), port, &[]).await;
+    let url = format!("http://127.0.0.1:{port}/payments");
+    let client = reqwest::Client::new();
+
+    let first = post_json(
+        &client,
+        &url,
+        Some("alice"),
+        Some("k-1"),
+        &payment("c-1", 100),
+    )
+    .await
+    .unwrap();
+    assert_eq!(first.status, 201);
+    let other = post_json(
+        &client,
+        &url,
+        Some("alice"),
+        Some("k-1"),
+        &payment("c-1", 999),
+    )
+    .await
+    .unwrap();
+    assert_eq!(other.status, 422);
+    assert_eq!(
+        other.problem_type(),
+        "urn:idem:problem:idempotency-key-reused"
+    );
+    // Reordered and re-spaced JSON is the same request.
+    let reordered = br#"{ "currency": "EUR", "amount_cents": 100, "customer": "c-1" }"#;
+    let same = post_json(&client, &url, Some("alice"), Some("k-1"), reordered)
+        .await
+        .unwrap();
+    assert_eq!((same.status, same.replayed()), (201, true));
+    assert_eq!(payments(&pool).await, 1);
+
+    let records_before = records(&pool).await;
+    let no_key = post_json(&client, &url, Some("alice"), None, &payment("c-1", 100))
+        .await
+        .unwrap();
+    assert_eq!(no_key.status, 400);
+    assert_eq!(
+        no_key.problem_type(),
+        "urn:idem:problem:idempotency-key-missing"
+    );
+    let invalid = client
+        .post(&url)
+        .bearer_auth("alice")
+        .header("idempotency-key", format!("{:?}", "x".repeat(501)))
+        .body(payment("c-1", 100))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(invalid.status().as_u16(), 400, "a 501-byte key is refused");
+    let anonymous = post_json(&client, &url, None, Some("k-1"), &payment("c-1", 100))
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status, 401, "the application's own rejection");
+    assert_eq!(payments(&pool).await, 1, "no payment without a valid key");
+    assert_eq!(records(&pool).await, records_before, "nothing recorded");
+
+    let bob = post_json(
+        &client,
+        &url,
+        Some("bob"),
+        Some("k-1"),
+        &payment("c-1", 100),
+    )
+    .await
+    .unwrap();
+    assert_eq!((bob.status, bob.replayed()), (201, false));
+    assert_eq!(
+        payments(&pool).await,
+        2,
+        "two principals, one key: two payments"
+    );
+    let principals: Vec<String> =
+        sqlx::query_scalar("SELECT principal FROM example_payments ORDER BY principal")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(principals, ["alice", "bob"]);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_server_killed_mid_request_is_taken_over_after_its_lease(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url_db = database_url(&c);
+    let port = free_port();
+    let slow = ["--lease-secs", "3", "--provider-delay-ms", "10000"];
+    let mut api = start_api(&url_db, port, &slow).await;
+    let url = format!("http://127.0.0.1:{port}/payments");
+    let client = reqwest::Client::new();
+    let body = payment("c-1", 500);
+    let in_flight = {
+        let (client, url, body) = (client.clone(), url.clone(), body.clone());
+        tokio::spawn(async move { post_json(&client, &url, Some("alice"), Some("k"), &body).await })
+    };
+    wait_until(
+        Duration::from_secs(30),
+        "the request claimed its key",
+        || async { records(&pool).await == 1 },
+    )
+    .await;
+    signal(&api, "KILL");
+    let _ = api.child.wait().await;
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the client lost its answer"
+    );
+    let _api = start_api(&url_db, port, &["--lease-secs", "3"]).await;
+
+    let mut statuses = Vec::new();
+    let done = loop {
+        let answer = post_json(&client, &url, Some("alice"), Some("k"), &body)
+            .await
+            .unwrap();
+        statuses.push(answer.status);
+        match answer.status {
+            409 => {
+                assert_eq!(answer.header("retry-after"), Some("1"));
+                let wait = answer.header("retry-after").unwrap().parse().unwrap();
+                tokio::time::sleep(Duration::from_secs(wait)).await;
+            }
+            _ => break answer,
+        }
+        assert!(
+            statuses.len() < 30,
+            "taken over within the lease: {statuses:?}"
+        );
+    };
+    assert_eq!(done.status, 201, "after {statuses:?}");
+    assert!(!done.replayed(), "the retry ran the request");
+    assert!(
+        statuses[0] == 409,
+        "409 while the dead server's lease ran: {statuses:?}"
+    );
+    let (attempts, status): (i32, String) =
+        sqlx::query_as("SELECT attempts, status FROM processed_operations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((attempts, status.as_str()), (2, "completed"));
+    assert_eq!(payments(&pool).await, 1, "exactly one payment");
+    let again = post_json(&client, &url, Some("alice"), Some("k"), &body)
+        .await
+        .unwrap();
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, done.body);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_body_over_the_limit_is_refused_with_nothing_stored(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let port = free_port();
+    let _api = start_api(&database_url(&c), port, &["--max-body-bytes", "1024"]).await;
+    let url = format!("http://127.0.0.1:{port}/payments");
+    let client = reqwest::Client::new();
+    let big = json!({"customer": "c".repeat(2000), "amount_cents": 1, "currency": "EUR"});
+    let answer = post_json(
+        &client,
+        &url,
+        Some("alice"),
+        Some("big"),
+        big.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 413);
+    assert_eq!(answer.problem_type(), "urn:idem:problem:body-too-large");
+    assert_eq!(records(&pool).await, 0, "no record");
+    assert_eq!(payments(&pool).await, 0, "no payment");
+    // The same key with a body that fits is a first request.
+    let small = post_json(&client, &url, Some("alice"), Some("big"), &payment("c", 1))
+        .await
+        .unwrap();
+    assert_eq!((small.status, small.replayed()), (201, false));
+}
+
+// ---- Routes served by the test itself ----
+
+#[derive(Clone)]
+struct TestState {
+    calls: Arc<AtomicU32>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+fn principal(parts: &Parts) -> Result<String, Response> {
+    parts
+        .headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned))
+        .ok_or_else(|| StatusCode::UNAUTHORIZED.into_response())
+}
+
+async fn note(tx: &mut Tx, what: &str) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO test_effects (what) VALUES ($1)")
+        .bind(what)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Fails transiently on its first call, then succeeds.
+async fn flaky(State(s): State<TestState>, mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    note(&mut tx, "flaky").await?;
+    if s.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+        return Err(HandlerError::transient("the provider is busy"));
+    }
+    Ok(StatusCode::CREATED)
+}
+
+async fn uncertain(mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    note(&mut tx, "uncertain").await?;
+    Err(HandlerError::uncertain(
+        Some("charge-7".into()),
+        "the provider timed out",
+    ))
+}
+
+async fn huge(mut tx: Tx) -> Result<String, HandlerError> {
+    note(&mut tx, "huge").await?;
+    Ok("x".repeat(4096))
+}
+
+/// Waits for the test to open the gate, then answers.
+async fn gated(State(s): State<TestState>, request: IdempotentRequest, mut tx: Tx) -> Response {
+    if let Err(e) = note(&mut tx, "gated").await {
+        return e.into_response();
+    }
+    let _permit = s.gate.acquire().await;
+    (StatusCode::CREATED, format!("attempt {}", request.attempt)).into_response()
+}
+
+/// Serves the test routes on a free port; returns the base URL and the store.
+async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) -> String {
+    sqlx::query("CREATE TABLE IF NOT EXISTS test_effects (what text NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let store = Store::new(
+        pool.clone(),
+        StoreConfig {
+            lease,
+            retention,
+            ..StoreConfig::default()
+        },
+    );
+    let keys = Idempotency::new(store, principal).max_response_bytes(1024);
+    let poll_keys = keys.clone();
+    let state = TestState {
+        calls: Arc::new(AtomicU32::new(0)),
+        gate: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let gate = state.gate.clone();
+    let app = Router::new()
+        .route("/flaky", post(flaky).route_layer(keys.required()))
+        .route("/uncertain", post(uncertain).route_layer(keys.required()))
+        .route("/huge", post(huge).route_layer(keys.required()))
+        .route(
+            "/gated",
+            post(gated).route_layer(
+                keys.required()
+                    .accept_while_running(|key| format!("/polls/{}", key.idempotency_key())),
+            ),
+        )
+        .route(
+            "/polls/{key}",
+            get(
+                move |parts: Parts, axum::extract::Path(key): axum::extract::Path<String>| {
+                    let keys = poll_keys.clone();
+                    async move {
+                        let scope = principal(&parts)?;
+                        let key = Key::new(scope, "POST /gated", key).map_err(|e| {
+                            (StatusCode::BAD_REQUEST, e.to_string()).into_response()
+                        })?;
+                        Ok::<_, Response>(keys.poll(&key).await)
+                    }
+                },
+            ),
+        )
+        .route(
+            "/open",
+            post(|| async move {
+                gate.add_permits(1000);
+            }),
+        )
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+async fn effects(pool: &PgPool, what: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM test_effects WHERE what = $1")
+        .bind(what)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn record_of(pool: &PgPool, operation: &str) -> (String, i32, bool, Option<String>, bool) {
+    sqlx::query_as(
+        "SELECT status, attempts, retryable, external_ref, expires_at IS NOT NULL
+         FROM processed_operations WHERE operation = $1",
+    )
+    .bind(operation)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_transient_failure_frees_the_key_and_rolls_its_writes_back(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/flaky");
+    let first = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!(first.status, 503);
+    assert_eq!(first.header("retry-after"), Some("1"));
+    assert_eq!(effects(&pool, "flaky").await, 0, "rolled back");
+    let (status, attempts, retryable, _, expires) = record_of(&pool, "POST /flaky").await;
+    assert_eq!((status.as_str(), attempts, retryable), ("failed", 1, true));
+    assert!(expires, "a freed key expires if no retry comes");
+    let second = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!((second.status, second.replayed()), (201, false));
+    assert_eq!(effects(&pool, "flaky").await, 1);
+    let (status, attempts, ..) = record_of(&pool, "POST /flaky").await;
+    assert_eq!((status.as_str(), attempts), ("completed", 2));
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn an_uncertain_outcome_stays_pending_and_is_answered_409(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/uncertain");
+    let first = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!(first.status, 502);
+    assert_eq!(effects(&pool, "uncertain").await, 0, "rolled back");
+    for _ in 0..2 {
+        let again = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+            .await
+            .unwrap();
+        assert_eq!(again.status, 409);
+        assert_eq!(again.problem_type(), "urn:idem:problem:outcome-uncertain");
+        assert_eq!(again.header("retry-after"), Some("30"));
+    }
+    let (status, attempts, _, external_ref, _) = record_of(&pool, "POST /uncertain").await;
+    assert_eq!(
+        (status.as_str(), attempts, external_ref.as_deref()),
+        ("pending", 1, Some("charge-7")),
+        "asking again neither runs it nor counts as an attempt"
+    );
+    let lease: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT lease_expires_at FROM processed_operations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(lease, None, "no lease held");
+    assert_eq!(effects(&pool, "uncertain").await, 0);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn an_answer_too_large_to_store_is_500_with_nothing_stored(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/huge");
+    for attempt in 1..=2 {
+        let answer = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 500);
+        assert_eq!(answer.problem_type(), "urn:idem:problem:response-too-large");
+        let (status, attempts, retryable, ..) = record_of(&pool, "POST /huge").await;
+        assert_eq!(
+            (status.as_str(), attempts, retryable),
+            ("failed", attempt, true)
+        );
+    }
+    assert_eq!(effects(&pool, "huge").await, 0, "its writes rolled back");
+    let result: Option<Value> = sqlx::query_scalar("SELECT result FROM processed_operations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(result, None, "no answer stored");
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_route_may_answer_202_with_a_location_to_poll(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/gated");
+    let first = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { post_json(&client, &url, Some("a"), Some("g-1"), b"{}").await })
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the first request runs",
+        || async { records(&pool).await == 1 },
+    )
+    .await;
+    let repeat = post_json(&client, &url, Some("a"), Some("g-1"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!(repeat.status, 202);
+    assert_eq!(repeat.header("location"), Some("/polls/g-1"));
+    assert_eq!(repeat.header("retry-after"), Some("1"));
+    let poll_url = format!("{base}/polls/g-1");
+    let polled = client.get(&poll_url).bearer_auth("a").send().await.unwrap();
+    assert_eq!(polled.status().as_u16(), 202);
+    let unknown = client
+        .get(format!("{base}/polls/nope"))
+        .bearer_auth("a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status().as_u16(), 404);
+
+    client.post(format!("{base}/open")).send().await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(
+        (first.status, first.body.as_slice()),
+        (201, &b"attempt 1"[..])
+    );
+    let polled = client.get(&poll_url).bearer_auth("a").send().await.unwrap();
+    assert_eq!(polled.status().as_u16(), 201);
+    assert_eq!(polled.headers()[IDEMPOTENCY_REPLAYED], "true");
+    assert_eq!(polled.bytes().await.unwrap().as_ref(), b"attempt 1");
+    assert_eq!(effects(&pool, "gated").await, 1);
+}
+
+async fn idem_cli(database_url: &str, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "idem {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn operators_show_list_release_and_collect_http_records(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url_db = database_url(&c);
+    // Completed records expire at once, so gc has something to collect.
+    let base = serve_test_routes(&pool, Duration::from_secs(30), Duration::ZERO).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/gated");
+    let stuck = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { post_json(&client, &url, Some("ops"), Some("s-1"), b"{}").await })
+    };
+    wait_until(Duration::from_secs(10), "the request runs", || async {
+        records(&pool).await == 1
+    })
+    .await;
+    let key = [
+        "--scope",
+        "ops",
+        "--operation",
+        "POST /gated",
+        "--key",
+        "s-1",
+    ];
+    let shown = idem_cli(&url_db, &[&["ops", "show"][..], &key].concat()).await;
+    assert!(shown.contains("processing"), "{shown}");
+    let listed = idem_cli(&url_db, &["ops", "list", "--status", "processing"]).await;
+    assert!(listed.contains("POST /gated"), "{listed}");
+    // The server is alive, but the operator says its request is dead: a retry takes
+    // it over at once, and the first request's late completion is fenced off.
+    idem_cli(&url_db, &[&["ops", "release"][..], &key].concat()).await;
+    let takeover = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { post_json(&client, &url, Some("ops"), Some("s-1"), b"{}").await })
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the retry takes the key over",
+        || async {
+            sqlx::query_scalar::<_, i32>("SELECT attempts FROM processed_operations")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0)
+                == 2
+        },
+    )
+    .await;
+    client.post(format!("{base}/open")).send().await.unwrap();
+    let taken = takeover.await.unwrap().unwrap();
+    assert_eq!(
+        (taken.status, taken.body.as_slice()),
+        (201, &b"attempt 2"[..])
+    );
+    let first = stuck.await.unwrap().unwrap();
+    assert_eq!(
+        first.status, 409,
+        "the released request is told it was taken over"
+    );
+    assert_eq!(first.problem_type(), "urn:idem:problem:request-taken-over");
+    assert_eq!(
+        effects(&pool, "gated").await,
+        1,
+        "only the takeover's write commits"
+    );
+
+    idem_cli(&url_db, &["gc"]).await;
+    assert_eq!(
+        records(&pool).await,
+        0,
+        "the completed HTTP record is collected"
+    );
+}
