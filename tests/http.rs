@@ -378,6 +378,8 @@ struct TestState {
     gate: Arc<tokio::sync::Semaphore>,
 }
 
+// A rejection is a whole response, as axum's own are.
+#[allow(clippy::result_large_err)]
 fn principal(parts: &Parts) -> Result<String, Response> {
     parts
         .headers
