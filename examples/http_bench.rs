@@ -107,9 +107,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
         &format!("{base}/unprotected/payments"),
         &warm,
         "warm-bare",
+        false,
     )
     .await?;
-    send(&client, &format!("{base}/payments"), &warm, "warm-layer").await?;
+    send(
+        &client,
+        &format!("{base}/payments"),
+        &warm,
+        "warm-layer",
+        false,
+    )
+    .await?;
 
     let mut results: Vec<(&str, Vec<Measured>)> = vec![
         ("bare", Vec::new()),
@@ -126,11 +134,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 "/payments"
             };
-            let m = send(&client, &format!("{base}{path}"), &args, &keys).await?;
+            let m = send(&client, &format!("{base}{path}"), &args, &keys, false).await?;
             print_line(results[i].0, round, m);
             results[i].1.push(m);
         }
-        let m = send(&client, &format!("{base}/payments"), &args, &keys).await?;
+        let m = send(&client, &format!("{base}/payments"), &args, &keys, true).await?;
         print_line("replayed", round, m);
         results[2].1.push(m);
     }
@@ -165,12 +173,13 @@ fn print_line(name: &str, round: usize, m: Measured) {
 }
 
 /// Sends `args.requests` payments to `url`, `args.concurrency` at once, request `i`
-/// with key `{keys}-{i}`; every answer must be 201.
+/// with key `{keys}-{i}`; every answer must be 201, replayed or not as `replays` says.
 async fn send(
     client: &reqwest::Client,
     url: &str,
     args: &Args,
     keys: &str,
+    replays: bool,
 ) -> anyhow::Result<Measured> {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
@@ -205,9 +214,13 @@ async fn send(
                     .send()
                     .await?;
                 let status = response.status();
+                let replayed = response.headers().contains_key("idempotency-replayed");
                 response.bytes().await?;
                 if status != reqwest::StatusCode::CREATED {
                     bail!("{url} answered {status}");
+                }
+                if replayed != replays {
+                    bail!("{url}: replayed {replayed}, expected {replays}");
                 }
                 latencies.push(sent.elapsed());
             }

@@ -167,6 +167,18 @@ fn principal(parts: &Parts) -> Result<String, Response> {
         })
 }
 
+/// `text` as one percent-encoded path segment (RFC 3986 unreserved characters kept).
+fn path_segment(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 fn internal(error: sqlx::Error) -> Response {
     HandlerError::transient(idem::error_line(&error)).into_response()
 }
@@ -255,8 +267,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let keys = Idempotency::new(store, principal).max_body_bytes(args.max_body_bytes);
     let mut layer = keys.required();
     if args.accept_while_running {
-        layer = layer
-            .accept_while_running(|key| format!("/payment-requests/{}", key.idempotency_key()));
+        layer = layer.accept_while_running(|key| {
+            format!("/payment-requests/{}", path_segment(key.idempotency_key()))
+        });
     }
     let app = App {
         provider_delay: Duration::from_millis(args.provider_delay_ms),

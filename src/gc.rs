@@ -59,7 +59,11 @@ impl Garbage {
     /// The rows of the table that gc keeps even when expired (an SQL condition).
     pub(crate) fn kept(self) -> &'static str {
         match self {
-            Garbage::Records => "dead_lettered_at IS NOT NULL",
+            // An HTTP request's record has an expiry while in flight: never delete one
+            // whose lease is live.
+            Garbage::Records => {
+                "dead_lettered_at IS NOT NULL OR COALESCE(lease_expires_at > now(), false)"
+            }
             // expires_at is set with dispatched_at; the check is belt and braces.
             Garbage::FollowUps => "dispatched_at IS NULL",
         }

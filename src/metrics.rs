@@ -266,8 +266,11 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
             "SELECT
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
                   FROM processed_operations WHERE status = 'pending'),
+               -- Messages only: an HTTP request's record (it has an expiry) whose
+               -- server died waits for its client, maybe forever; gc takes it.
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
-                  FROM processed_operations WHERE status = 'processing'),
+                  FROM processed_operations
+                 WHERE status = 'processing' AND expires_at IS NULL),
                (SELECT extract(epoch FROM now() - min(expires_at))::float8
                   FROM processed_operations
                  WHERE expires_at <= now() AND dead_lettered_at IS NULL)",

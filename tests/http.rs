@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use axum::Json;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -17,8 +18,8 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use common::{WorkerProcess, database_url, signal, spawn_payments_api, wait_until};
-use idem::http::{IDEMPOTENCY_REPLAYED, Idempotency, IdempotentRequest, Tx};
-use idem::{HandlerError, Key, Store, StoreConfig};
+use idem::http::{Decided, IDEMPOTENCY_REPLAYED, Idempotency, IdempotentRequest, Tx};
+use idem::{HandlerError, Key, Reconciliation, Store, StoreConfig};
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -221,6 +222,29 @@ async fn a_reused_key_conflicts_a_missing_key_is_refused_and_principals_are_apar
     assert_eq!((same.status, same.replayed()), (201, true));
     assert_eq!(payments(&pool).await, 1);
 
+    // A rejection before the handler ran (axum's Json wants a Content-Type) is not the
+    // request's answer: the key stays free, and the corrected request runs.
+    let unlabelled = client
+        .post(&url)
+        .bearer_auth("alice")
+        .header("idempotency-key", "k-2")
+        .body(payment("c-2", 200))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unlabelled.status().as_u16(), 415);
+    let labelled = post_json(
+        &client,
+        &url,
+        Some("alice"),
+        Some("k-2"),
+        &payment("c-2", 200),
+    )
+    .await
+    .unwrap();
+    assert_eq!((labelled.status, labelled.replayed()), (201, false));
+    assert_eq!(payments(&pool).await, 2);
+
     let records_before = records(&pool).await;
     let no_key = post_json(&client, &url, Some("alice"), None, &payment("c-1", 100))
         .await
@@ -243,7 +267,7 @@ async fn a_reused_key_conflicts_a_missing_key_is_refused_and_principals_are_apar
         .await
         .unwrap();
     assert_eq!(anonymous.status, 401, "the application's own rejection");
-    assert_eq!(payments(&pool).await, 1, "no payment without a valid key");
+    assert_eq!(payments(&pool).await, 2, "no payment without a valid key");
     assert_eq!(records(&pool).await, records_before, "nothing recorded");
 
     let bob = post_json(
@@ -258,14 +282,15 @@ async fn a_reused_key_conflicts_a_missing_key_is_refused_and_principals_are_apar
     assert_eq!((bob.status, bob.replayed()), (201, false));
     assert_eq!(
         payments(&pool).await,
-        2,
+        3,
         "two principals, one key: two payments"
     );
-    let principals: Vec<String> =
-        sqlx::query_scalar("SELECT principal FROM example_payments ORDER BY principal")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let principals: Vec<String> = sqlx::query_scalar(
+        "SELECT principal FROM example_payments WHERE customer = 'c-1' ORDER BY principal",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
     assert_eq!(principals, ["alice", "bob"]);
 }
 
@@ -277,7 +302,9 @@ async fn a_server_killed_mid_request_is_taken_over_after_its_lease(
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url_db = database_url(&c);
     let port = free_port();
-    let slow = ["--lease-secs", "3", "--provider-delay-ms", "10000"];
+    // A lease of 6 s: the restart (migrate, bind) is well within it, so the first retry
+    // meets the dead server's lease.
+    let slow = ["--lease-secs", "6", "--provider-delay-ms", "10000"];
     let mut api = start_api(&url_db, port, &slow).await;
     let url = format!("http://127.0.0.1:{port}/payments");
     let client = reqwest::Client::new();
@@ -298,7 +325,13 @@ async fn a_server_killed_mid_request_is_taken_over_after_its_lease(
         in_flight.await.unwrap().is_err(),
         "the client lost its answer"
     );
-    let _api = start_api(&url_db, port, &["--lease-secs", "3"]).await;
+    let _api = start_api(&url_db, port, &["--lease-secs", "6"]).await;
+    let live: bool =
+        sqlx::query_scalar("SELECT lease_expires_at > now() FROM processed_operations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(live, "the restart took longer than the dead server's lease");
 
     let mut statuses = Vec::new();
     let done = loop {
@@ -418,6 +451,60 @@ async fn huge(mut tx: Tx) -> Result<String, HandlerError> {
     Ok("x".repeat(4096))
 }
 
+/// A refusal marked as the route's decision: stored and replayed, its write kept.
+async fn declined(mut tx: Tx) -> Result<impl IntoResponse, HandlerError> {
+    note(&mut tx, "declined").await?;
+    Ok((StatusCode::PAYMENT_REQUIRED, Decided, "card declined"))
+}
+
+/// A refusal not marked: the key stays free and its write is rolled back.
+async fn refused(mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    note(&mut tx, "refused").await?;
+    Ok(StatusCode::NOT_FOUND)
+}
+
+/// Panics on its first attempt, after a write.
+async fn panics(request: IdempotentRequest, mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    note(&mut tx, "panics").await?;
+    if request.attempt == 1 {
+        panic!("the handler's bug");
+    }
+    Ok(StatusCode::CREATED)
+}
+
+/// Uncertain on its first attempt (the provider's reference is the body's `outcome`),
+/// then it runs.
+async fn maybe(
+    request: IdempotentRequest,
+    mut tx: Tx,
+    Json(body): Json<Value>,
+) -> Result<(StatusCode, String), HandlerError> {
+    note(&mut tx, "maybe").await?;
+    if request.attempt == 1 {
+        let outcome = body["outcome"].as_str().map(str::to_owned);
+        return Err(HandlerError::uncertain(outcome, "the provider timed out"));
+    }
+    Ok((
+        StatusCode::CREATED,
+        format!("ran again, attempt {}", request.attempt),
+    ))
+}
+
+/// Asks "the provider": the reference says what it knows.
+async fn reconcile_maybe(
+    _: IdempotentRequest,
+    external_ref: Option<String>,
+) -> Result<Reconciliation<Response>, HandlerError> {
+    match external_ref.as_deref() {
+        Some("applied") => Ok(Reconciliation::Applied(
+            (StatusCode::CREATED, "found at the provider").into_response(),
+        )),
+        Some("absent") => Ok(Reconciliation::NotApplied),
+        Some("broken") => Err(HandlerError::transient("the provider is down")),
+        _ => Ok(Reconciliation::Unknown),
+    }
+}
+
 /// Waits for the test to open the gate, then answers.
 async fn gated(State(s): State<TestState>, request: IdempotentRequest, mut tx: Tx) -> Response {
     if let Err(e) = note(&mut tx, "gated").await {
@@ -452,6 +539,13 @@ async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) 
         .route("/flaky", post(flaky).route_layer(keys.required()))
         .route("/uncertain", post(uncertain).route_layer(keys.required()))
         .route("/huge", post(huge).route_layer(keys.required()))
+        .route("/declined", post(declined).route_layer(keys.required()))
+        .route("/refused", post(refused).route_layer(keys.required()))
+        .route("/panics", post(panics).route_layer(keys.required()))
+        .route(
+            "/maybe",
+            post(maybe).route_layer(keys.required().reconcile(reconcile_maybe)),
+        )
         .route(
             "/gated",
             post(gated).route_layer(
@@ -549,11 +643,15 @@ async fn an_uncertain_outcome_stays_pending_and_is_answered_409(pool: PgPool) {
         assert_eq!(again.problem_type(), "urn:idem:problem:outcome-uncertain");
         assert_eq!(again.header("retry-after"), Some("30"));
     }
-    let (status, attempts, _, external_ref, _) = record_of(&pool, "POST /uncertain").await;
+    let (status, attempts, _, external_ref, expires) = record_of(&pool, "POST /uncertain").await;
     assert_eq!(
         (status.as_str(), attempts, external_ref.as_deref()),
         ("pending", 1, Some("charge-7")),
         "asking again neither runs it nor counts as an attempt"
+    );
+    assert!(
+        !expires,
+        "a pending key never expires: a repeat would run unreconciled"
     );
     let lease: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT lease_expires_at FROM processed_operations")
@@ -613,6 +711,18 @@ async fn a_route_may_answer_202_with_a_location_to_poll(pool: PgPool) {
     let poll_url = format!("{base}/polls/g-1");
     let polled = client.get(&poll_url).bearer_auth("a").send().await.unwrap();
     assert_eq!(polled.status().as_u16(), 202);
+    // Were its server dead (its lease lapsed), polling would wait forever: 404, send the
+    // request again.
+    sqlx::query("UPDATE processed_operations SET lease_expires_at = now() - interval '1 s'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let dead = client.get(&poll_url).bearer_auth("a").send().await.unwrap();
+    assert_eq!(dead.status().as_u16(), 404);
+    sqlx::query("UPDATE processed_operations SET lease_expires_at = now() + interval '30 s'")
+        .execute(&pool)
+        .await
+        .unwrap();
     let unknown = client
         .get(format!("{base}/polls/nope"))
         .bearer_auth("a")
@@ -656,8 +766,9 @@ async fn operators_show_list_release_and_collect_http_records(
 ) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url_db = database_url(&c);
-    // Completed records expire at once, so gc has something to collect.
-    let base = serve_test_routes(&pool, Duration::from_secs(30), Duration::ZERO).await;
+    // Completed records expire at once, so gc has something to collect; the lease is
+    // long, so that no heartbeat renews it between the release and the takeover.
+    let base = serve_test_routes(&pool, Duration::from_secs(600), Duration::ZERO).await;
     let client = reqwest::Client::new();
     let url = format!("{base}/gated");
     let stuck = {
@@ -668,6 +779,10 @@ async fn operators_show_list_release_and_collect_http_records(
         records(&pool).await == 1
     })
     .await;
+    // In flight, its record has expired already (retention zero), but its lease is live:
+    // gc leaves it.
+    idem_cli(&url_db, &["gc"]).await;
+    assert_eq!(records(&pool).await, 1, "gc spares a record in flight");
     let key = [
         "--scope",
         "ops",
@@ -723,4 +838,152 @@ async fn operators_show_list_release_and_collect_http_records(
         0,
         "the completed HTTP record is collected"
     );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn only_a_decided_refusal_is_stored(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    for _ in 0..2 {
+        let refused = post_json(
+            &client,
+            &format!("{base}/refused"),
+            Some("a"),
+            Some("k"),
+            b"{}",
+        )
+        .await
+        .unwrap();
+        assert_eq!((refused.status, refused.replayed()), (404, false));
+    }
+    assert_eq!(
+        effects(&pool, "refused").await,
+        0,
+        "a refusal's write rolls back"
+    );
+    let (status, attempts, retryable, ..) = record_of(&pool, "POST /refused").await;
+    assert_eq!((status.as_str(), attempts, retryable), ("failed", 2, true));
+
+    let url = format!("{base}/declined");
+    let first = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    let again = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!((first.status, first.replayed()), (402, false));
+    assert_eq!((again.status, again.replayed()), (402, true));
+    assert_eq!(again.body, b"card declined");
+    assert_eq!(
+        effects(&pool, "declined").await,
+        1,
+        "a decision's write commits"
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_panicking_route_frees_its_key_and_the_server_lives_on(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/panics");
+    let first = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!(first.status, 500);
+    assert_eq!(first.problem_type(), "urn:idem:problem:internal-error");
+    assert_eq!(effects(&pool, "panics").await, 0, "its write rolled back");
+    let second = post_json(&client, &url, Some("a"), Some("k"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!((second.status, second.replayed()), (201, false));
+    assert_eq!(effects(&pool, "panics").await, 1);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_reconciler_settles_an_uncertain_key(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/maybe");
+    let ask = |key: &'static str, outcome: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let body = json!({ "outcome": outcome }).to_string();
+            post_json(&client, &url, Some("a"), Some(key), body.as_bytes())
+                .await
+                .unwrap()
+        }
+    };
+    for (key, outcome) in [
+        ("k-applied", "applied"),
+        ("k-absent", "absent"),
+        ("k-unknown", "unknown"),
+        ("k-broken", "broken"),
+    ] {
+        assert_eq!(
+            ask(key, outcome).await.status,
+            502,
+            "{key}: uncertain at first"
+        );
+    }
+    assert_eq!(effects(&pool, "maybe").await, 0, "uncertain runs roll back");
+
+    // The provider has it: its answer is stored, the request does not run again.
+    let applied = ask("k-applied", "applied").await;
+    assert_eq!(
+        (applied.status, applied.body.as_slice()),
+        (201, &b"found at the provider"[..])
+    );
+    let replayed = ask("k-applied", "applied").await;
+    assert_eq!((replayed.status, replayed.replayed()), (201, true));
+    assert_eq!(replayed.body, applied.body);
+
+    // The provider never saw it: it runs again, once.
+    let absent = ask("k-absent", "absent").await;
+    assert_eq!(
+        (absent.status, absent.body.as_slice()),
+        (201, &b"ran again, attempt 2"[..])
+    );
+    assert_eq!(effects(&pool, "maybe").await, 1);
+
+    // Unknown, or the reconciler failed: still pending, and the claim counts nothing.
+    for key in ["k-unknown", "k-broken"] {
+        let outcome = key.trim_start_matches("k-");
+        let answer = ask(key, outcome).await;
+        assert_eq!(answer.status, 409, "{key}");
+        assert_eq!(answer.problem_type(), "urn:idem:problem:outcome-uncertain");
+        let (status, attempts, ..) = sqlx::query_as::<_, (String, i32)>(
+            "SELECT status, attempts FROM processed_operations WHERE idempotency_key = $1",
+        )
+        .bind(key)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((status.as_str(), attempts), ("pending", 1), "{key}");
+    }
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_client_that_hangs_up_does_not_abandon_its_request(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let url = format!("{base}/gated");
+    let gone = post_json(&impatient, &url, Some("a"), Some("h-1"), b"{}").await;
+    assert!(gone.is_err(), "the client gave up");
+    let client = reqwest::Client::new();
+    client.post(format!("{base}/open")).send().await.unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the request completes anyway",
+        || async { record_of(&pool, "POST /gated").await.0 == "completed" },
+    )
+    .await;
+    let retry = post_json(&client, &url, Some("a"), Some("h-1"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!((retry.status, retry.replayed()), (201, true));
+    assert_eq!(retry.body, b"attempt 1");
+    assert_eq!(effects(&pool, "gated").await, 1);
 }

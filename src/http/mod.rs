@@ -39,14 +39,19 @@
 //! | body over [`Idempotency::max_body_bytes`] | 413 | nothing |
 //! | same key, other body or URL | 422 | nothing |
 //! | same key while the first runs | 409 + `Retry-After` (or 202 + `Location`) | nothing |
-//! | same key while the first is `pending` | 409 + `Retry-After` | nothing |
-//! | same key after an answer below 500 | the stored answer + `Idempotency-Replayed: true` | |
-//! | handler answers 5xx or a transient error | its answer | key free for a retry, writes rolled back |
+//! | same key while the first is `pending` | 409 + `Retry-After`, unless the route's [`IdempotencyLayer::reconcile`] settles it | nothing |
+//! | same key after a 2xx/3xx, a [`Decided`] refusal or a permanent error | the stored answer + `Idempotency-Replayed: true` | |
+//! | route answers 2xx/3xx, a `Decided` 4xx or a permanent error (422) | its answer | stored (a permanent error's writes rolled back) |
+//! | route answers another 4xx, 5xx, a transient error, or panics | its answer (500 for a panic) | key free for a retry, writes rolled back |
 //! | handler's outcome uncertain | its answer (502) | `pending`, writes rolled back |
 //! | answer over [`Idempotency::max_response_bytes`] | 500 | key free, writes rolled back |
 //! | store unreachable | 503 + `Retry-After` | nothing |
+//!
+//! A claimed request runs to its recorded outcome in a task of its own, so a client
+//! that hangs up does not leave its key `processing` until the lease lapses.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 
@@ -57,6 +62,7 @@ use axum::response::Response;
 use futures_util::future::BoxFuture;
 use tower::{Layer, Service};
 
+use crate::handler::{HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::store::Store;
 
@@ -65,7 +71,7 @@ mod service;
 mod stored;
 mod tx;
 
-pub use problem::PROBLEM_JSON;
+pub use problem::{Decided, PROBLEM_JSON};
 pub use stored::IDEMPOTENCY_REPLAYED;
 pub use tx::{IdempotentRequest, Tx};
 
@@ -78,6 +84,16 @@ pub type ScopeFn = dyn Fn(&Parts) -> Result<String, Response> + Send + Sync;
 
 /// Where a 202 answer tells a client to poll while the first request with its key runs.
 pub type LocationFn = dyn Fn(&Key) -> String + Send + Sync;
+
+/// A route's reconciler: told the request and the external reference its uncertain
+/// outcome stored, it finds out whether the effect happened (see
+/// [`IdempotencyLayer::reconcile`]).
+pub type ReconcileFn = dyn Fn(
+        IdempotentRequest,
+        Option<String>,
+    ) -> BoxFuture<'static, Result<Reconciliation<Response>, HandlerError>>
+    + Send
+    + Sync;
 
 /// The idempotency settings of one application, shared by its routes: build it once
 /// and take a layer per route from [`Idempotency::required`] or
@@ -117,6 +133,7 @@ impl Idempotency {
                 max_response: DEFAULT_MAX_RESPONSE_BYTES,
                 replay_headers: vec![
                     header::CONTENT_TYPE,
+                    header::CONTENT_ENCODING,
                     header::CONTENT_LANGUAGE,
                     header::LOCATION,
                     header::ETAG,
@@ -144,8 +161,9 @@ impl Idempotency {
     }
 
     /// The response headers a replay repeats (default: `content-type`,
-    /// `content-language`, `location`, `etag`, `last-modified`, `link`). Others, such
-    /// as `set-cookie`, are sent with the first answer only.
+    /// `content-encoding`, `content-language`, `location`, `etag`, `last-modified`,
+    /// `link`). Others, such as `set-cookie`, are sent with the first answer only; keep
+    /// every header the body's bytes depend on.
     pub fn replay_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         Arc::make_mut(&mut self.shared).replay_headers = names.into_iter().collect();
         self
@@ -170,6 +188,7 @@ impl Idempotency {
                 required,
                 volatile: Vec::new(),
                 location: None,
+                reconcile: None,
             }),
         }
     }
@@ -198,6 +217,7 @@ pub(crate) struct Route {
     /// The volatile fields as paths into the fingerprinted payload (`body.` + field).
     pub(crate) volatile: Vec<String>,
     pub(crate) location: Option<Arc<LocationFn>>,
+    pub(crate) reconcile: Option<Arc<ReconcileFn>>,
 }
 
 impl IdempotencyLayer {
@@ -217,6 +237,26 @@ impl IdempotencyLayer {
         location: impl Fn(&Key) -> String + Send + Sync + 'static,
     ) -> Self {
         Arc::make_mut(&mut self.route).location = Some(Arc::new(location));
+        self
+    }
+}
+
+impl IdempotencyLayer {
+    /// How this route finds out whether an uncertain request's effect happened (a
+    /// handler that returned [`HandlerError::Uncertain`] left its key `pending`). The
+    /// next request with the key calls it, holding the key's lease, with the request
+    /// (`takeover`, `provider_key`) and the stored external reference, and then:
+    /// `Applied(answer)` stores and sends that answer; `NotApplied` runs the request
+    /// again; `Unknown` or an error keeps the key `pending` and answers 409. Without a
+    /// reconciler a pending key answers 409 and stays as it is, for an operator.
+    pub fn reconcile<F, Fut>(mut self, reconcile: F) -> Self
+    where
+        F: Fn(IdempotentRequest, Option<String>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Reconciliation<Response>, HandlerError>> + Send + 'static,
+    {
+        Arc::make_mut(&mut self.route).reconcile = Some(Arc::new(move |request, external_ref| {
+            Box::pin(reconcile(request, external_ref))
+        }));
         self
     }
 }
@@ -260,6 +300,6 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let route = self.route.clone();
-        Box::pin(async move { Ok(service::serve(&shared, &route, inner, request).await) })
+        Box::pin(async move { Ok(service::serve(shared, route, inner, request).await) })
     }
 }

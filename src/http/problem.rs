@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
 use serde_json::json;
 
 use crate::handler::HandlerError;
@@ -48,6 +48,8 @@ pub(crate) enum Problem {
     NotBehindLayer,
     /// A poll found no answer to wait for.
     NoAnswer,
+    /// The route panicked, or the request's task failed.
+    Internal,
 }
 
 impl Problem {
@@ -120,6 +122,11 @@ impl Problem {
                 "stored-response-unreadable",
                 "The stored response could not be read back",
             ),
+            Internal => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal-error",
+                "The request failed",
+            ),
             NoAnswer => (
                 StatusCode::NOT_FOUND,
                 "no-answer",
@@ -168,6 +175,23 @@ pub(crate) fn with_retry_after(mut response: Response, after: Duration) -> Respo
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
     response
+}
+
+/// Marks a refusal (a 4xx) as the route's decision, to be stored and replayed like a
+/// success: `(StatusCode::PAYMENT_REQUIRED, Decided, Json(declined))`. Without it a 4xx
+/// leaves the key free (its writes rolled back), because most are rejections a retry
+/// may fix: a missing `Content-Type`, a body that does not parse, 401 or 429 from
+/// middleware. A [`HandlerError::Permanent`] is a decision already.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Decided;
+
+impl IntoResponseParts for Decided {
+    type Error = std::convert::Infallible;
+
+    fn into_response_parts(self, mut parts: ResponseParts) -> Result<ResponseParts, Self::Error> {
+        parts.extensions_mut().insert(self);
+        Ok(parts)
+    }
 }
 
 /// What the layer needs to know of a handler's failure: it rides on the response's

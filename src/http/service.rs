@@ -3,27 +3,31 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{MatchedPath, Request};
-use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::Response;
+use backon::{ExponentialBuilder, Retryable};
+use chrono::Utc;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use sqlx::{Postgres, Transaction};
 use tower::Service;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::problem::{Failure, Problem, with_retry_after};
+use super::problem::{Decided, Failure, Problem, with_retry_after};
 use super::stored::StoredResponse;
 use super::tx::{IdempotentRequest, Left, TxSlot};
 use super::{IDEMPOTENCY_KEY, Route, Shared};
 use crate::fingerprint::Fingerprint;
-use crate::handler::HandlerError;
+use crate::handler::{HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::metrics;
-use crate::store::{Claim, Lease, Origin, Status, Store, StoreError, StoredError};
+use crate::store::{Claim, Lease, Origin, RequestClaim, Status, Store, StoreError, StoredError};
 
 /// How long a client waits before asking again while the first request runs: most
 /// requests take well under a second, and asking again costs one indexed statement. The
@@ -35,49 +39,54 @@ const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
 const PENDING_RETRY_AFTER: Duration = Duration::from_secs(30);
 
 /// Serves one request on a route behind the layer.
-pub(super) async fn serve<S>(shared: &Shared, route: &Route, inner: S, request: Request) -> Response
+pub(super) async fn serve<S>(
+    shared: Arc<Shared>,
+    route: Arc<Route>,
+    inner: S,
+    request: Request,
+) -> Response
 where
-    S: Service<Request, Response = Response, Error = Infallible>,
+    S: Service<Request, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
 {
     let (parts, body) = request.into_parts();
     if is_safe(&parts.method) {
-        return run_unkeyed(shared, inner, Request::from_parts(parts, body)).await;
+        return run_unkeyed(&shared, inner, Request::from_parts(parts, body)).await;
     }
-    let header = match key_header(&parts.headers) {
-        Ok(Some(header)) => header,
-        Ok(None) if !route.required => {
-            return run_unkeyed(shared, inner, Request::from_parts(parts, body)).await;
-        }
-        Ok(None) => {
-            // The principal first: an anonymous client learns nothing but 401.
-            if let Err(rejection) = (shared.scope)(&parts) {
-                return rejection;
-            }
-            return answered(
-                &operation_of(&parts.method, &parts),
-                "missing_key",
-                Problem::MissingKey.answer(format!(
-                    "{} {} requires an Idempotency-Key header",
-                    parts.method,
-                    route_of(&parts)
-                )),
-            );
-        }
-        Err(detail) => return Problem::InvalidKey.answer(detail),
-    };
+    let header = key_header(&parts.headers);
+    if matches!(header, Ok(None)) && !route.required {
+        return run_unkeyed(&shared, inner, Request::from_parts(parts, body)).await;
+    }
+    // The principal first: an anonymous client learns nothing but the application's
+    // rejection (typically 401).
     let scope = match (shared.scope)(&parts) {
         Ok(scope) => scope,
         Err(rejection) => return rejection,
     };
-    let operation = operation_of(&parts.method, &parts);
-    let key = match Key::new(scope, operation.clone(), header) {
-        Ok(key) => key,
-        Err(error) => {
+    let operation = operation_of(&parts);
+    let header = match header {
+        Ok(Some(header)) => header,
+        Ok(None) => {
+            let detail = format!("{operation} requires an Idempotency-Key header");
+            return answered(
+                &operation,
+                "missing_key",
+                Problem::MissingKey.answer(detail),
+            );
+        }
+        Err(detail) => {
             return answered(
                 &operation,
                 "invalid_key",
-                Problem::InvalidKey.answer(error.to_string()),
+                Problem::InvalidKey.answer(detail),
             );
+        }
+    };
+    let key = match Key::new(scope, operation.clone(), header) {
+        Ok(key) => key,
+        Err(error) => {
+            let problem = Problem::InvalidKey.answer(error.to_string());
+            return answered(&operation, "invalid_key", problem);
         }
     };
     let span = info_span!("idempotent_request", operation = %operation, key = %key.short_hash());
@@ -92,79 +101,155 @@ where
                     Problem::BodyTooLarge.answer(detail),
                 );
             }
-            Err(Unread::Broken(error)) => return Problem::UnreadableBody.answer(error),
+            Err(Unread::Broken(error)) => {
+                let problem = Problem::UnreadableBody.answer(error);
+                return answered(&operation, "unreadable_body", problem);
+            }
         };
         let fingerprint = fingerprint(&parts.uri, &bytes, &route.volatile);
         let origin = Origin {
             message_id: None,
             correlation_id: correlation_id(&parts.headers),
         };
-        let claim = match shared.store.claim(&key, &fingerprint, &origin).await {
+        let reconciles = route.reconcile.is_some();
+        let claim = match shared
+            .store
+            .claim_request(&key, &fingerprint, &origin, reconciles)
+            .await
+        {
             Ok(claim) => claim,
             Err(error) => return store_unavailable(&operation, "cannot claim the key", &error),
         };
-        match claim {
-            Claim::Claimed(lease) => {
-                let mut request = Request::from_parts(parts, Body::from(bytes));
-                request.extensions_mut().insert(IdempotentRequest {
-                    key: key.clone(),
-                    attempt: lease.attempt,
-                    takeover: lease.takeover,
-                });
-                run_claimed(shared, inner, request, &lease, &operation).await
-            }
-            Claim::Completed { result } => match StoredResponse::from_json(result) {
-                Ok(stored) => match stored.replay() {
+        let claim = match claim {
+            RequestClaim::Claim(claim) => claim,
+            RequestClaim::Uncertain => return uncertain(&operation),
+        };
+        let (lease, pending) = match claim {
+            Claim::Claimed(lease) => (lease, None),
+            Claim::Pending {
+                lease,
+                external_ref,
+            } => (lease, Some(external_ref)),
+            Claim::Completed { result } => {
+                let replay = StoredResponse::from_json(result).and_then(|s| s.replay());
+                return match replay {
                     Ok(response) => answered(&operation, "replayed", response),
                     Err(error) => Problem::UnreadableStoredResponse.answer(error.to_string()),
-                },
-                Err(error) => Problem::UnreadableStoredResponse.answer(error.to_string()),
-            },
+                };
+            }
             Claim::InProgress { .. } => {
-                let after = IN_PROGRESS_RETRY_AFTER;
-                let response = match &route.location {
-                    Some(location) => accepted(Some(&location(&key)), after),
-                    None => Problem::InProgress.retry_after(
+                let location = route.location.as_ref().map(|location| location(&key));
+                let response = match location.as_deref().map(str::parse) {
+                    Some(Ok(location)) => accepted(Some(location), IN_PROGRESS_RETRY_AFTER),
+                    _ => Problem::InProgress.retry_after(
                         "the first request with this key is still running; retry after it",
-                        after,
+                        IN_PROGRESS_RETRY_AFTER,
                     ),
                 };
-                answered(&operation, "in_progress", response)
+                return answered(&operation, "in_progress", response);
             }
-            Claim::Conflict { .. } => answered(
-                &operation,
-                "conflict",
-                Problem::KeyReused.answer(
+            Claim::Conflict { .. } => {
+                let problem = Problem::KeyReused.answer(
                     "this key was first used with another body or URL; use a new key for a \
                      new request",
-                ),
-            ),
-            Claim::FailedForGood { .. } => answered(
-                &operation,
-                "failed",
-                Problem::FailedForGood
-                    .answer("the request with this key failed for good; use a new key"),
-            ),
-            Claim::Pending { lease, .. } => {
-                // No reconciler for HTTP routes: give the lease back untouched, so the
-                // record stays pending for an operator, and tell the client.
-                if let Err(error) = shared.store.give_back(&lease).await {
-                    warn!(error = %error.describe(), "cannot give a pending key's lease back");
+                );
+                return answered(&operation, "conflict", problem);
+            }
+            Claim::FailedForGood { .. } => {
+                let problem = Problem::FailedForGood
+                    .answer("the request with this key failed for good; use a new key");
+                return answered(&operation, "failed", problem);
+            }
+        };
+        let info = IdempotentRequest {
+            key,
+            attempt: lease.attempt,
+            takeover: lease.takeover,
+        };
+        let mut request = Request::from_parts(parts, Body::from(bytes));
+        request.extensions_mut().insert(info.clone());
+        // The claimed request runs to its recorded outcome in a task of its own: a client
+        // that hangs up (hyper then drops this future) must not leave the key
+        // `processing` until its lease lapses, nor lose an uncertain outcome.
+        let run = {
+            let operation = operation.clone();
+            async move {
+                let shared = &shared;
+                if let Some(external_ref) = pending {
+                    match reconcile(shared, &route, info, &lease, external_ref).await {
+                        Reconciled::RunAgain => {}
+                        Reconciled::Answer(response) => {
+                            return record(shared, &lease, &operation, response, None).await;
+                        }
+                        Reconciled::StillUncertain => return uncertain(&operation),
+                    }
                 }
-                answered(
-                    &operation,
-                    "pending",
-                    Problem::OutcomeUncertain.retry_after(
-                        "the outcome of the first request with this key is uncertain and \
-                         awaits reconciliation",
-                        PENDING_RETRY_AFTER,
-                    ),
-                )
+                run_claimed(shared, inner, request, &lease, &operation).await
+            }
+            .in_current_span()
+        };
+        match tokio::spawn(run).await {
+            Ok(response) => response,
+            Err(error) => {
+                warn!(error = %error, "a claimed request's task failed");
+                Problem::Internal.answer("the request's task failed; retry with the same key")
             }
         }
     }
     .instrument(span)
     .await
+}
+
+/// 409 for a key whose first request's outcome is uncertain.
+fn uncertain(operation: &str) -> Response {
+    answered(
+        operation,
+        "pending",
+        Problem::OutcomeUncertain.retry_after(
+            "the outcome of the first request with this key is uncertain and awaits \
+             reconciliation",
+            PENDING_RETRY_AFTER,
+        ),
+    )
+}
+
+/// What a route's reconciler found out about a pending key.
+enum Reconciled {
+    /// The effect did not happen: run the request again.
+    RunAgain,
+    /// The effect happened: this is the answer to store and send.
+    Answer(Response),
+    /// Still unknown (or the reconciler failed): the lease was given back.
+    StillUncertain,
+}
+
+/// Asks the route's reconciler about a pending key the request's claim took.
+async fn reconcile(
+    shared: &Shared,
+    route: &Route,
+    request: IdempotentRequest,
+    lease: &Lease,
+    external_ref: Option<String>,
+) -> Reconciled {
+    let store = &shared.store;
+    let found = match &route.reconcile {
+        Some(reconcile) => {
+            crate::worker::beside_heartbeat(store, lease, reconcile(request, external_ref)).await
+        }
+        // A route without a reconciler does not take pending keys (claim_request).
+        None => Ok(Ok(Reconciliation::Unknown)),
+    };
+    match found {
+        Ok(Ok(Reconciliation::NotApplied)) => return Reconciled::RunAgain,
+        Ok(Ok(Reconciliation::Applied(response))) => return Reconciled::Answer(response),
+        Ok(Ok(Reconciliation::Unknown)) => debug!("reconcile: still unknown"),
+        Ok(Err(error)) => warn!(error = %error, "reconcile failed"),
+        Err(panic) => warn!(error = %panic, "reconcile panicked"),
+    }
+    if let Err(error) = retried(|| store.give_back(lease)).await {
+        warn!(error = %error.describe(), "cannot give a pending key's lease back");
+    }
+    Reconciled::StillUncertain
 }
 
 /// What the layer does with the route's answer to a claimed request.
@@ -175,8 +260,8 @@ enum Verdict {
     /// Store the answer (the request was decided: a permanent error), but roll the
     /// handler's writes back.
     StoreWithoutWrites,
-    /// Roll back and leave the key free for a retry (an answer of 500 or more, or a
-    /// transient error).
+    /// Roll back and leave the key free for a retry: a transient error, an answer of
+    /// 500 or more, or a refusal (4xx) the handler did not mark as its decision.
     Free(String),
     /// Roll back and keep the key `pending` (an uncertain outcome).
     Pending {
@@ -185,8 +270,9 @@ enum Verdict {
     },
 }
 
-/// Decides from the answer's status and the handler's error, if it returned one.
-fn verdict(status: StatusCode, failure: Option<&HandlerError>) -> Verdict {
+/// Decides from the answer's status, the handler's error if it returned one, and
+/// whether it marked the answer [`Decided`].
+fn verdict(status: StatusCode, failure: Option<&HandlerError>, decided: bool) -> Verdict {
     match failure {
         Some(HandlerError::Transient(error)) => Verdict::Free(error.clone()),
         Some(HandlerError::Uncertain {
@@ -197,9 +283,25 @@ fn verdict(status: StatusCode, failure: Option<&HandlerError>) -> Verdict {
             error: error.clone(),
         },
         Some(HandlerError::Permanent(_)) => Verdict::StoreWithoutWrites,
-        None if status.is_server_error() => Verdict::Free(format!("the route answered {status}")),
+        None if decided => Verdict::Store,
+        // A 4xx is an extractor's rejection (a missing Content-Type, a body that does
+        // not parse), middleware's (401, 429) or a refusal that should change nothing:
+        // a retry that fixes it must be able to run.
+        None if status.is_client_error() || status.is_server_error() => {
+            Verdict::Free(format!("the route answered {status}"))
+        }
         None => Verdict::Store,
     }
+}
+
+/// The verdict on `response`.
+fn verdict_of(response: &Response) -> Verdict {
+    let extensions = response.extensions();
+    verdict(
+        response.status(),
+        extensions.get::<Failure>().map(|f| &f.0),
+        extensions.get::<Decided>().is_some(),
+    )
 }
 
 /// Runs the route for a claimed key, extending the lease while it runs, and records
@@ -217,12 +319,21 @@ where
     let store = &shared.store;
     let slot = TxSlot::new(store.pool().clone());
     request.extensions_mut().insert(slot.clone());
-    let response = with_heartbeat(store, lease, call(inner, request)).await;
-    let (parts, body) = response.into_parts();
-    let failure = parts.extensions.get::<Failure>().map(|f| &f.0);
-    let verdict = verdict(parts.status, failure);
-    let left = slot.take();
-    let mut tx = match (left, &verdict) {
+    let response = match crate::worker::beside_heartbeat(store, lease, call(inner, request)).await {
+        Ok(response) => response,
+        Err(panic) => {
+            // The handler's transaction went back to the slot as the panic unwound.
+            if let Left::Transaction(tx) = slot.take() {
+                rollback(tx).await;
+            }
+            warn!(error = %panic, "the route panicked");
+            free(store, lease, &panic).await;
+            let problem = Problem::Internal.answer("the request failed; retry with the same key");
+            return answered(operation, "failed", problem);
+        }
+    };
+    let verdict = verdict_of(&response);
+    let tx = match (slot.take(), &verdict) {
         (Left::Transaction(tx), Verdict::Store) => Some(tx),
         (Left::Transaction(tx), _) => {
             rollback(tx).await;
@@ -235,21 +346,18 @@ where
                 "the handler kept its transaction past its answer",
             )
             .await;
-            return answered(
-                operation,
-                "failed",
-                Problem::TransactionKept.answer(
-                    "the handler's writes could not be committed: its transaction outlived \
-                     its answer; the key is free for a retry",
-                ),
+            let problem = Problem::TransactionKept.answer(
+                "the handler's writes could not be committed: its transaction outlived its \
+                 answer; the key is free for a retry",
             );
+            return answered(operation, "failed", problem);
         }
         (Left::Kept | Left::Nothing, _) => None,
     };
     match verdict {
         Verdict::Free(error) => {
             free(store, lease, &error).await;
-            return answered(operation, "failed", Response::from_parts(parts, body));
+            answered(operation, "failed", response)
         }
         Verdict::Pending {
             external_ref,
@@ -258,17 +366,33 @@ where
             let stored = StoredError {
                 kind: "uncertain",
                 error: &error,
-            };
-            if let Err(e) = store
-                .mark_pending(lease, external_ref.as_deref(), &stored.to_json())
-                .await
-            {
+            }
+            .to_json();
+            let marked = retried(|| store.mark_pending(lease, external_ref.as_deref(), &stored));
+            if let Err(e) = marked.await {
+                // The record stays `processing`: a retry after the lease takes it over,
+                // told so (`takeover`).
                 warn!(error = %e.describe(), "cannot record an uncertain outcome");
             }
-            return answered(operation, "uncertain", Response::from_parts(parts, body));
+            answered(operation, "uncertain", response)
         }
-        Verdict::Store | Verdict::StoreWithoutWrites => {}
+        Verdict::Store | Verdict::StoreWithoutWrites => {
+            record(shared, lease, operation, response, tx).await
+        }
     }
+}
+
+/// Stores `response` as the key's answer, in `tx` with the handler's writes when there
+/// is one, and sends it; or, when it cannot be stored, sends why.
+async fn record(
+    shared: &Shared,
+    lease: &Lease,
+    operation: &str,
+    response: Response,
+    mut tx: Option<Transaction<'static, Postgres>>,
+) -> Response {
+    let store = &shared.store;
+    let (parts, body) = response.into_parts();
     let bytes = match read_limited(body, &HeaderMap::new(), shared.max_response).await {
         Ok(bytes) => bytes,
         Err(unread) => {
@@ -284,11 +408,8 @@ where
             };
             free(store, lease, &detail).await;
             let detail = format!("{detail}; nothing was stored, the key is free for a retry");
-            return answered(
-                operation,
-                "response_too_large",
-                Problem::ResponseTooLarge.answer(detail),
-            );
+            let problem = Problem::ResponseTooLarge.answer(detail);
+            return answered(operation, "response_too_large", problem);
         }
     };
     let stored =
@@ -330,7 +451,8 @@ where
 }
 
 /// Runs a request that has no key (a safe method, or a route where the key is
-/// optional): its transaction commits unless it answered 500 or more or an error.
+/// optional): its transaction commits unless the answer would have freed a key (an
+/// error, a refusal, 500 or more) or was uncertain.
 async fn run_unkeyed<S>(shared: &Shared, inner: S, mut request: Request) -> Response
 where
     S: Service<Request, Response = Response, Error = Infallible>,
@@ -338,10 +460,7 @@ where
     let slot = TxSlot::new(shared.store.pool().clone());
     request.extensions_mut().insert(slot.clone());
     let response = call(inner, request).await;
-    let commit = verdict(
-        response.status(),
-        response.extensions().get::<Failure>().map(|f| &f.0),
-    ) == Verdict::Store;
+    let commit = verdict_of(&response) == Verdict::Store;
     match slot.take() {
         Left::Transaction(tx) if commit => match tx.commit().await {
             Ok(()) => response,
@@ -373,6 +492,7 @@ pub(super) async fn poll(shared: &Shared, key: &Key) -> Response {
     let Some(record) = record else {
         return Problem::NoAnswer.answer("no request with this key is known");
     };
+    let lease_live = record.lease_expires_at.is_some_and(|at| at > Utc::now());
     match record.status {
         Status::Completed => {
             match StoredResponse::from_json(record.result).and_then(|s| s.replay()) {
@@ -380,7 +500,10 @@ pub(super) async fn poll(shared: &Shared, key: &Key) -> Response {
                 Err(error) => Problem::UnreadableStoredResponse.answer(error.to_string()),
             }
         }
-        Status::Processing => accepted(None, IN_PROGRESS_RETRY_AFTER),
+        Status::Processing if lease_live => accepted(None, IN_PROGRESS_RETRY_AFTER),
+        // Its server died: only the request itself, sent again, can take it over.
+        Status::Processing => Problem::NoAnswer
+            .answer("the request with this key stopped without an answer; send it again"),
         Status::Pending => accepted(None, PENDING_RETRY_AFTER),
         Status::Failed => Problem::NoAnswer
             .answer("the request with this key failed without an answer to keep; send it again"),
@@ -398,41 +521,35 @@ where
     }
 }
 
-/// Awaits `work`, extending `lease` every third of the lease time meanwhile, as a
-/// worker's heartbeat does. A lost lease is only logged here: the fenced completion
-/// refuses it, and the request's writes roll back.
-async fn with_heartbeat<F: Future<Output = Response>>(
-    store: &Store,
-    lease: &Lease,
-    work: F,
-) -> Response {
-    let every = (store.config().lease / 3).max(Duration::from_millis(10));
-    let mut work = std::pin::pin!(work);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    let mut beating = true;
-    loop {
-        tokio::select! {
-            response = &mut work => return response,
-            _ = ticks.tick(), if beating => {
-                if let Err(error) = store.heartbeat(lease).await {
-                    warn!(error = %error.describe(), "cannot extend the request's lease");
-                    beating = !matches!(error, StoreError::LeaseLost { .. });
-                }
-            }
-        }
-    }
-}
-
 /// Records a failure that leaves the key free for a retry; the record expires after
 /// the retention if no retry comes.
 async fn free(store: &Store, lease: &Lease, error: &str) {
     let stored = StoredError {
         kind: "transient",
         error,
-    };
-    if let Err(e) = store.fail_expiring(lease, &stored.to_json()).await {
+    }
+    .to_json();
+    if let Err(e) = retried(|| store.fail_expiring(lease, &stored)).await {
         warn!(error = %e.describe(), "cannot free the key after a failed request");
     }
+}
+
+/// A fenced write after the route answered, tried a few times over about a second: a
+/// moment's outage must not leave the key `processing` for a whole lease. A lost lease
+/// is final.
+async fn retried<F, Fut>(write: F) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    write
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(50))
+                .with_max_times(4),
+        )
+        .when(|error| !matches!(error, StoreError::LeaseLost { .. }))
+        .await
 }
 
 async fn rollback(tx: sqlx::Transaction<'static, sqlx::Postgres>) {
@@ -461,11 +578,11 @@ fn store_unavailable(operation: &str, what: &str, error: &StoreError) -> Respons
 }
 
 /// 202 Accepted with when to ask again, and where when the route says.
-fn accepted(location: Option<&str>, after: Duration) -> Response {
+fn accepted(location: Option<HeaderValue>, after: Duration) -> Response {
     let mut response = Response::new(Body::empty());
     *response.status_mut() = StatusCode::ACCEPTED;
-    if let Some(Ok(value)) = location.map(str::parse) {
-        response.headers_mut().insert(header::LOCATION, value);
+    if let Some(location) = location {
+        response.headers_mut().insert(header::LOCATION, location);
     }
     with_retry_after(response, after)
 }
@@ -501,8 +618,8 @@ fn key_header(headers: &HeaderMap) -> Result<Option<String>, String> {
 
 /// The operation: method and matched route (`POST /payments/{id}`), or the path when
 /// the layer is outside a router.
-fn operation_of(method: &Method, parts: &axum::http::request::Parts) -> String {
-    format!("{method} {}", route_of(parts))
+fn operation_of(parts: &axum::http::request::Parts) -> String {
+    format!("{} {}", parts.method, route_of(parts))
 }
 
 fn route_of(parts: &axum::http::request::Parts) -> &str {
@@ -565,30 +682,55 @@ mod tests {
 
     #[test]
     fn the_verdict_follows_the_status_and_the_handlers_error() {
-        assert_eq!(verdict(StatusCode::CREATED, None), Verdict::Store);
-        assert_eq!(verdict(StatusCode::NOT_FOUND, None), Verdict::Store);
+        assert_eq!(verdict(StatusCode::CREATED, None, false), Verdict::Store);
         assert!(matches!(
-            verdict(StatusCode::BAD_GATEWAY, None),
+            verdict(StatusCode::NOT_FOUND, None, false),
+            Verdict::Free(_)
+        ));
+        assert!(matches!(
+            verdict(StatusCode::TOO_MANY_REQUESTS, None, false),
+            Verdict::Free(_)
+        ));
+        assert_eq!(verdict(StatusCode::NOT_FOUND, None, true), Verdict::Store);
+        assert!(matches!(
+            verdict(StatusCode::BAD_GATEWAY, None, false),
             Verdict::Free(_)
         ));
         let transient = HandlerError::transient("db busy");
         assert_eq!(
-            verdict(StatusCode::SERVICE_UNAVAILABLE, Some(&transient)),
+            verdict(StatusCode::SERVICE_UNAVAILABLE, Some(&transient), false),
             Verdict::Free("db busy".into())
         );
         let permanent = HandlerError::permanent("card refused");
         assert_eq!(
-            verdict(StatusCode::UNPROCESSABLE_ENTITY, Some(&permanent)),
+            verdict(StatusCode::UNPROCESSABLE_ENTITY, Some(&permanent), false),
             Verdict::StoreWithoutWrites
         );
         let uncertain = HandlerError::uncertain(Some("ch_1".into()), "timeout");
         assert_eq!(
-            verdict(StatusCode::BAD_GATEWAY, Some(&uncertain)),
+            verdict(StatusCode::BAD_GATEWAY, Some(&uncertain), false),
             Verdict::Pending {
                 external_ref: Some("ch_1".into()),
                 error: "timeout".into()
             }
         );
+    }
+
+    #[tokio::test]
+    async fn a_streamed_body_is_cut_at_the_limit() {
+        let chunks = |n: usize| {
+            Body::from_stream(futures_util::stream::iter(
+                (0..n).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 100]))),
+            ))
+        };
+        let over = read_limited(chunks(10), &HeaderMap::new(), 500).await;
+        assert!(matches!(over, Err(Unread::TooLarge)));
+        let within = read_limited(chunks(5), &HeaderMap::new(), 500).await;
+        assert!(matches!(within, Ok(bytes) if bytes.len() == 500));
+        let mut declared = HeaderMap::new();
+        declared.insert(header::CONTENT_LENGTH, HeaderValue::from(501));
+        let refused = read_limited(Body::empty(), &declared, 500).await;
+        assert!(matches!(refused, Err(Unread::TooLarge)));
     }
 
     #[test]

@@ -45,9 +45,12 @@ impl StoredResponse {
         let headers = headers
             .iter()
             .filter(|(name, _)| allowed.contains(name))
-            .filter_map(|(name, value)| {
-                let value = value.to_str().ok()?;
-                Some((name.as_str().to_owned(), value.to_owned()))
+            .filter_map(|(name, value)| match value.to_str() {
+                Ok(value) => Some((name.as_str().to_owned(), value.to_owned())),
+                Err(_) => {
+                    tracing::warn!(header = %name, "a header that is not visible ASCII is not replayed");
+                    None
+                }
             })
             .collect();
         let (body, body_hex) = match std::str::from_utf8(body) {

@@ -110,10 +110,13 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
             Err(error) => {
                 // Not lent after all: the layer must not wait for it.
                 slot.0.lock().unwrap_or_else(PoisonError::into_inner).lent = false;
-                Err(Problem::StoreUnavailable.answer(format!(
-                    "cannot begin the request's transaction: {}",
-                    crate::error_line(&error)
-                )))
+                Err(Problem::StoreUnavailable.retry_after(
+                    format!(
+                        "cannot begin the request's transaction: {}",
+                        crate::error_line(&error)
+                    ),
+                    std::time::Duration::from_secs(1),
+                ))
             }
         }
     }

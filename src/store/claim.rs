@@ -26,31 +26,53 @@ const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= 
      OR (p.status = 'failed' AND p.retryable)
      OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))";
 
+/// [`CLAIMABLE`] without records to reconcile: for a claimer that cannot reconcile (an
+/// HTTP route without a reconciler), which must leave them as they are.
+#[cfg(feature = "http")]
+const CLAIMABLE_UNLESS_PENDING: &str =
+    "(   (p.status = 'processing' AND p.lease_expires_at <= now())
+     OR (p.status = 'failed' AND p.retryable AND NOT p.reconcile_first))";
+
+/// A message's record never expires while in flight: its broker brings it back.
+const NO_EXPIRY: &str = "NULL::timestamptz";
+
+/// An HTTP request's record expires after the retention (`$9` ms) even in flight: if its
+/// server dies and its client never asks again, nothing else would bring it back. Gc
+/// skips a record whose lease is live.
+#[cfg(feature = "http")]
+const REQUEST_EXPIRY: &str = "now() + $9::bigint * interval '1 millisecond'";
+
 /// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`,
-/// and no expiry while it is in flight (a freed HTTP key had one).
+/// and the in-flight `expiry` ([`NO_EXPIRY`] or [`REQUEST_EXPIRY`]).
 /// A record that is or ever was uncertain (`reconcile_first`) is taken as `pending`, so
 /// the taker reconciles it instead of running it (a replay or a released lease brings
 /// it back here too).
 ///
 /// The token is drawn per row, when the row is written: a takeover that waited for
 /// another writer's lock draws it after the wait, so a record's tokens only grow.
-const TAKE: &str = "SET status = CASE WHEN p.status = 'pending' OR p.reconcile_first THEN 'pending'
+fn take(expiry: &str) -> String {
+    format!(
+        "SET status = CASE WHEN p.status = 'pending' OR p.reconcile_first THEN 'pending'
                        ELSE 'processing' END,
         attempts = p.attempts + 1,
         lease_token = nextval('processed_operations_lease_token_seq'),
         lease_expires_at = now() + $5::bigint * interval '1 millisecond',
         owner = $6,
         retryable = false,
-        expires_at = NULL,
-        updated_at = now()";
+        expires_at = {expiry},
+        updated_at = now()"
+    )
+}
 
 /// The columns every claim statement returns, after `found`, for [`ClaimRow`].
 const TAKEN_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        previous_status, external_ref, NULL::text AS payload_sha256, NULL::jsonb AS result,
-       NULL::jsonb AS error, NULL::boolean AS claimable, NULL::boolean AS dead_lettered";
+       NULL::jsonb AS error, NULL::boolean AS claimable, NULL::boolean AS dead_lettered,
+       NULL::boolean AS reconcile_first";
 const EXISTING_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, external_ref, payload_sha256, result, error, claimable,
-       (dead_lettered_at IS NOT NULL OR discarded_at IS NOT NULL) AS dead_lettered";
+       (dead_lettered_at IS NOT NULL OR discarded_at IS NOT NULL) AS dead_lettered,
+       reconcile_first";
 
 /// One statement decides the claim: insert a new record, or take over an expired /
 /// retryable / pending one, or report the existing one. Each CTE runs on the same
@@ -60,42 +82,56 @@ const EXISTING_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires
 /// another transaction after our snapshot began (the `INSERT` conflicts but `cur` cannot
 /// see the row: no row comes back), or the row was claimable in our snapshot but
 /// another transaction changed it first (`existing` with `claimable`).
-static CLAIM_SQL: LazyLock<String> = LazyLock::new(|| {
+static CLAIM_SQL: LazyLock<String> = LazyLock::new(|| claim_sql(CLAIMABLE, NO_EXPIRY));
+
+/// [`CLAIM_SQL`] for an HTTP request: in-flight records expire, and records to reconcile
+/// are taken only by a route that can reconcile them.
+#[cfg(feature = "http")]
+static REQUEST_CLAIM_SQL: LazyLock<String> = LazyLock::new(|| claim_sql(CLAIMABLE, REQUEST_EXPIRY));
+#[cfg(feature = "http")]
+static REQUEST_CLAIM_UNLESS_PENDING_SQL: LazyLock<String> =
+    LazyLock::new(|| claim_sql(CLAIMABLE_UNLESS_PENDING, REQUEST_EXPIRY));
+
+/// The single-key claim statement for records `claimable` may take, with `expiry` on
+/// the records it inserts or takes.
+fn claim_sql(claimable: &str, expiry: &str) -> String {
+    let take = take(expiry);
     format!(
         "WITH ins AS (
     INSERT INTO processed_operations
         (scope, operation, idempotency_key, payload_sha256, status, attempts,
-         lease_token, lease_expires_at, owner, message_id, correlation_id)
+         lease_token, lease_expires_at, owner, message_id, correlation_id, expires_at)
     VALUES ($1, $2, $3, $4, 'processing', 1,
             nextval('processed_operations_lease_token_seq'),
-            now() + $5::bigint * interval '1 millisecond', $6, $7, $8)
+            now() + $5::bigint * interval '1 millisecond', $6, $7, $8, {expiry})
     ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
     RETURNING id, status, attempts, lease_token, lease_expires_at
 ),
 cur AS (
-    SELECT p.*, p.payload_sha256 = $4 AND {CLAIMABLE} AS claimable
+    SELECT p.*, p.payload_sha256 = $4 AND {claimable} AS claimable
     FROM processed_operations p
     WHERE p.scope = $1 AND p.operation = $2 AND p.idempotency_key = $3
       AND NOT EXISTS (SELECT 1 FROM ins)
 ),
 upd AS (
-    UPDATE processed_operations p {TAKE}
+    UPDATE processed_operations p {take}
     FROM cur
-    WHERE p.id = cur.id AND p.payload_sha256 = $4 AND {CLAIMABLE}
+    WHERE p.id = cur.id AND p.payload_sha256 = $4 AND {claimable}
     RETURNING p.id, p.status, p.attempts, p.lease_token, p.lease_expires_at,
               cur.status AS previous_status, p.external_ref
 )
 SELECT 'inserted' AS found, id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, NULL::text AS external_ref,
        NULL::text AS payload_sha256, NULL::jsonb AS result, NULL::jsonb AS error,
-       NULL::boolean AS claimable, NULL::boolean AS dead_lettered
+       NULL::boolean AS claimable, NULL::boolean AS dead_lettered,
+       NULL::boolean AS reconcile_first
   FROM ins
 UNION ALL
 SELECT 'taken', {TAKEN_COLUMNS} FROM upd
 UNION ALL
 SELECT 'existing', {EXISTING_COLUMNS} FROM cur WHERE NOT EXISTS (SELECT 1 FROM upd)"
     )
-});
+}
 
 /// A batch's new keys in one statement, inserted in key order so that two workers
 /// inserting overlapping batches cannot deadlock. Keys that exist already are skipped
@@ -121,6 +157,7 @@ RETURNING id, scope, operation, idempotency_key, lease_token, lease_expires_at";
 /// A batch's existing keys in one statement: take over what may be taken, report the
 /// rest, exactly as [`CLAIM_SQL`] does for one key.
 static CLAIM_EXISTING_SQL: LazyLock<String> = LazyLock::new(|| {
+    let take = take(NO_EXPIRY);
     format!(
         "WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
@@ -131,7 +168,7 @@ cur AS (
     FROM processed_operations p JOIN input i USING (scope, operation, idempotency_key)
 ),
 upd AS (
-    UPDATE processed_operations p {TAKE}
+    UPDATE processed_operations p {take}
     FROM cur
     WHERE p.id = cur.id AND p.payload_sha256 = cur.fp AND {CLAIMABLE}
     RETURNING p.id, p.scope, p.operation, p.idempotency_key, p.status, p.attempts,
@@ -144,6 +181,17 @@ SELECT 'existing', scope, operation, idempotency_key, {EXISTING_COLUMNS} FROM cu
  WHERE NOT EXISTS (SELECT 1 FROM upd WHERE upd.id = cur.id)"
     )
 });
+
+/// What an HTTP request's claim found.
+#[cfg(feature = "http")]
+#[derive(Debug)]
+pub(crate) enum RequestClaim {
+    /// As for a message.
+    Claim(Claim),
+    /// The record is to be reconciled (`pending`, or failed after being uncertain) and
+    /// the route cannot: it was left untouched.
+    Uncertain,
+}
 
 #[derive(sqlx::FromRow)]
 pub(super) struct ClaimRow {
@@ -160,6 +208,9 @@ pub(super) struct ClaimRow {
     error: Option<Value>,
     claimable: Option<bool>,
     dead_lettered: Option<bool>,
+    /// Read by an HTTP request's claim only.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    reconcile_first: Option<bool>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -183,19 +234,9 @@ impl Store {
         origin: &Origin,
     ) -> Result<Claim, StoreError> {
         for _ in 0..CLAIM_TRIES {
-            let started = Instant::now();
-            let row: Option<ClaimRow> = sqlx::query_as(CLAIM_SQL.as_str())
-                .bind(key.scope())
-                .bind(key.operation())
-                .bind(key.idempotency_key())
-                .bind(fingerprint.as_hex())
-                .bind(millis(self.config.lease))
-                .bind(&self.config.owner)
-                .bind(origin.message_id.as_deref())
-                .bind(origin.correlation_id.as_deref())
-                .fetch_optional(&self.pool)
+            let row = self
+                .claim_once(&CLAIM_SQL, key, fingerprint, origin)
                 .await?;
-            metrics::store_round_trip("claim", started);
             if let Some(row) = row
                 && let Some(claim) = decide(row, fingerprint)?
             {
@@ -203,6 +244,70 @@ impl Store {
             }
         }
         Err(StoreError::Contention(CLAIM_TRIES))
+    }
+
+    /// Claims `key` for an HTTP request, as [`Store::claim`] does for a message, except
+    /// that the record expires after the retention even while in flight, and that a
+    /// record to reconcile (`pending`, or failed after being uncertain) is taken only
+    /// when `reconcile` says the route can reconcile it; otherwise it is reported as
+    /// [`RequestClaim::Uncertain`], untouched.
+    #[cfg(feature = "http")]
+    pub(crate) async fn claim_request(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        origin: &Origin,
+        reconcile: bool,
+    ) -> Result<RequestClaim, StoreError> {
+        let sql = if reconcile {
+            &REQUEST_CLAIM_SQL
+        } else {
+            &REQUEST_CLAIM_UNLESS_PENDING_SQL
+        };
+        for _ in 0..CLAIM_TRIES {
+            let Some(row) = self.claim_once(sql, key, fingerprint, origin).await? else {
+                continue;
+            };
+            let uncertain = row.found == "existing"
+                && row.claimable != Some(true)
+                && row.payload_sha256.as_deref() == Some(fingerprint.as_hex())
+                && (row.status == Status::Pending
+                    || (row.status == Status::Failed && row.reconcile_first == Some(true)));
+            if uncertain && !reconcile {
+                return Ok(RequestClaim::Uncertain);
+            }
+            if let Some(claim) = decide(row, fingerprint)? {
+                return Ok(RequestClaim::Claim(claim));
+            }
+        }
+        Err(StoreError::Contention(CLAIM_TRIES))
+    }
+
+    /// One run of a single-key claim statement (`$9`, the retention, is bound for the
+    /// HTTP statements only).
+    async fn claim_once(
+        &self,
+        sql: &str,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        origin: &Origin,
+    ) -> Result<Option<ClaimRow>, StoreError> {
+        let started = Instant::now();
+        let mut query = sqlx::query_as(sql)
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.idempotency_key())
+            .bind(fingerprint.as_hex())
+            .bind(millis(self.config.lease))
+            .bind(&self.config.owner)
+            .bind(origin.message_id.as_deref())
+            .bind(origin.correlation_id.as_deref());
+        if sql.contains("$9") {
+            query = query.bind(millis(self.config.retention));
+        }
+        let row = query.fetch_optional(&self.pool).await?;
+        metrics::store_round_trip("claim", started);
+        Ok(row)
     }
 
     /// Claims many keys in two statements (new keys, then the keys that existed), each

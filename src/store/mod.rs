@@ -25,6 +25,8 @@ mod outcome;
 mod record;
 mod transactional;
 
+#[cfg(feature = "http")]
+pub(crate) use claim::RequestClaim;
 pub use operate::{GC_LOCK, GcLeader};
 pub use record::{Claim, ClaimRequest, Lease, Origin, Record, Status, UnknownStatus};
 pub(crate) use record::{StoredError, storable};

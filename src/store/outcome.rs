@@ -75,6 +75,7 @@ static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
 /// A failure that leaves the key free for a retry, with the stored error `$3`, that
 /// expires after `$4` ms if no retry comes (an HTTP request that failed: unlike a
 /// message, nothing is bound to bring it back).
+#[cfg(feature = "http")]
 static FAIL_EXPIRING_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations
@@ -86,6 +87,7 @@ static FAIL_EXPIRING_SQL: LazyLock<String> = LazyLock::new(|| {
 
 /// Gives a lease back with nothing written but the lease: the claim did not count as an
 /// attempt (a `pending` HTTP key, which no reconciler serves, stays as it was).
+#[cfg(feature = "http")]
 static GIVE_BACK_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations
@@ -96,13 +98,14 @@ static GIVE_BACK_SQL: LazyLock<String> = LazyLock::new(|| {
 
 /// An uncertain outcome with the provider's reference `$3` and the stored error `$4`;
 /// the lease is given up, and the operation is marked to be reconciled before it may
-/// ever run again.
+/// ever run again. It never expires (an HTTP request's record had an expiry): deleted,
+/// a repeat would run without being reconciled.
 static PENDING_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations
          SET status = 'pending', external_ref = COALESCE($3, external_ref), error = $4,
              retryable = false, reconcile_first = true, lease_expires_at = NULL,
-             updated_at = now()
+             expires_at = NULL, updated_at = now()
          WHERE {FENCED}"
     )
 });
@@ -120,6 +123,28 @@ impl Store {
             .await?;
         metrics::store_round_trip("heartbeat", started);
         expires.ok_or(StoreError::LeaseLost { token: lease.token })
+    }
+
+    /// Extends `lease` every third of the lease time, forever, while the caller's work
+    /// runs beside it (`select!`, in the same task: a short run costs a timer, not a
+    /// task); once the lease is lost it only waits (the outcome write will be refused).
+    pub(crate) async fn keep_alive(&self, lease: &Lease) -> std::convert::Infallible {
+        let every = self.config.lease / 3;
+        loop {
+            tokio::time::sleep(every).await;
+            match self.heartbeat(lease).await {
+                Ok(_) => {}
+                Err(StoreError::LeaseLost { .. }) => {
+                    tracing::warn!(
+                        "heartbeat: lease lost to another owner; this run's outcome will be refused"
+                    );
+                    return std::future::pending().await;
+                }
+                Err(error) => {
+                    tracing::warn!(error = %crate::error_line(&error), "heartbeat failed; retrying")
+                }
+            }
+        }
     }
 
     /// Records success with `result`, if `lease` still owns the record. The record
@@ -219,7 +244,7 @@ impl Store {
 
     /// Records a failure that leaves the key free for a retry and expires the record
     /// after the retention if none comes, if `lease` still owns the record.
-    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    #[cfg(feature = "http")]
     pub(crate) async fn fail_expiring(
         &self,
         lease: &Lease,
@@ -239,7 +264,7 @@ impl Store {
 
     /// Gives `lease` back unused: the record keeps its status and outcome, its lease
     /// lapses now, and the claim is not counted as an attempt.
-    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    #[cfg(feature = "http")]
     pub(crate) async fn give_back(&self, lease: &Lease) -> Result<(), StoreError> {
         let started = Instant::now();
         let done = sqlx::query(GIVE_BACK_SQL.as_str())

@@ -6,10 +6,9 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt;
-use tracing::warn;
 
 use crate::handler::HandlerError;
-use crate::store::{Lease, Store, StoreError};
+use crate::store::{Lease, Store};
 
 /// Awaits a call into the handler; a panic becomes a transient failure that says what
 /// the panic said.
@@ -32,32 +31,25 @@ pub(super) async fn guarded<T>(
     lease: &Lease,
     call: impl Future<Output = Result<T, HandlerError>>,
 ) -> Result<T, HandlerError> {
-    let call = caught(call);
-    let beat = heartbeat(store, lease);
-    tokio::pin!(call, beat);
-    tokio::select! {
-        biased;
-        done = &mut call => done,
-        never = &mut beat => match never {},
-    }
+    beside_heartbeat(store, lease, call)
+        .await
+        .unwrap_or_else(|panic| Err(HandlerError::transient(panic)))
 }
 
-/// Extends `lease` every third of the lease time, forever; after the lease is lost it
-/// only waits (the outcome write will be refused).
-async fn heartbeat(store: &Store, lease: &Lease) -> std::convert::Infallible {
-    let every = store.config().lease / 3;
-    loop {
-        tokio::time::sleep(every).await;
-        match store.heartbeat(lease).await {
-            Ok(_) => {}
-            Err(StoreError::LeaseLost { .. }) => {
-                warn!(
-                    "heartbeat: lease lost to another worker; this run's outcome will be refused"
-                );
-                return std::future::pending().await;
-            }
-            Err(error) => warn!(error = %crate::error_line(&error), "heartbeat failed; retrying"),
-        }
+/// Awaits `work` while heartbeats keep `lease` alive, with a panic caught and told as
+/// text (an HTTP route's call, as well as a handler's).
+pub(crate) async fn beside_heartbeat<F: Future>(
+    store: &Store,
+    lease: &Lease,
+    work: F,
+) -> Result<F::Output, String> {
+    let work = AssertUnwindSafe(work).catch_unwind();
+    let beat = store.keep_alive(lease);
+    tokio::pin!(work, beat);
+    tokio::select! {
+        biased;
+        done = &mut work => done.map_err(|panic| panic_text(&panic)),
+        never = &mut beat => match never {},
     }
 }
 
