@@ -779,7 +779,7 @@ async fn operators_show_list_release_and_collect_http_records(
         records(&pool).await == 1
     })
     .await;
-    // In flight, its record has expired already (retention zero), but its lease is live:
+    // In flight, its record expires after the retention (zero) plus one lease (600 s):
     // gc leaves it.
     idem_cli(&url_db, &["gc"]).await;
     assert_eq!(records(&pool).await, 1, "gc spares a record in flight");

@@ -36,9 +36,11 @@ const CLAIMABLE_UNLESS_PENDING: &str =
 /// A message's record never expires while in flight: its broker brings it back.
 const NO_EXPIRY: &str = "NULL::timestamptz";
 
-/// An HTTP request's record expires after the retention (`$9` ms) even in flight: if its
-/// server dies and its client never asks again, nothing else would bring it back. Gc
-/// skips a record whose lease is live.
+/// An HTTP request's record expires even in flight, after the retention plus one lease
+/// (`$9` ms): if its server dies and its client never asks again, nothing else would
+/// bring it back. A request still running by then (heartbeats past the retention) loses
+/// its record to gc, and with it its fenced completion: its writes roll back, nothing
+/// is doubled.
 #[cfg(feature = "http")]
 const REQUEST_EXPIRY: &str = "now() + $9::bigint * interval '1 millisecond'";
 
@@ -283,8 +285,8 @@ impl Store {
         Err(StoreError::Contention(CLAIM_TRIES))
     }
 
-    /// One run of a single-key claim statement (`$9`, the retention, is bound for the
-    /// HTTP statements only).
+    /// One run of a single-key claim statement (`$9`, the in-flight expiry, is bound for
+    /// the HTTP statements only).
     async fn claim_once(
         &self,
         sql: &str,
@@ -303,7 +305,8 @@ impl Store {
             .bind(origin.message_id.as_deref())
             .bind(origin.correlation_id.as_deref());
         if sql.contains("$9") {
-            query = query.bind(millis(self.config.retention));
+            let expiry = self.config.retention.saturating_add(self.config.lease);
+            query = query.bind(millis(expiry));
         }
         let row = query.fetch_optional(&self.pool).await?;
         metrics::store_round_trip("claim", started);
