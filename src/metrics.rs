@@ -266,11 +266,13 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
             "SELECT
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
                   FROM processed_operations WHERE status = 'pending'),
-               -- Messages only: an HTTP request's record (it has an expiry) whose
-               -- server died waits for its client, maybe forever; gc takes it.
+               -- Not an HTTP request's record (it has an expiry) whose server died:
+               -- it waits for its client, maybe forever, and gc takes it. One whose
+               -- lease is live (a hung route) counts.
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
                   FROM processed_operations
-                 WHERE status = 'processing' AND expires_at IS NULL),
+                 WHERE status = 'processing'
+                   AND (expires_at IS NULL OR lease_expires_at > now())),
                (SELECT extract(epoch FROM now() - min(expires_at))::float8
                   FROM processed_operations
                  WHERE expires_at <= now() AND dead_lettered_at IS NULL)",

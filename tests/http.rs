@@ -501,6 +501,11 @@ async fn reconcile_maybe(
         )),
         Some("absent") => Ok(Reconciliation::NotApplied),
         Some("broken") => Err(HandlerError::transient("the provider is down")),
+        Some("refused") => Err(HandlerError::permanent("the provider refused it")),
+        // Not an answer to keep: the key stays pending.
+        Some("odd") => Ok(Reconciliation::Applied(
+            StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        )),
         _ => Ok(Reconciliation::Unknown),
     }
 }
@@ -913,12 +918,15 @@ async fn a_reconciler_settles_an_uncertain_key(pool: PgPool) {
                 .unwrap()
         }
     };
-    for (key, outcome) in [
+    let keys = [
         ("k-applied", "applied"),
         ("k-absent", "absent"),
         ("k-unknown", "unknown"),
         ("k-broken", "broken"),
-    ] {
+        ("k-refused", "refused"),
+        ("k-odd", "odd"),
+    ];
+    for (key, outcome) in keys {
         assert_eq!(
             ask(key, outcome).await.status,
             502,
@@ -945,20 +953,32 @@ async fn a_reconciler_settles_an_uncertain_key(pool: PgPool) {
     );
     assert_eq!(effects(&pool, "maybe").await, 1);
 
-    // Unknown, or the reconciler failed: still pending, and the claim counts nothing.
-    for key in ["k-unknown", "k-broken"] {
+    // The reconciler says it failed for good: its 422 is the answer, kept.
+    let refused = ask("k-refused", "refused").await;
+    assert_eq!((refused.status, refused.replayed()), (422, false));
+    let again = ask("k-refused", "refused").await;
+    assert_eq!((again.status, again.replayed()), (422, true));
+
+    // Unknown, the reconciler failed, or it answered what is not to be kept: still
+    // pending, never expiring, and the claim counts nothing.
+    for key in ["k-unknown", "k-broken", "k-odd"] {
         let outcome = key.trim_start_matches("k-");
         let answer = ask(key, outcome).await;
         assert_eq!(answer.status, 409, "{key}");
         assert_eq!(answer.problem_type(), "urn:idem:problem:outcome-uncertain");
-        let (status, attempts, ..) = sqlx::query_as::<_, (String, i32)>(
-            "SELECT status, attempts FROM processed_operations WHERE idempotency_key = $1",
+        let (status, attempts, expires) = sqlx::query_as::<_, (String, i32, bool)>(
+            "SELECT status, attempts, expires_at IS NOT NULL
+             FROM processed_operations WHERE idempotency_key = $1",
         )
         .bind(key)
         .fetch_one(&pool)
         .await
         .unwrap();
-        assert_eq!((status.as_str(), attempts), ("pending", 1), "{key}");
+        assert_eq!(
+            (status.as_str(), attempts, expires),
+            ("pending", 1, false),
+            "{key}"
+        );
     }
 }
 

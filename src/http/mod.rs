@@ -246,8 +246,10 @@ impl IdempotencyLayer {
     /// handler that returned [`HandlerError::Uncertain`] left its key `pending`). The
     /// next request with the key calls it, holding the key's lease, with the request
     /// (`takeover`, `provider_key`) and the stored external reference, and then:
-    /// `Applied(answer)` stores and sends that answer; `NotApplied` runs the request
-    /// again; `Unknown` or an error keeps the key `pending` and answers 409. Without a
+    /// `Applied(answer)` stores and sends that answer (if it is one to store: a 2xx/3xx
+    /// or a [`Decided`] refusal); `NotApplied` runs the request again; a
+    /// [`HandlerError::Permanent`] is stored as the answer (422); `Unknown`, another
+    /// error or an answer not to store keeps the key `pending` and answers 409. Without a
     /// reconciler a pending key answers 409 and stays as it is, for an operator.
     pub fn reconcile<F, Fut>(mut self, reconcile: F) -> Self
     where

@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::extract::{MatchedPath, Request};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use backon::{ExponentialBuilder, Retryable};
 use chrono::Utc;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -179,7 +179,10 @@ where
                     match reconcile(shared, &route, info, &lease, external_ref).await {
                         Reconciled::RunAgain => {}
                         Reconciled::Answer(response) => {
-                            return record(shared, &lease, &operation, response, None).await;
+                            return record_beside_heartbeat(
+                                shared, &lease, &operation, response, None,
+                            )
+                            .await;
                         }
                         Reconciled::StillUncertain => return uncertain(&operation),
                     }
@@ -241,7 +244,17 @@ async fn reconcile(
     };
     match found {
         Ok(Ok(Reconciliation::NotApplied)) => return Reconciled::RunAgain,
-        Ok(Ok(Reconciliation::Applied(response))) => return Reconciled::Answer(response),
+        // The effect happened: store what the reconciler answers, if it is an answer
+        // to store (not a failure or an unmarked refusal, which would be replayed for
+        // the whole retention).
+        Ok(Ok(Reconciliation::Applied(response))) => match verdict_of(&response) {
+            Verdict::Store | Verdict::StoreWithoutWrites => return Reconciled::Answer(response),
+            other => warn!(verdict = ?other, "reconcile: an answer that is not to be stored"),
+        },
+        // The reconciler decided the request failed for good: that is its answer.
+        Ok(Err(error @ HandlerError::Permanent(_))) => {
+            return Reconciled::Answer(error.into_response());
+        }
         Ok(Ok(Reconciliation::Unknown)) => debug!("reconcile: still unknown"),
         Ok(Err(error)) => warn!(error = %error, "reconcile failed"),
         Err(panic) => warn!(error = %panic, "reconcile panicked"),
@@ -377,7 +390,26 @@ where
             answered(operation, "uncertain", response)
         }
         Verdict::Store | Verdict::StoreWithoutWrites => {
-            record(shared, lease, operation, response, tx).await
+            record_beside_heartbeat(shared, lease, operation, response, tx).await
+        }
+    }
+}
+
+/// [`record`] while heartbeats keep the lease: reading a slow streamed answer must not
+/// let the lease lapse under it.
+async fn record_beside_heartbeat(
+    shared: &Shared,
+    lease: &Lease,
+    operation: &str,
+    response: Response,
+    tx: Option<Transaction<'static, Postgres>>,
+) -> Response {
+    let recording = record(shared, lease, operation, response, tx);
+    match crate::worker::beside_heartbeat(&shared.store, lease, recording).await {
+        Ok(response) => response,
+        Err(panic) => {
+            warn!(error = %panic, "recording the answer panicked");
+            Problem::Internal.answer("the request failed; retry with the same key")
         }
     }
 }
@@ -504,7 +536,12 @@ pub(super) async fn poll(shared: &Shared, key: &Key) -> Response {
         // Its server died: only the request itself, sent again, can take it over.
         Status::Processing => Problem::NoAnswer
             .answer("the request with this key stopped without an answer; send it again"),
-        Status::Pending => accepted(None, PENDING_RETRY_AFTER),
+        // Being reconciled: worth waiting for.
+        Status::Pending if lease_live => accepted(None, PENDING_RETRY_AFTER),
+        Status::Pending => Problem::OutcomeUncertain.retry_after(
+            "the outcome of the request with this key is uncertain and awaits reconciliation",
+            PENDING_RETRY_AFTER,
+        ),
         Status::Failed => Problem::NoAnswer
             .answer("the request with this key failed without an answer to keep; send it again"),
     }

@@ -29,9 +29,9 @@ const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= 
 /// [`CLAIMABLE`] without records to reconcile: for a claimer that cannot reconcile (an
 /// HTTP route without a reconciler), which must leave them as they are.
 #[cfg(feature = "http")]
-const CLAIMABLE_UNLESS_PENDING: &str =
-    "(   (p.status = 'processing' AND p.lease_expires_at <= now())
-     OR (p.status = 'failed' AND p.retryable AND NOT p.reconcile_first))";
+const CLAIMABLE_UNLESS_PENDING: &str = "(NOT p.reconcile_first AND
+    (   (p.status = 'processing' AND p.lease_expires_at <= now())
+     OR (p.status = 'failed' AND p.retryable)))";
 
 /// A message's record never expires while in flight: its broker brings it back.
 const NO_EXPIRY: &str = "NULL::timestamptz";
@@ -39,13 +39,15 @@ const NO_EXPIRY: &str = "NULL::timestamptz";
 /// An HTTP request's record expires even in flight, after the retention plus one lease
 /// (`$9` ms): if its server dies and its client never asks again, nothing else would
 /// bring it back. A request still running by then (heartbeats past the retention) loses
-/// its record to gc, and with it its fenced completion: its writes roll back, nothing
-/// is doubled.
+/// its record to gc, and with it its fenced completion: its writes roll back; a repeat
+/// after that starts afresh (attempt 1, no takeover), so only its provider key guards
+/// effects outside the transaction.
 #[cfg(feature = "http")]
 const REQUEST_EXPIRY: &str = "now() + $9::bigint * interval '1 millisecond'";
 
 /// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`,
-/// and the in-flight `expiry` ([`NO_EXPIRY`] or [`REQUEST_EXPIRY`]).
+/// and the in-flight `expiry` ([`NO_EXPIRY`] or [`REQUEST_EXPIRY`]) unless it is taken
+/// to be reconciled: such a record never expires (deleted, a repeat would run it blind).
 /// A record that is or ever was uncertain (`reconcile_first`) is taken as `pending`, so
 /// the taker reconciles it instead of running it (a replay or a released lease brings
 /// it back here too).
@@ -61,7 +63,8 @@ fn take(expiry: &str) -> String {
         lease_expires_at = now() + $5::bigint * interval '1 millisecond',
         owner = $6,
         retryable = false,
-        expires_at = {expiry},
+        expires_at = CASE WHEN p.status = 'pending' OR p.reconcile_first THEN NULL
+                          ELSE {expiry} END,
         updated_at = now()"
     )
 }
@@ -70,11 +73,13 @@ fn take(expiry: &str) -> String {
 const TAKEN_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        previous_status, external_ref, NULL::text AS payload_sha256, NULL::jsonb AS result,
        NULL::jsonb AS error, NULL::boolean AS claimable, NULL::boolean AS dead_lettered,
-       NULL::boolean AS reconcile_first";
+       NULL::boolean AS awaits_reconcile";
 const EXISTING_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, external_ref, payload_sha256, result, error, claimable,
        (dead_lettered_at IS NOT NULL OR discarded_at IS NOT NULL) AS dead_lettered,
-       reconcile_first";
+       (status = 'pending' OR (reconcile_first AND (
+            (status = 'processing' AND lease_expires_at <= now())
+         OR (status = 'failed' AND retryable)))) AS awaits_reconcile";
 
 /// One statement decides the claim: insert a new record, or take over an expired /
 /// retryable / pending one, or report the existing one. Each CTE runs on the same
@@ -126,7 +131,7 @@ SELECT 'inserted' AS found, id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, NULL::text AS external_ref,
        NULL::text AS payload_sha256, NULL::jsonb AS result, NULL::jsonb AS error,
        NULL::boolean AS claimable, NULL::boolean AS dead_lettered,
-       NULL::boolean AS reconcile_first
+       NULL::boolean AS awaits_reconcile
   FROM ins
 UNION ALL
 SELECT 'taken', {TAKEN_COLUMNS} FROM upd
@@ -210,9 +215,10 @@ pub(super) struct ClaimRow {
     error: Option<Value>,
     claimable: Option<bool>,
     dead_lettered: Option<bool>,
-    /// Read by an HTTP request's claim only.
+    /// The existing record is one a claim would take to reconcile (read by an HTTP
+    /// request's claim only).
     #[cfg_attr(not(feature = "http"), allow(dead_code))]
-    reconcile_first: Option<bool>,
+    awaits_reconcile: Option<bool>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -273,8 +279,7 @@ impl Store {
             let uncertain = row.found == "existing"
                 && row.claimable != Some(true)
                 && row.payload_sha256.as_deref() == Some(fingerprint.as_hex())
-                && (row.status == Status::Pending
-                    || (row.status == Status::Failed && row.reconcile_first == Some(true)));
+                && row.awaits_reconcile == Some(true);
             if uncertain && !reconcile {
                 return Ok(RequestClaim::Uncertain);
             }

@@ -74,13 +74,16 @@ static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
 
 /// A failure that leaves the key free for a retry, with the stored error `$3`, that
 /// expires after `$4` ms if no retry comes (an HTTP request that failed: unlike a
-/// message, nothing is bound to bring it back).
+/// message, nothing is bound to bring it back), unless it was ever uncertain: that one
+/// is reconciled before it runs again, and never expires.
 #[cfg(feature = "http")]
 static FAIL_EXPIRING_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations
          SET status = 'failed', retryable = true, error = $3, lease_expires_at = NULL,
-             expires_at = now() + $4::bigint * interval '1 millisecond', updated_at = now()
+             expires_at = CASE WHEN reconcile_first THEN NULL
+                               ELSE now() + $4::bigint * interval '1 millisecond' END,
+             updated_at = now()
          WHERE {FENCED}"
     )
 });
