@@ -17,7 +17,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{WorkerProcess, database_url, signal, spawn_payments_api, wait_until};
+use common::{WorkerProcess, database_url, idem_cli, signal, spawn_payments_api, wait_until};
 use idem::http::{Decided, IDEMPOTENCY_REPLAYED, Idempotency, IdempotentRequest, Tx};
 use idem::{HandlerError, Key, Reconciliation, Store, StoreConfig};
 use reqwest::header::HeaderMap;
@@ -747,21 +747,6 @@ async fn a_route_may_answer_202_with_a_location_to_poll(pool: PgPool) {
     assert_eq!(polled.headers()[IDEMPOTENCY_REPLAYED], "true");
     assert_eq!(polled.bytes().await.unwrap().as_ref(), b"attempt 1");
     assert_eq!(effects(&pool, "gated").await, 1);
-}
-
-async fn idem_cli(database_url: &str, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .env("DATABASE_URL", database_url)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "idem {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

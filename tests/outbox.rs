@@ -429,23 +429,6 @@ async fn an_unroutable_follow_up_waits_in_the_outbox_with_the_brokers_reason(
     task.await.unwrap().unwrap();
 }
 
-/// Runs the `idem` command; its stdout (the test fails if it fails).
-async fn idem_cli(database_url: &str, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .env("DATABASE_URL", database_url)
-        .env("AMQP_URL", amqp_url())
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "idem {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// When the committing worker does not publish (it died after the commit), a relay
 /// woken by the commit's NOTIFY publishes within the handoff, not the polling interval
 /// (10 s here): commit to publish, p50 under 100 ms.

@@ -422,6 +422,23 @@ pub async fn notifications(pool: &PgPool) -> BTreeMap<String, i64> {
     rows.into_iter().collect()
 }
 
+/// Runs the `idem` command; its stdout (the test fails if it fails).
+pub async fn idem_cli(database_url: &str, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("AMQP_URL", amqp_url())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "idem {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Sends a signal to a child process.
 pub fn signal(worker: &WorkerProcess, signal: &str) {
     let pid = worker.pid();
