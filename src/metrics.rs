@@ -20,6 +20,7 @@
 //! | `idem_outbox_pending`, `idem_outbox_failing` | gauge | |
 //! | `idem_outbox_oldest_age_seconds` | gauge | |
 //! | `idem_http_requests_total` | counter | `operation` (`POST /payments`), `outcome` |
+//! | `idem_store_up` (every 5 s), `idem_broker_up` (as it changes) | gauge, 1 or 0 | |
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -127,8 +128,11 @@ impl BrokerHealth {
         self.0.load(Ordering::Relaxed)
     }
 
+    /// Records the state, and sets `idem_broker_up` at once (not at the next gauge
+    /// refresh: a scrape right after a reconnect must not say down).
     pub(crate) fn set(&self, up: bool) {
         self.0.store(up, Ordering::Relaxed);
+        ::metrics::gauge!("idem_broker_up").set(if up { 1.0 } else { 0.0 });
     }
 }
 
@@ -281,12 +285,16 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
         .await;
         match ages {
             Ok((pending, processing, expired)) => {
+                ::metrics::gauge!("idem_store_up").set(1.0);
                 ::metrics::gauge!("idem_gc_oldest_expired_age_seconds").set(expired.unwrap_or(0.0));
                 ::metrics::gauge!("idem_oldest_pending_age_seconds").set(pending.unwrap_or(0.0));
                 ::metrics::gauge!("idem_oldest_processing_age_seconds")
                     .set(processing.unwrap_or(0.0));
             }
-            Err(error) => debug!(error = %error, "age gauges not refreshed"),
+            Err(error) => {
+                ::metrics::gauge!("idem_store_up").set(0.0);
+                debug!(error = %error, "age gauges not refreshed");
+            }
         }
         handle.run_upkeep();
         tokio::select! {

@@ -814,6 +814,9 @@ async fn metrics_after_a_known_scenario_match_it(
     assert!(metrics.contains("idem_store_round_trip_seconds_bucket{call=\"claim_many\""));
     assert!(metrics.contains("idem_oldest_pending_age_seconds"));
     assert!(metrics.contains("idem_oldest_processing_age_seconds"));
+    // Both reachable: the store and broker gauges say so.
+    assert!(metrics.contains("idem_store_up 1"), "{metrics}");
+    assert!(metrics.contains("idem_broker_up 1"), "{metrics}");
     // One follow-up per booked order, published after its commit.
     notify.wait_for_messages(&notify.name, 5, SETTLE).await;
     wait_until(SETTLE, "the follow-ups counted", || async {
