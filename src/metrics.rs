@@ -266,10 +266,12 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
     loop {
         // Each is the first entry of an index: cheap however large the table is.
         type Ages = (Option<f64>, Option<f64>, Option<f64>);
-        let ages: Result<Ages, sqlx::Error> = sqlx::query_as(
+        let query = sqlx::query_as(
             "SELECT
+               -- A discarded pending record stays pending for good, on purpose.
                (SELECT extract(epoch FROM now() - min(updated_at))::float8
-                  FROM processed_operations WHERE status = 'pending'),
+                  FROM processed_operations
+                 WHERE status = 'pending' AND discarded_at IS NULL),
                -- Not an HTTP request's record (it has an expiry) whose server died:
                -- it waits for its client, maybe forever, and gc takes it. One whose
                -- lease is live (a hung route) counts.
@@ -281,12 +283,20 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
                   FROM processed_operations
                  WHERE expires_at <= now() AND dead_lettered_at IS NULL)",
         )
-        .fetch_one(&pool)
-        .await;
+        .fetch_one(&pool);
+        // A database that hangs rather than refuses must read as down too (as /healthz
+        // does after 2 s), not keep the last value for minutes.
+        let ages: Result<Ages, String> =
+            match tokio::time::timeout(Duration::from_secs(2), query).await {
+                Ok(Ok(ages)) => Ok(ages),
+                Ok(Err(error)) => Err(crate::error_line(&error)),
+                Err(_) => Err("no answer within 2 s".into()),
+            };
         match ages {
             Ok((pending, processing, expired)) => {
                 ::metrics::gauge!("idem_store_up").set(1.0);
-                ::metrics::gauge!("idem_gc_oldest_expired_age_seconds").set(expired.unwrap_or(0.0));
+                ::metrics::gauge!("idem_gc_oldest_expired_age_seconds", "table" => "records")
+                    .set(expired.unwrap_or(0.0));
                 ::metrics::gauge!("idem_oldest_pending_age_seconds").set(pending.unwrap_or(0.0));
                 ::metrics::gauge!("idem_oldest_processing_age_seconds")
                     .set(processing.unwrap_or(0.0));
