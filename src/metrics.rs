@@ -62,7 +62,7 @@ pub(crate) fn delivery(operation: &'static str, outcome: &'static str) {
 
 /// Counts one keyed HTTP request's outcome (feature `http`): `executed`, `replayed`,
 /// `conflict`, `in_progress`, `pending`, `failed`, `uncertain`, `taken_over`,
-/// `missing_key`, `invalid_key`, `too_large`, `response_too_large`,
+/// `missing_key`, `invalid_key`, `too_large`, `unreadable_body`, `response_too_large`,
 /// `store_unavailable`.
 #[cfg(feature = "http")]
 pub(crate) fn http_request(operation: &str, outcome: &'static str) {
