@@ -10,30 +10,8 @@ use idem::{Claim, Fingerprint, Key, Origin, Store, StoreConfig};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use tokio::process::Command;
 
 const SETTLE: Duration = Duration::from_secs(90);
-
-/// Runs the `idem` command with the test's database; returns (exit code, stdout).
-async fn idem(database_url: &str, args: &[&str]) -> (i32, String) {
-    let out = idem_command(database_url, args).output().await.unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        eprintln!("idem {args:?} failed: {stderr}");
-    }
-    (out.status.code().unwrap_or(-1), stdout)
-}
-
-fn idem_command(database_url: &str, args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
-    command
-        .args(args)
-        .env("DATABASE_URL", database_url)
-        .env("AMQP_URL", amqp_url())
-        .kill_on_drop(true);
-    command
-}
 
 /// A sequential worker: once a message published later is done, every earlier one is.
 const SEQUENTIAL: &[&str] = &["--concurrency", "1", "--prefetch", "1"];
@@ -116,7 +94,7 @@ async fn outage_drill_replay_books_each_order_once(
 
     let _healthy = spawn_orders_worker(&url, &q.name, SEQUENTIAL);
     wait_for_consumers(&q, 1).await;
-    let (code, dry) = idem(
+    let (code, dry) = run_idem(
         &url,
         &["dlq", "replay", "--queue", &q.name, "--dry-run", "--json"],
     )
@@ -130,7 +108,7 @@ async fn outage_drill_replay_books_each_order_once(
         "a dry run changes nothing"
     );
 
-    let (code, out) = idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
+    let (code, out) = run_idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
     assert_eq!(code, 0);
     let summary: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
@@ -145,7 +123,7 @@ async fn outage_drill_replay_books_each_order_once(
         q.publish(&order_resent(&format!("evt-{i}"), "acme", 100 + i as i64))
             .await;
     }
-    let (code, out) = idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
+    let (code, out) = run_idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
     assert_eq!(code, 0);
     let again: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(again["replayed"], 0);
@@ -243,7 +221,7 @@ async fn a_replay_killed_midway_loses_and_doubles_nothing(
         "killed midway: {left} of {dead} left"
     );
 
-    let (code, _) = idem(&url, &["dlq", "replay", "--queue", &q.name]).await;
+    let (code, _) = run_idem(&url, &["dlq", "replay", "--queue", &q.name]).await;
     assert_eq!(code, 0);
     assert_settled_once_each(&pool, &q, N).await;
     println!("replay killed with {left} of {dead} dead letters left; rerun finished them");
@@ -264,7 +242,7 @@ async fn discard_removes_dead_letters_and_records_the_decision(
     q.publish(b"garbage").await;
     q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
 
-    let (code, out) = idem(&url, &["dlq", "list", "--queue", &q.name, "--json"]).await;
+    let (code, out) = run_idem(&url, &["dlq", "list", "--queue", &q.name, "--json"]).await;
     assert_eq!(code, 0);
     let list: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(list["messages"], 2);
@@ -277,7 +255,7 @@ async fn discard_removes_dead_letters_and_records_the_decision(
     assert_eq!(reasons, vec!["malformed", "permanent_failure"]);
     assert_eq!(q.counts(&q.dlq()).await.0, 2, "listing removes nothing");
 
-    let (code, out) = idem(
+    let (code, out) = run_idem(
         &url,
         &[
             "dlq", "show", "--queue", &q.name, "--key", "evt-bad", "--json",
@@ -290,7 +268,7 @@ async fn discard_removes_dead_letters_and_records_the_decision(
     assert_eq!(shown["error"], "invalid amount");
     assert!(shown["body"].as_str().unwrap().contains("evt-bad"));
 
-    let (code, _) = idem(
+    let (code, _) = run_idem(
         &url,
         &[
             "dlq",
@@ -317,7 +295,7 @@ async fn discard_removes_dead_letters_and_records_the_decision(
     .unwrap();
     assert!(discarded && expires);
     // Replay leaves the malformed one where it is.
-    let (code, out) = idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
+    let (code, out) = run_idem(&url, &["dlq", "replay", "--queue", &q.name, "--json"]).await;
     assert_eq!(code, 0);
     let summary: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(summary["malformed_left"], 1);
@@ -354,7 +332,7 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
         &hash,
     ];
 
-    let (code, out) = idem(
+    let (code, out) = run_idem(
         &url,
         &[&["ops", "show"][..], &by_hash, &["--json"]].concat(),
     )
@@ -362,7 +340,7 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
     assert_eq!(code, 0, "{out}");
     let record: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(record["idempotency_key"], "evt-hashed");
-    let (code, out) = idem(&url, &[&["ops", "release"][..], &by_hash].concat()).await;
+    let (code, out) = run_idem(&url, &[&["ops", "release"][..], &by_hash].concat()).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("evt-hashed"), "{out}");
 
@@ -447,7 +425,7 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
         "evt-stuck",
     ];
 
-    let (code, out) = idem(
+    let (code, out) = run_idem(
         &url,
         &[&["ops", "show"][..], &key_args, &["--json"]].concat(),
     )
@@ -457,7 +435,7 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
     assert_eq!(record["status"], "processing");
     assert_eq!(record["owner"], "dead-worker");
 
-    let (code, out) = idem(
+    let (code, out) = run_idem(
         &url,
         &[
             "ops",
@@ -473,7 +451,7 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
     assert_eq!(code, 0);
     let listed: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(listed.as_array().unwrap().len(), 1);
-    let (code, out) = idem(
+    let (code, out) = run_idem(
         &url,
         &[
             "ops",
@@ -504,7 +482,7 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
             .unwrap(),
         Claim::InProgress { .. }
     ));
-    let (code, out) = idem(&url, &[&["ops", "release"][..], &key_args].concat()).await;
+    let (code, out) = run_idem(&url, &[&["ops", "release"][..], &key_args].concat()).await;
     assert_eq!(code, 0, "{out}");
     let Claim::Claimed(next) = store
         .claim(&key, &fingerprint, &Origin::default())
@@ -519,7 +497,7 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
         "the dead worker is fenced"
     );
 
-    let (code, _) = idem(
+    let (code, _) = run_idem(
         &url,
         &[
             "ops",
@@ -548,7 +526,7 @@ async fn migrate_creates_a_fresh_database_twice_in_a_row(
     let base = database_url(&connect);
     let url = format!("{}/{name}", base.rsplit_once('/').unwrap().0);
     for _ in 0..2 {
-        let (code, out) = idem(&url, &["migrate"]).await;
+        let (code, out) = run_idem(&url, &["migrate"]).await;
         assert_eq!(code, 0);
         assert!(out.contains("migrations up to date"), "{out}");
     }
@@ -590,7 +568,7 @@ async fn an_older_build_accepts_a_database_migrated_further(
     .execute(&pool)
     .await
     .unwrap();
-    let (code, out) = idem(&database_url(&connect), &["migrate"]).await;
+    let (code, out) = run_idem(&database_url(&connect), &["migrate"]).await;
     assert_eq!(code, 0, "{out}");
     let newer: i64 =
         sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE version = 99991231000000")
@@ -621,9 +599,9 @@ async fn commands_on_a_database_behind_this_build_ask_for_migrate(
         stderr.contains("lacks migrations 20261201000003 outbox; run `idem migrate` first"),
         "{stderr}"
     );
-    let (code, out) = idem(&url, &["migrate"]).await;
+    let (code, out) = run_idem(&url, &["migrate"]).await;
     assert_eq!(code, 0, "{out}");
-    let (code, out) = idem(&url, &["gc"]).await;
+    let (code, out) = run_idem(&url, &["gc"]).await;
     assert_eq!(code, 0, "{out}");
 }
 

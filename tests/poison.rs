@@ -236,10 +236,7 @@ async fn discard_acks_before_it_unpins_and_a_discarded_failure_stays_settled(
     q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
 
     // Killed between the two steps of a discard.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["dlq", "discard", "--queue", &q.name])
-        .env("DATABASE_URL", &url)
-        .env("AMQP_URL", amqp_url())
+    let out = idem_command(&url, &["dlq", "discard", "--queue", &q.name])
         .env("IDEM_FAILPOINT", "discard-acked")
         .output()
         .await
@@ -275,26 +272,6 @@ async fn discard_acks_before_it_unpins_and_a_discarded_failure_stays_settled(
         0,
         "the duplicate of a discarded failure was dead-lettered again"
     );
-}
-
-async fn run_idem(database_url: &str, args: &[&str]) -> (i32, String) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .env("DATABASE_URL", database_url)
-        .env("AMQP_URL", amqp_url())
-        .output()
-        .await
-        .unwrap();
-    if !out.status.success() {
-        eprintln!(
-            "idem {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-    )
 }
 
 /// A handler whose runs and reconciliations follow a script per event, and that

@@ -135,12 +135,13 @@ async fn gc_deletes_dispatched_follow_ups_and_never_undispatched_ones(
     stage_rows(&pool, "sent", 5_000, true, "now() - interval '1 day'").await;
     stage_rows(&pool, "recent", 50, true, "now() + interval '1 day'").await;
     stage_rows(&pool, "unsent", 50, false, "").await;
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["gc", "--batch", "1000", "--duty", "1"])
-        .env("DATABASE_URL", database_url(&connect))
-        .output()
-        .await
-        .unwrap();
+    let out = idem_command(
+        &database_url(&connect),
+        &["gc", "--batch", "1000", "--duty", "1"],
+    )
+    .output()
+    .await
+    .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

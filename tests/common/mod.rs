@@ -422,21 +422,41 @@ pub async fn notifications(pool: &PgPool) -> BTreeMap<String, i64> {
     rows.into_iter().collect()
 }
 
-/// Runs the `idem` command; its stdout (the test fails if it fails).
-pub async fn idem_cli(database_url: &str, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+/// The `idem` command with the test's database and broker (killed if dropped).
+pub fn idem_command(database_url: &str, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
         .args(args)
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", amqp_url())
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "idem {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+        .kill_on_drop(true);
+    command
+}
+
+/// Runs the `idem` command; returns (exit code, stdout), with stderr printed when it
+/// fails.
+pub async fn run_idem(database_url: &str, args: &[&str]) -> (i32, String) {
+    let out = idem_command(database_url, args).output().await.unwrap();
+    if !out.status.success() {
+        eprintln!(
+            "idem {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Runs the `idem` command; its stdout (the test fails if it fails).
+pub async fn idem_cli(database_url: &str, args: &[&str]) -> String {
+    let (code, stdout) = run_idem(database_url, args).await;
+    assert_eq!(
+        code, 0,
+        "idem {args:?} failed (its stderr is printed above)"
     );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    stdout
 }
 
 /// Sends a signal to a child process.
