@@ -67,6 +67,8 @@ use crate::key::Key;
 use crate::store::Store;
 
 mod problem;
+mod record;
+mod request;
 mod service;
 mod stored;
 mod tx;

@@ -1,0 +1,260 @@
+//! What a claimed request's answer records: the verdict on it, the stored answer (in
+//! the handler's transaction), a freed key, and the counted answer.
+
+use std::future::Future;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use backon::{ExponentialBuilder, Retryable};
+use sqlx::{Postgres, Transaction};
+use tracing::{debug, warn};
+
+use super::Shared;
+use super::problem::{Decided, Failure, Problem};
+use super::request::{Unread, read_limited};
+use super::stored::StoredResponse;
+use crate::handler::HandlerError;
+use crate::metrics;
+use crate::store::{Lease, Store, StoreError, StoredError};
+
+/// What the layer does with the route's answer to a claimed request.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Verdict {
+    /// Store the answer; commit the handler's writes with it.
+    Store,
+    /// Store the answer (the request was decided: a permanent error), but roll the
+    /// handler's writes back.
+    StoreWithoutWrites,
+    /// Roll back and leave the key free for a retry: a transient error, an answer of
+    /// 500 or more, or a refusal (4xx) the handler did not mark as its decision.
+    Free(String),
+    /// Roll back and keep the key `pending` (an uncertain outcome).
+    Pending {
+        external_ref: Option<String>,
+        error: String,
+    },
+}
+
+/// Decides from the answer's status, the handler's error if it returned one, and
+/// whether it marked the answer [`Decided`].
+pub(super) fn verdict(
+    status: StatusCode,
+    failure: Option<&HandlerError>,
+    decided: bool,
+) -> Verdict {
+    match failure {
+        Some(HandlerError::Transient(error)) => Verdict::Free(error.clone()),
+        Some(HandlerError::Uncertain {
+            external_ref,
+            error,
+        }) => Verdict::Pending {
+            external_ref: external_ref.clone(),
+            error: error.clone(),
+        },
+        Some(HandlerError::Permanent(_)) => Verdict::StoreWithoutWrites,
+        None if decided => Verdict::Store,
+        // A 4xx is an extractor's rejection (a missing Content-Type, a body that does
+        // not parse), middleware's (401, 429) or a refusal that should change nothing:
+        // a retry that fixes it must be able to run.
+        None if status.is_client_error() || status.is_server_error() => {
+            Verdict::Free(format!("the route answered {status}"))
+        }
+        None => Verdict::Store,
+    }
+}
+
+/// The verdict on `response`.
+pub(super) fn verdict_of(response: &Response) -> Verdict {
+    let extensions = response.extensions();
+    verdict(
+        response.status(),
+        extensions.get::<Failure>().map(|f| &f.0),
+        extensions.get::<Decided>().is_some(),
+    )
+}
+
+/// [`record`] while heartbeats keep the lease: reading a slow streamed answer must not
+/// let the lease lapse under it.
+pub(super) async fn record_beside_heartbeat(
+    shared: &Shared,
+    lease: &Lease,
+    operation: &str,
+    response: Response,
+    tx: Option<Transaction<'static, Postgres>>,
+) -> Response {
+    let recording = record(shared, lease, operation, response, tx);
+    match crate::worker::beside_heartbeat(&shared.store, lease, recording).await {
+        Ok(response) => response,
+        Err(panic) => {
+            warn!(error = %panic, "recording the answer panicked");
+            Problem::Internal.answer("the request failed; retry with the same key")
+        }
+    }
+}
+
+/// Stores `response` as the key's answer, in `tx` with the handler's writes when there
+/// is one, and sends it; or, when it cannot be stored, sends why.
+pub(super) async fn record(
+    shared: &Shared,
+    lease: &Lease,
+    operation: &str,
+    response: Response,
+    mut tx: Option<Transaction<'static, Postgres>>,
+) -> Response {
+    let store = &shared.store;
+    let (parts, body) = response.into_parts();
+    let bytes = match read_limited(body, &HeaderMap::new(), shared.max_response).await {
+        Ok(bytes) => bytes,
+        Err(unread) => {
+            if let Some(tx) = tx {
+                rollback(tx).await;
+            }
+            let detail = match unread {
+                Unread::TooLarge => format!(
+                    "the answer exceeds the {} bytes the layer stores for replay",
+                    shared.max_response
+                ),
+                Unread::Broken(error) => format!("the answer could not be read: {error}"),
+            };
+            free(store, lease, &detail).await;
+            let detail = format!("{detail}; nothing was stored, the key is free for a retry");
+            let problem = Problem::ResponseTooLarge.answer(detail);
+            return answered(operation, "response_too_large", problem);
+        }
+    };
+    let stored =
+        StoredResponse::new(parts.status, &parts.headers, &shared.replay_headers, &bytes).to_json();
+    let recorded = match tx.as_mut() {
+        Some(tx) => store.complete_in(&mut **tx, lease, &stored).await,
+        None => store.complete(lease, &stored).await,
+    };
+    let committed = match (recorded, tx) {
+        (Ok(()), Some(tx)) => tx.commit().await.map_err(StoreError::from),
+        (Ok(()), None) => Ok(()),
+        (Err(error), Some(tx)) => {
+            rollback(tx).await;
+            Err(error)
+        }
+        (Err(error), None) => Err(error),
+    };
+    match committed {
+        Ok(()) => answered(
+            operation,
+            "executed",
+            Response::from_parts(parts, Body::from(bytes)),
+        ),
+        Err(StoreError::LeaseLost { .. }) => answered(
+            operation,
+            "taken_over",
+            Problem::TakenOver.answer(
+                "this request outlived its lease and another request with the same key took \
+                 it over; this one's writes were rolled back; retry to get that one's answer",
+            ),
+        ),
+        Err(error) => {
+            // Fenced: if the commit went through after all, the record is completed and
+            // this writes nothing.
+            free(store, lease, "the outcome could not be recorded").await;
+            store_unavailable(operation, "cannot record the answer", &error)
+        }
+    }
+}
+
+/// Records a failure that leaves the key free for a retry; the record expires after
+/// the retention if no retry comes.
+pub(super) async fn free(store: &Store, lease: &Lease, error: &str) {
+    let stored = StoredError {
+        kind: "transient",
+        error,
+    }
+    .to_json();
+    if let Err(e) = retried(|| store.fail_expiring(lease, &stored)).await {
+        warn!(error = %e.describe(), "cannot free the key after a failed request");
+    }
+}
+
+/// A fenced write after the route answered, tried a few times over about a second: a
+/// moment's outage must not leave the key `processing` for a whole lease. A lost lease
+/// is final.
+pub(super) async fn retried<F, Fut>(write: F) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    write
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(50))
+                .with_max_times(4),
+        )
+        .when(|error| !matches!(error, StoreError::LeaseLost { .. }))
+        .await
+}
+
+pub(super) async fn rollback(tx: sqlx::Transaction<'static, sqlx::Postgres>) {
+    if let Err(error) = tx.rollback().await {
+        debug!(error = %crate::error_line(&error), "rollback failed (the connection is gone)");
+    }
+}
+
+/// Counts the answer and passes it on.
+pub(super) fn answered(operation: &str, outcome: &'static str, response: Response) -> Response {
+    metrics::http_request(operation, outcome);
+    debug!(outcome, status = response.status().as_u16(), "answered");
+    response
+}
+
+pub(super) fn store_unavailable(operation: &str, what: &str, error: &StoreError) -> Response {
+    warn!(error = %error.describe(), "{what}");
+    answered(
+        operation,
+        "store_unavailable",
+        Problem::StoreUnavailable.retry_after(
+            format!("{what}; retry with the same key"),
+            Duration::from_secs(1),
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_verdict_follows_the_status_and_the_handlers_error() {
+        assert_eq!(verdict(StatusCode::CREATED, None, false), Verdict::Store);
+        assert!(matches!(
+            verdict(StatusCode::NOT_FOUND, None, false),
+            Verdict::Free(_)
+        ));
+        assert!(matches!(
+            verdict(StatusCode::TOO_MANY_REQUESTS, None, false),
+            Verdict::Free(_)
+        ));
+        assert_eq!(verdict(StatusCode::NOT_FOUND, None, true), Verdict::Store);
+        assert!(matches!(
+            verdict(StatusCode::BAD_GATEWAY, None, false),
+            Verdict::Free(_)
+        ));
+        let transient = HandlerError::transient("db busy");
+        assert_eq!(
+            verdict(StatusCode::SERVICE_UNAVAILABLE, Some(&transient), false),
+            Verdict::Free("db busy".into())
+        );
+        let permanent = HandlerError::permanent("card refused");
+        assert_eq!(
+            verdict(StatusCode::UNPROCESSABLE_ENTITY, Some(&permanent), false),
+            Verdict::StoreWithoutWrites
+        );
+        let uncertain = HandlerError::uncertain(Some("ch_1".into()), "timeout");
+        assert_eq!(
+            verdict(StatusCode::BAD_GATEWAY, Some(&uncertain), false),
+            Verdict::Pending {
+                external_ref: Some("ch_1".into()),
+                error: "timeout".into()
+            }
+        );
+    }
+}
