@@ -231,13 +231,15 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn".into()),
-        )
-        .init();
+    // Logs; traces too when built with `--features otel` and OTEL_EXPORTER_OTLP_ENDPOINT
+    // is set. Kept until `main` returns, so the last spans are sent.
+    let _telemetry = match idem::telemetry::init("orders_worker") {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("orders_worker: error: {}", idem::error_line(&error));
+            return ExitCode::FAILURE;
+        }
+    };
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

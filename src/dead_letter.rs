@@ -32,6 +32,10 @@ pub const FAILED_AT: &str = "idem-failed-at";
 pub const OPERATION: &str = "idem-operation";
 /// How many delayed retries the message went through (`idem-retries`).
 pub const RETRIES: &str = "idem-retries";
+/// How many times the message was replayed from a dead-letter queue (`idem-replays`):
+/// set by a replay, kept through retries and dead letters, so a replay that fails
+/// again is counted as such (`idem_replayed_deliveries_total`).
+pub const REPLAYS: &str = "idem-replays";
 
 /// Why a message was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -120,11 +124,15 @@ pub fn carried_headers(original: &BasicProperties) -> FieldTable {
 
 /// The properties of a replayed dead letter: the original ones, without the broker's
 /// `x-` headers and without idem's own (`idem-*`), so the replay starts with a fresh
-/// retry budget and no stale verdict.
+/// retry budget and no stale verdict; but with `idem-replays` one more than the dead
+/// letter had. The trace context (`traceparent`) is kept: the replay joins the trace.
 pub fn replay_properties(dead_letter: &BasicProperties) -> BasicProperties {
-    dead_letter
-        .clone()
-        .with_headers(headers_without(dead_letter, &["x-", "idem-"]))
+    let replays = header_i64(dead_letter, REPLAYS)
+        .unwrap_or(0)
+        .saturating_add(1);
+    let mut headers = headers_without(dead_letter, &["x-", "idem-"]);
+    headers.insert(ShortString::from(REPLAYS), AMQPValue::LongLongInt(replays));
+    dead_letter.clone().with_headers(headers)
 }
 
 fn headers_without(original: &BasicProperties, prefixes: &[&str]) -> FieldTable {

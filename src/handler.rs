@@ -13,6 +13,7 @@ use crate::key::Key;
 use crate::outbox::{
     self, CORRELATION_HEADER, FollowUp, FollowUpError, SHORT_STRING_MAX, SOURCE_KEY_HEADER,
 };
+use crate::trace::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// One job type: how to read its messages, name their intent, and run the effect.
 ///
@@ -217,6 +218,8 @@ pub struct Context {
     tx: Option<Transaction<'static, Postgres>>,
     /// The source message's correlation id, carried on to follow-up messages.
     correlation_id: Option<String>,
+    /// The trace context follow-up messages carry.
+    trace: Option<TraceContext>,
     /// Outbox rows staged by this run, in order.
     staged: Vec<i64>,
     /// How long the committing worker has its staged rows to itself.
@@ -232,19 +235,22 @@ impl Context {
             pool,
             tx: None,
             correlation_id: None,
+            trace: None,
             staged: Vec::new(),
             handoff: Duration::ZERO,
         }
     }
 
-    /// The source message's correlation id (for follow-ups), and the handoff of staged
-    /// rows to the committing worker.
+    /// The source message's correlation id and the trace context (for follow-ups), and
+    /// the handoff of staged rows to the committing worker.
     pub(crate) fn for_follow_ups(
         mut self,
         correlation_id: Option<String>,
+        trace: Option<TraceContext>,
         handoff: Duration,
     ) -> Self {
         self.correlation_id = correlation_id;
+        self.trace = trace;
         self.handoff = handoff;
         self
     }
@@ -270,6 +276,13 @@ impl Context {
     /// have done part of the work before it died.
     pub fn is_takeover(&self) -> bool {
         self.takeover
+    }
+
+    /// The W3C trace context of this run (`traceparent`), to pass to the providers it
+    /// calls so that their spans join the trace: the handler's span with OpenTelemetry
+    /// on, otherwise the context the message arrived with. `None` when there is none.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.trace.as_ref().map(TraceContext::traceparent)
     }
 
     /// The pool, for reads and for writes that must not wait for the outcome (they are
@@ -303,7 +316,10 @@ impl Context {
     ///
     /// The message carries the headers `idem-source-key` (this operation's short key
     /// hash) and, when the source message had one, `idem-correlation-id`; its
-    /// `correlation_id` is the source message's unless set on the [`FollowUp`].
+    /// `correlation_id` is the source message's unless set on the [`FollowUp`]. It
+    /// carries this run's trace context ([`Context::traceparent`]) unless it sets a
+    /// `traceparent` header of its own: stored now, it joins the trace whenever the
+    /// message is published.
     pub async fn publish(&mut self, message: FollowUp) -> Result<String, FollowUpError> {
         message.check()?;
         let position = self.staged.len() as u32;
@@ -317,6 +333,14 @@ impl Context {
                 && correlation_id.len() <= SHORT_STRING_MAX
             {
                 message = message.correlation_id(correlation_id.as_str());
+            }
+        }
+        if let Some(trace) = &self.trace
+            && !message.properties.headers.contains_key(TRACEPARENT)
+        {
+            message = message.header(TRACEPARENT, trace.traceparent());
+            if let Some(state) = trace.tracestate() {
+                message = message.header(TRACESTATE, state);
             }
         }
         let (source, operation) = (self.key.digest(), self.key.operation().to_owned());

@@ -73,7 +73,9 @@ pub mod replay;
 pub mod retry;
 pub mod shutdown;
 pub mod store;
+pub mod telemetry;
 pub mod topology;
+pub mod trace;
 pub mod worker;
 
 pub use fault::Fault;

@@ -8,6 +8,7 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `idem_deliveries_total` | counter | `operation`, `outcome` |
+//! | `idem_replayed_deliveries_total` | counter | `operation`, `outcome` |
 //! | `idem_handler_duration_seconds` | histogram | `operation` |
 //! | `idem_store_round_trip_seconds` | histogram | `call` |
 //! | `idem_oldest_pending_age_seconds` | gauge | |
@@ -57,6 +58,13 @@ pub enum MetricsError {
 /// Counts one delivery's outcome.
 pub(crate) fn delivery(operation: &'static str, outcome: &'static str) {
     ::metrics::counter!("idem_deliveries_total", "operation" => operation, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Counts the outcome of a delivery replayed from a dead-letter queue (`idem-replays`
+/// set), and `dead_lettered` when it is dead-lettered again: a replay that keeps failing.
+pub(crate) fn replayed_delivery(operation: &'static str, outcome: &'static str) {
+    ::metrics::counter!("idem_replayed_deliveries_total", "operation" => operation, "outcome" => outcome)
         .increment(1);
 }
 

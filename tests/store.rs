@@ -30,10 +30,14 @@ fn fp(payload: &Value) -> Fingerprint {
     Fingerprint::of(payload, VOLATILE)
 }
 
+const TRACE_A: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const TRACE_B: &str = "0af7651916cd43dd8448eb211c80319c";
+
 fn origin() -> Origin {
     Origin {
         message_id: Some("msg-1".into()),
         correlation_id: Some("corr-1".into()),
+        trace_id: Some(TRACE_A.into()),
     }
 }
 
@@ -102,6 +106,7 @@ async fn first_claim_runs_then_completed_result_is_returned_unchanged(pool: PgPo
     assert_eq!(before.status, Status::Completed);
     assert_eq!(before.message_id.as_deref(), Some("msg-1"));
     assert_eq!(before.correlation_id.as_deref(), Some("corr-1"));
+    assert_eq!(before.trace_id.as_deref(), Some(TRACE_A));
     assert_eq!(before.owner.as_deref(), Some("test-worker"));
     assert!(before.completed_at.is_some());
     let retention = before.expires_at.unwrap() - before.completed_at.unwrap();
@@ -660,8 +665,59 @@ fn input(k: &Key, payload: &Value) -> idem::store::ClaimRequest {
         origin: Origin {
             message_id: Some("m".into()),
             correlation_id: None,
+            trace_id: None,
         },
     }
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_record_keeps_the_trace_of_the_claim_that_last_took_it(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"event_id": "evt-t", "amount": 1});
+    let (k, other) = (key("evt-t"), key("evt-u"));
+    let traced = |trace: Option<&str>, k: &Key| {
+        let mut request = input(k, &payload);
+        request.origin.trace_id = trace.map(str::to_owned);
+        request
+    };
+    let trace_of = |k: Key| {
+        let store = store.clone();
+        async move { store.get(&k).await.unwrap().unwrap().trace_id }
+    };
+    // Inserted by a single claim with trace A, failed for a retry.
+    let first = claimed(&store, &k, &payload).await;
+    store
+        .fail(&first, true, &json!("timeout"), false)
+        .await
+        .unwrap();
+    // A batch takes it over with trace B, and inserts another key with B.
+    let claims = store
+        .claim_many(&[traced(Some(TRACE_B), &k), traced(Some(TRACE_B), &other)])
+        .await
+        .unwrap();
+    assert!(
+        claims.iter().all(|c| matches!(c, Claim::Claimed(_))),
+        "{claims:?}"
+    );
+    assert_eq!(trace_of(k.clone()).await.as_deref(), Some(TRACE_B));
+    assert_eq!(trace_of(other.clone()).await.as_deref(), Some(TRACE_B));
+    // A claim without a trace keeps the record's.
+    let Claim::Claimed(second) = &claims[0] else {
+        unreachable!()
+    };
+    store
+        .fail(second, true, &json!("timeout"), false)
+        .await
+        .unwrap();
+    let again = Origin {
+        trace_id: None,
+        ..origin()
+    };
+    assert!(matches!(
+        store.claim(&k, &fp(&payload), &again).await.unwrap(),
+        Claim::Claimed(_)
+    ));
+    assert_eq!(trace_of(k).await.as_deref(), Some(TRACE_B));
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

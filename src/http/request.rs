@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::IDEMPOTENCY_KEY;
 use crate::fingerprint::Fingerprint;
+use crate::trace::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// GET, HEAD, OPTIONS and TRACE change nothing and need no key.
 pub(super) fn is_safe(method: &Method) -> bool {
@@ -52,6 +53,12 @@ pub(super) fn route_of(parts: &axum::http::request::Parts) -> &str {
         .get::<MatchedPath>()
         .map(MatchedPath::as_str)
         .unwrap_or_else(|| parts.uri.path())
+}
+
+/// The W3C trace context the request carries (`traceparent`, `tracestate`), if valid.
+pub(super) fn trace_context(headers: &HeaderMap) -> Option<TraceContext> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    TraceContext::parse(text(TRACEPARENT)?, text(TRACESTATE))
 }
 
 /// The request's correlation id, kept on a new record for inspection.

@@ -11,7 +11,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
 use tower::Service;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, Span, debug, field, info_span, warn};
 
 use super::problem::{Problem, with_retry_after};
 use super::record::{
@@ -20,6 +20,7 @@ use super::record::{
 };
 use super::request::{
     Unread, correlation_id, fingerprint, is_safe, key_header, operation_of, read_limited,
+    trace_context,
 };
 use super::stored::StoredResponse;
 use super::tx::{IdempotentRequest, Left, TxSlot};
@@ -27,6 +28,7 @@ use super::{Route, Shared};
 use crate::handler::{HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::store::{Claim, Lease, Origin, RequestClaim, Status, StoredError};
+use crate::trace;
 
 /// How long a client waits before asking again while the first request runs: most
 /// requests take well under a second, and asking again costs one indexed statement. The
@@ -88,7 +90,22 @@ where
             return answered(&operation, "invalid_key", problem);
         }
     };
-    let span = info_span!("idempotent_request", operation = %operation, key = %key.short_hash());
+    let span = info_span!(
+        "idempotent_request",
+        operation = %operation,
+        key = %key.short_hash(),
+        otel.name = field::Empty,
+        otel.kind = field::Empty,
+    );
+    let incoming = trace_context(&parts.headers);
+    // Under a server span of the application's (one that continued the request's
+    // trace already), this span is its child; otherwise it is the server span.
+    let under_server_span = trace::outgoing(&Span::current(), None).is_some();
+    if !under_server_span && trace::continue_trace(&span, incoming.as_ref(), &operation, "server") {
+        trace::attribute(&span, "http.request.method", parts.method.as_str());
+        trace::attribute(&span, "http.route", route_of(&operation));
+    }
+    trace::attribute(&span, "idem.key", key.short_hash());
     async move {
         let bytes = match read_limited(body, &parts.headers, shared.max_body).await {
             Ok(bytes) => bytes,
@@ -109,6 +126,7 @@ where
         let origin = Origin {
             message_id: None,
             correlation_id: correlation_id(&parts.headers),
+            trace_id: trace::trace_id(&Span::current(), incoming.as_ref()),
         };
         let reconciles = route.reconcile.is_some();
         let claim = match shared
@@ -426,4 +444,11 @@ fn accepted(location: Option<HeaderValue>, after: Duration) -> Response {
         response.headers_mut().insert(header::LOCATION, location);
     }
     with_retry_after(response, after)
+}
+
+/// The route of an operation (`POST /payments/{id}` → `/payments/{id}`).
+fn route_of(operation: &str) -> &str {
+    operation
+        .split_once(' ')
+        .map_or(operation, |(_, route)| route)
 }

@@ -37,16 +37,17 @@ const CLAIMABLE_UNLESS_PENDING: &str = "(NOT p.reconcile_first AND
 const NO_EXPIRY: &str = "NULL::timestamptz";
 
 /// An HTTP request's record expires even in flight, after the retention plus one lease
-/// (`$9` ms): if its server dies and its client never asks again, nothing else would
+/// (`$10` ms): if its server dies and its client never asks again, nothing else would
 /// bring it back. A request still running by then (heartbeats past the retention) loses
 /// its record to gc, and with it its fenced completion: its writes roll back; a repeat
 /// after that starts afresh (attempt 1, no takeover), so only its provider key guards
 /// effects outside the transaction.
 #[cfg(feature = "http")]
-const REQUEST_EXPIRY: &str = "now() + $9::bigint * interval '1 millisecond'";
+const REQUEST_EXPIRY: &str = "now() + $10::bigint * interval '1 millisecond'";
 
 /// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`,
-/// and the in-flight `expiry` ([`NO_EXPIRY`] or [`REQUEST_EXPIRY`]) unless it is taken
+/// the taker's trace id (`trace`, the record's own when the taker has none), and the
+/// in-flight `expiry` ([`NO_EXPIRY`] or [`REQUEST_EXPIRY`]) unless it is taken
 /// to be reconciled: such a record never expires (deleted, a repeat would run it blind).
 /// A record that is or ever was uncertain (`reconcile_first`) is taken as `pending`, so
 /// the taker reconciles it instead of running it (a replay or a released lease brings
@@ -54,7 +55,7 @@ const REQUEST_EXPIRY: &str = "now() + $9::bigint * interval '1 millisecond'";
 ///
 /// The token is drawn per row, when the row is written: a takeover that waited for
 /// another writer's lock draws it after the wait, so a record's tokens only grow.
-fn take(expiry: &str) -> String {
+fn take(expiry: &str, trace: &str) -> String {
     format!(
         "SET status = CASE WHEN p.status = 'pending' OR p.reconcile_first THEN 'pending'
                        ELSE 'processing' END,
@@ -63,6 +64,7 @@ fn take(expiry: &str) -> String {
         lease_expires_at = now() + $5::bigint * interval '1 millisecond',
         owner = $6,
         retryable = false,
+        trace_id = COALESCE({trace}, p.trace_id),
         expires_at = CASE WHEN p.status = 'pending' OR p.reconcile_first THEN NULL
                           ELSE {expiry} END,
         updated_at = now()"
@@ -102,15 +104,16 @@ static REQUEST_CLAIM_UNLESS_PENDING_SQL: LazyLock<String> =
 /// The single-key claim statement for records `claimable` may take, with `expiry` on
 /// the records it inserts or takes.
 fn claim_sql(claimable: &str, expiry: &str) -> String {
-    let take = take(expiry);
+    let take = take(expiry, "$9");
     format!(
         "WITH ins AS (
     INSERT INTO processed_operations
         (scope, operation, idempotency_key, payload_sha256, status, attempts,
-         lease_token, lease_expires_at, owner, message_id, correlation_id, expires_at)
+         lease_token, lease_expires_at, owner, message_id, correlation_id, trace_id,
+         expires_at)
     VALUES ($1, $2, $3, $4, 'processing', 1,
             nextval('processed_operations_lease_token_seq'),
-            now() + $5::bigint * interval '1 millisecond', $6, $7, $8, {expiry})
+            now() + $5::bigint * interval '1 millisecond', $6, $7, $8, $9, {expiry})
     ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
     RETURNING id, status, attempts, lease_token, lease_expires_at
 ),
@@ -151,12 +154,14 @@ SELECT 'existing', {EXISTING_COLUMNS} FROM cur WHERE NOT EXISTS (SELECT 1 FROM u
 /// also names the record's id.
 const CLAIM_NEW_SQL: &str = "INSERT INTO processed_operations
     (scope, operation, idempotency_key, payload_sha256, status, attempts,
-     lease_token, lease_expires_at, owner, message_id, correlation_id)
+     lease_token, lease_expires_at, owner, message_id, correlation_id, trace_id)
 SELECT t.scope, t.operation, t.idempotency_key, t.fp, 'processing', 1,
        (SELECT nextval('processed_operations_lease_token_seq')),
-       now() + $5::bigint * interval '1 millisecond', $6, t.message_id, t.correlation_id
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[], $8::text[])
-     AS t(scope, operation, idempotency_key, fp, message_id, correlation_id)
+       now() + $5::bigint * interval '1 millisecond', $6, t.message_id, t.correlation_id,
+       t.trace_id
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[], $8::text[],
+            $9::text[])
+     AS t(scope, operation, idempotency_key, fp, message_id, correlation_id, trace_id)
 ORDER BY t.scope, t.operation, t.idempotency_key
 ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
 RETURNING id, scope, operation, idempotency_key, lease_token, lease_expires_at";
@@ -164,14 +169,14 @@ RETURNING id, scope, operation, idempotency_key, lease_token, lease_expires_at";
 /// A batch's existing keys in one statement: take over what may be taken, report the
 /// rest, exactly as [`CLAIM_SQL`] does for one key.
 static CLAIM_EXISTING_SQL: LazyLock<String> = LazyLock::new(|| {
-    let take = take(NO_EXPIRY);
+    let take = take(NO_EXPIRY, "cur.new_trace_id");
     format!(
         "WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
-                  AS t(scope, operation, idempotency_key, fp)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[])
+                  AS t(scope, operation, idempotency_key, fp, trace_id)
 ),
 cur AS (
-    SELECT p.*, i.fp, p.payload_sha256 = i.fp AND {CLAIMABLE} AS claimable
+    SELECT p.*, i.fp, i.trace_id AS new_trace_id, p.payload_sha256 = i.fp AND {CLAIMABLE} AS claimable
     FROM processed_operations p JOIN input i USING (scope, operation, idempotency_key)
 ),
 upd AS (
@@ -290,8 +295,8 @@ impl Store {
         Err(StoreError::Contention(CLAIM_TRIES))
     }
 
-    /// One run of a single-key claim statement (`$9`, the in-flight expiry, is bound for
-    /// the HTTP statements only).
+    /// One run of a single-key claim statement (`$10`, the in-flight expiry, is bound
+    /// for the HTTP statements only).
     async fn claim_once(
         &self,
         sql: &str,
@@ -308,8 +313,9 @@ impl Store {
             .bind(millis(self.config.lease))
             .bind(&self.config.owner)
             .bind(origin.message_id.as_deref())
-            .bind(origin.correlation_id.as_deref());
-        if sql.contains("$9") {
+            .bind(origin.correlation_id.as_deref())
+            .bind(origin.trace_id.as_deref());
+        if sql.contains("$10") {
             let expiry = self.config.retention.saturating_add(self.config.lease);
             query = query.bind(millis(expiry));
         }
@@ -397,6 +403,7 @@ impl Store {
             .bind(&self.config.owner)
             .bind(column(&|c| c.origin.message_id.as_deref()))
             .bind(column(&|c| c.origin.correlation_id.as_deref()))
+            .bind(column(&|c| c.origin.trace_id.as_deref()))
             .fetch_all(&self.pool)
             .await?;
         metrics::store_round_trip("claim_many", started);
@@ -424,7 +431,7 @@ impl Store {
         if picked.is_empty() {
             return Ok(Vec::new());
         }
-        let column = |f: &dyn Fn(&ClaimRequest) -> &str| -> Vec<&str> {
+        let column = |f: &dyn Fn(&ClaimRequest) -> Option<&str>| -> Vec<Option<&str>> {
             picked.iter().map(|&i| f(&inputs[i])).collect()
         };
         let started = Instant::now();
@@ -432,12 +439,13 @@ impl Store {
         // the table was small would seq-scan it forever after.
         let rows = sqlx::query_as(CLAIM_EXISTING_SQL.as_str())
             .persistent(false)
-            .bind(column(&|c| c.key.scope()))
-            .bind(column(&|c| c.key.operation()))
-            .bind(column(&|c| c.key.idempotency_key()))
-            .bind(column(&|c| c.fingerprint.as_hex()))
+            .bind(column(&|c| Some(c.key.scope())))
+            .bind(column(&|c| Some(c.key.operation())))
+            .bind(column(&|c| Some(c.key.idempotency_key())))
+            .bind(column(&|c| Some(c.fingerprint.as_hex())))
             .bind(millis(self.config.lease))
             .bind(&self.config.owner)
+            .bind(column(&|c| c.origin.trace_id.as_deref()))
             .fetch_all(executor)
             .await?;
         metrics::store_round_trip("claim_many", started);

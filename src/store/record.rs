@@ -116,6 +116,8 @@ pub struct Record {
     pub reconcile_first: bool,
     pub correlation_id: Option<String>,
     pub message_id: Option<String>,
+    /// The W3C trace id of the delivery or request that last claimed the record.
+    pub trace_id: Option<String>,
     pub dead_lettered_at: Option<DateTime<Utc>>,
     pub replay_count: i32,
     pub last_replayed_at: Option<DateTime<Utc>>,
@@ -233,13 +235,17 @@ pub enum Claim {
     },
 }
 
-/// Delivery details kept on a new record for inspection.
+/// Delivery details kept on a record for inspection (the trace id is also updated by a
+/// claim that takes the record over).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Origin {
     /// The broker message id of the first delivery.
     pub message_id: Option<String>,
     /// The correlation id, if the producer set one.
     pub correlation_id: Option<String>,
+    /// The trace the claim runs in (32 hex digits), if it has one: the incoming
+    /// `traceparent`'s, or the trace OpenTelemetry started for it.
+    pub trace_id: Option<String>,
 }
 
 /// One claim of a batch: the arguments of [`crate::Store::claim`] as one value.

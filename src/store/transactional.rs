@@ -51,17 +51,18 @@ pub(crate) struct NewRecord<'a> {
 const INSERT_SQL: &str = "INSERT INTO processed_operations
     (scope, operation, idempotency_key, payload_sha256, status, retryable, attempts,
      lease_token, owner, result, error, external_ref, reconcile_first, message_id,
-     correlation_id, completed_at, expires_at)
+     correlation_id, trace_id, completed_at, expires_at)
 SELECT t.scope, t.operation, t.idempotency_key, t.fp, t.status, t.retryable, 1,
        (SELECT nextval('processed_operations_lease_token_seq')), $12, t.result, t.error,
        t.external_ref, t.status = 'pending', t.message_id, t.correlation_id,
+       t.trace_id,
        CASE WHEN t.status = 'completed' THEN now() END,
        CASE WHEN t.status = 'completed'
             THEN now() + $13::bigint * interval '1 millisecond' END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bool[],
-            $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[])
+            $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $14::text[])
      AS t(scope, operation, idempotency_key, fp, status, retryable, result, error,
-          external_ref, message_id, correlation_id)
+          external_ref, message_id, correlation_id, trace_id)
 ORDER BY t.scope, t.operation, t.idempotency_key
 ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
 RETURNING scope, operation, idempotency_key, id, lease_token";
@@ -133,6 +134,7 @@ impl Store {
             .bind(column(|r| r.request.origin.correlation_id.clone()))
             .bind(&self.config.owner)
             .bind(millis(self.config.retention))
+            .bind(column(|r| r.request.origin.trace_id.clone()))
             .fetch_all(&mut *conn)
             .await?;
         metrics::store_round_trip("insert_many", started);

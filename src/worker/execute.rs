@@ -3,6 +3,7 @@
 //! and hand the last step to `settle`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lapin::Channel;
@@ -19,6 +20,7 @@ use super::guard::guarded;
 use super::settle::Settler;
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
+use crate::dead_letter;
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
@@ -26,6 +28,7 @@ use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
+use crate::trace::{self, TraceContext};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
 /// [`undecided`].
@@ -44,9 +47,18 @@ pub(super) async fn process<H: Handler>(
         key = field::Empty,
         attempt = field::Empty,
         redelivered = delivery.redelivered,
+        otel.name = field::Empty,
+        otel.kind = field::Empty,
     );
+    let incoming = TraceContext::from_properties(&delivery.properties);
+    if trace::continue_trace(&span, incoming.as_ref(), &shared.process_span, "consumer") {
+        consumer_attributes(&span, &shared.config.queue, H::OPERATION, &delivery);
+    }
     let received = Instant::now();
     let settler = Settler {
+        trace: incoming,
+        replays: dead_letter::header_i64(&delivery.properties, dead_letter::REPLAYS).unwrap_or(0),
+        dead_lettered: AtomicBool::new(false),
         acks,
         operation: H::OPERATION,
         store: &shared.store,
@@ -64,6 +76,14 @@ pub(super) async fn process<H: Handler>(
             Err(error) => undecided(shared, &settler, error).await,
         };
         metrics::delivery(H::OPERATION, outcome.as_str());
+        if settler.replays > 0 {
+            metrics::replayed_delivery(H::OPERATION, outcome.as_str());
+        }
+        let span = Span::current();
+        trace::attribute(&span, "idem.outcome", outcome.as_str());
+        if settler.dead_lettered.load(Ordering::Relaxed) {
+            trace::error_status(&span, "dead-lettered");
+        }
         info!(
             outcome = outcome.as_str(),
             elapsed_ms = rounded_ms(received.elapsed()),
@@ -72,6 +92,26 @@ pub(super) async fn process<H: Handler>(
     }
     .instrument(span)
     .await
+}
+
+/// The OpenTelemetry messaging attributes of a RabbitMQ consumer span.
+fn consumer_attributes(span: &Span, queue: &str, operation: &str, delivery: &Delivery) {
+    trace::attribute(span, "messaging.system", "rabbitmq");
+    trace::attribute(span, "messaging.operation.name", "process");
+    trace::attribute(span, "messaging.operation.type", "process");
+    trace::attribute(span, "messaging.destination.name", queue);
+    let tag = i64::try_from(delivery.delivery_tag).unwrap_or(i64::MAX);
+    trace::attribute(span, "messaging.rabbitmq.message.delivery_tag", tag);
+    let properties = &delivery.properties;
+    if let Some(id) = properties.message_id() {
+        trace::attribute(span, "messaging.message.id", id.as_str());
+    }
+    if let Some(id) = properties.correlation_id() {
+        trace::attribute(span, "messaging.message.conversation_id", id.as_str());
+    }
+    let size = i64::try_from(delivery.data.len()).unwrap_or(i64::MAX);
+    trace::attribute(span, "messaging.message.body.size", size);
+    trace::attribute(span, "idem.operation", operation);
 }
 
 /// A delivery that could not be decided (docs/DESIGN.md, "Errors by cause"). The
@@ -169,6 +209,7 @@ async fn decide<H: Handler>(
     let span = Span::current();
     span.record("scope", parsed.key.scope());
     span.record("key", parsed.key.short_hash());
+    trace::attribute(&span, "idem.key", parsed.key.short_hash());
     let properties = &settler.delivery.properties;
     let request = ClaimRequest {
         key: parsed.key.clone(),
@@ -184,6 +225,7 @@ async fn decide<H: Handler>(
                 .correlation_id()
                 .as_ref()
                 .map(|s| storable(s.as_str()).into_owned()),
+            trace_id: trace::trace_id(&span, settler.trace.as_ref()),
         },
     };
     parsed.correlation_id = request.origin.correlation_id.clone();
@@ -196,6 +238,7 @@ async fn decide<H: Handler>(
         let request = TxRequest {
             claim: request,
             value: parsed.value.clone(),
+            trace: trace::outgoing(&span, settler.trace.as_ref()),
         };
         return in_transaction(shared, transactions, settler, request, &parsed.key, retries).await;
     }
@@ -205,7 +248,7 @@ async fn decide<H: Handler>(
     loop {
         step = match step {
             Step::Run(lease) => {
-                span.record("attempt", lease.attempt);
+                attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
                 let ran = run(shared, settler, &parsed, message.take(), &lease).await?;
                 decision::after_run(ran, immediate.next(), retries)
@@ -214,7 +257,7 @@ async fn decide<H: Handler>(
                 lease,
                 external_ref,
             } => {
-                span.record("attempt", lease.attempt);
+                attempt_on(&span, &lease);
                 let external_ref = external_ref.as_deref();
                 let ran = reconcile(
                     shared,
@@ -240,6 +283,13 @@ async fn decide<H: Handler>(
     }
 }
 
+/// Names the attempt on the delivery's span (logs and trace).
+fn attempt_on(span: &Span, lease: &Lease) {
+    span.record("attempt", lease.attempt);
+    trace::attribute(span, "idem.attempt", i64::from(lease.attempt));
+    trace::attribute(span, "idem.takeover", lease.takeover);
+}
+
 /// Transactional mode: the delivery goes into its batch's transaction, which claims,
 /// runs and records it; what it answers decides, as in leased mode.
 async fn in_transaction<H: Handler>(
@@ -252,7 +302,11 @@ async fn in_transaction<H: Handler>(
 ) -> Result<Outcome, WorkerError> {
     let mut immediate = shared.config.retry.immediate_backoff();
     loop {
-        let step = match transactions.call(request.clone()).await {
+        let answer = transactions
+            .call(request.clone())
+            .instrument(info_span!("transaction"))
+            .await;
+        let step = match answer {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
             Ok(TxAnswer::Ran(ran, follow_ups)) => {
                 shared.follow_ups.send(settler.follow_ups, follow_ups).await;
@@ -283,7 +337,12 @@ async fn claim<H: Handler>(
     request: &ClaimRequest,
     retries: Retries<'_>,
 ) -> Result<Step, WorkerError> {
-    match shared.claims.call(request.clone()).await {
+    let claimed = shared
+        .claims
+        .call(request.clone())
+        .instrument(info_span!("claim"))
+        .await;
+    match claimed {
         Ok(claim) => Ok(decision::on_claim(claim, retries)),
         Err(error) if error.fault() == Fault::Message => Ok(Step::Settle(refused(&error))),
         Err(error) => Err(error.into()),
@@ -299,17 +358,22 @@ async fn settle(
     if verdict.outcome == Outcome::LeaseLost {
         warn!("lease lost to another worker; its outcome decides");
     }
-    settler.apply(verdict.action, key).await?;
+    settler
+        .apply(verdict.action, key)
+        .instrument(info_span!("settle"))
+        .await?;
     Ok(verdict.outcome)
 }
 
 /// The message, or the message again for a second run (the handler consumed the
-/// first), and a fresh context for a run under `lease`.
+/// first), and a fresh context for a run under `lease`; its follow-ups carry the trace
+/// context `trace`.
 fn prepare<H: Handler>(
     shared: &Shared<H>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
+    trace: Option<TraceContext>,
 ) -> Result<(H::Message, Context), WorkerError> {
     let message = match message {
         Some(message) => message,
@@ -321,7 +385,11 @@ fn prepare<H: Handler>(
         lease.takeover,
         shared.store.pool().clone(),
     )
-    .for_follow_ups(parsed.correlation_id.clone(), shared.config.outbox.handoff);
+    .for_follow_ups(
+        parsed.correlation_id.clone(),
+        trace,
+        shared.config.outbox.handoff,
+    );
     Ok((message, ctx))
 }
 
@@ -333,13 +401,17 @@ async fn run<H: Handler>(
     message: Option<H::Message>,
     lease: &Lease,
 ) -> Result<Ran, WorkerError> {
-    let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
+    let span = info_span!("handler");
+    let trace = trace::outgoing(&span, settler.trace.as_ref());
+    let (message, mut ctx) = prepare(shared, parsed, message, lease, trace)?;
     if lease.takeover {
         metrics::delivery(H::OPERATION, "takeover");
     }
     let started = Instant::now();
     let handling = shared.handler.handle(message, &mut ctx);
-    let result = guarded(&shared.store, lease, handling).await;
+    let result = guarded(&shared.store, lease, handling)
+        .instrument(span)
+        .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
     record(shared, settler, &mut ctx, lease, result, false).await
@@ -354,9 +426,14 @@ async fn reconcile<H: Handler>(
     lease: &Lease,
     external_ref: Option<&str>,
 ) -> Result<Ran, WorkerError> {
-    let (message, mut ctx) = prepare(shared, parsed, message, lease)?;
+    let span = info_span!("reconcile");
+    let trace = trace::outgoing(&span, settler.trace.as_ref());
+    let (message, mut ctx) = prepare(shared, parsed, message, lease, trace)?;
     let reconciling = shared.handler.reconcile(&message, external_ref, &mut ctx);
-    let answer = match decision::reconciled(guarded(&shared.store, lease, reconciling).await) {
+    let reconciled = guarded(&shared.store, lease, reconciling)
+        .instrument(span)
+        .await;
+    let answer = match decision::reconciled(reconciled) {
         Reconciled::Applied(output) => Ok(output),
         Reconciled::NotApplied => {
             info!("reconcile: not applied, running the handler again");
@@ -368,10 +445,24 @@ async fn reconcile<H: Handler>(
     record(shared, settler, &mut ctx, lease, answer, true).await
 }
 
+/// Writes the outcome (see [`record_in_span`]) inside the span `completion`.
+async fn record<H: Handler>(
+    shared: &Shared<H>,
+    settler: &Settler<'_>,
+    ctx: &mut Context,
+    lease: &Lease,
+    result: Result<H::Output, HandlerError>,
+    reconciled: bool,
+) -> Result<Ran, WorkerError> {
+    record_in_span(shared, settler, ctx, lease, result, reconciled)
+        .instrument(info_span!("completion"))
+        .await
+}
+
 /// Writes the outcome, fenced by the lease; a success commits the handler's transaction
 /// together with the `completed` record, then publishes the follow-up messages it
 /// staged.
-async fn record<H: Handler>(
+async fn record_in_span<H: Handler>(
     shared: &Shared<H>,
     settler: &Settler<'_>,
     ctx: &mut Context,

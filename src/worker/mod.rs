@@ -150,6 +150,8 @@ struct Shared<H> {
     undecided: Undecided,
     /// Follow-up messages to publish after their operation's commit.
     follow_ups: FollowUps,
+    /// The name of each delivery's consumer span: `process <queue>`.
+    process_span: String,
 }
 
 impl<H: Handler> Worker<H> {
@@ -244,6 +246,7 @@ impl<H: Handler> Worker<H> {
             }),
             undecided: Undecided::new(config.undecidable_after),
             follow_ups: FollowUps::new(&store, &config, relay_wake),
+            process_span: format!("process {}", config.queue),
             handler,
             store,
             config,

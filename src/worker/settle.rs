@@ -2,9 +2,11 @@
 //! queue, requeue it, or dead-letter it. Every publish is confirmed before the ack
 //! (docs/DESIGN.md, "Broker topology").
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use lapin::Channel;
 use lapin::message::Delivery;
-use tracing::warn;
+use tracing::{Span, warn};
 
 use super::WorkerError;
 use super::acks::Acks;
@@ -17,9 +19,16 @@ use crate::metrics;
 use crate::retry::retry_queue_name;
 use crate::store::Store;
 use crate::topology;
+use crate::trace::{self, TraceContext};
 
 /// The broker side of one delivery.
 pub(super) struct Settler<'a> {
+    /// The trace context the delivery arrived with.
+    pub(super) trace: Option<TraceContext>,
+    /// How many times the message was replayed from a dead-letter queue.
+    pub(super) replays: i64,
+    /// Set once the delivery's dead letter is published.
+    pub(super) dead_lettered: AtomicBool,
     pub(super) acks: &'a Acks,
     pub(super) operation: &'static str,
     pub(super) store: &'a Store,
@@ -73,6 +82,10 @@ impl Settler<'_> {
         queue: &str,
         properties: lapin::BasicProperties,
     ) -> Result<(), WorkerError> {
+        // Whatever idem publishes for a delivery carries its trace on (the settle span's
+        // context with OpenTelemetry on: the next hop is its child).
+        let context = trace::outgoing(&Span::current(), self.trace.as_ref());
+        let properties = trace::with_context(properties, context.as_ref());
         topology::publish_confirmed(self.channel, queue, &self.delivery.data, properties).await?;
         Ok(())
     }
@@ -104,6 +117,10 @@ impl Settler<'_> {
             self.store.mark_dead_lettered(id).await?;
         }
         metrics::delivery(self.operation, "dead_lettered");
+        if self.replays > 0 {
+            metrics::replayed_delivery(self.operation, "dead_lettered");
+        }
+        self.dead_lettered.store(true, Ordering::Relaxed);
         self.ack();
         Ok(())
     }

@@ -220,6 +220,7 @@ fn print_record(r: &Record) {
         "correlation_id    {}",
         r.correlation_id.as_deref().unwrap_or("-")
     );
+    println!("trace_id          {}", r.trace_id.as_deref().unwrap_or("-"));
     println!("dead_lettered_at  {}", t(r.dead_lettered_at));
     println!(
         "replay_count      {}  (last {})",

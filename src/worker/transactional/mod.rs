@@ -30,6 +30,7 @@ use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
+use crate::trace::TraceContext;
 use outcome::{answer_of, first_lease, new_record, refused, write_taken};
 
 mod outcome;
@@ -49,6 +50,8 @@ pub(super) struct TxRequest {
     pub(super) claim: ClaimRequest,
     /// The parsed body, deserialized into the handler's message when it runs.
     pub(super) value: Arc<Value>,
+    /// The trace context its follow-up messages carry.
+    pub(super) trace: Option<TraceContext>,
 }
 
 /// What a committed batch says about one delivery.
@@ -209,6 +212,7 @@ async fn once<H: Handler>(
             key: &request.claim.key,
             value: &request.value,
             correlation_id: &request.claim.origin.correlation_id,
+            trace: &request.trace,
             handoff,
             attempt,
             takeover,
@@ -301,6 +305,7 @@ struct RunIn<'a> {
     key: &'a Key,
     value: &'a Value,
     correlation_id: &'a Option<String>,
+    trace: &'a Option<TraceContext>,
     handoff: Duration,
     attempt: i32,
     takeover: bool,
@@ -328,7 +333,11 @@ impl RunIn<'_> {
             self.takeover,
             store.pool().clone(),
         )
-        .for_follow_ups(self.correlation_id.clone(), self.handoff);
+        .for_follow_ups(
+            self.correlation_id.clone(),
+            self.trace.clone(),
+            self.handoff,
+        );
         if let Some(open) = tx.take() {
             ctx.put_tx(open);
         }
