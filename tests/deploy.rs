@@ -32,6 +32,54 @@ fn exported() -> BTreeMap<String, bool> {
     names
 }
 
+/// The `outcome` label values the source records: the first string literal of every
+/// call that counts an outcome (`delivery(`, `replayed_delivery(`, `http_request(`,
+/// `answered(`), and the names of the worker's outcomes (`Outcome::as_str`).
+fn outcomes() -> BTreeSet<String> {
+    let mut values = BTreeSet::new();
+    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for call in ["delivery(", "http_request(", "answered("] {
+                for (at, _) in text.match_indices(call) {
+                    let args = &text[at + call.len()..];
+                    let args = &args[..args.find(')').unwrap_or(args.len())];
+                    if let Some(value) = args.split('"').nth(1) {
+                        values.insert(value.to_owned());
+                    }
+                }
+            }
+            for line in text
+                .lines()
+                .filter(|l| l.contains("Outcome::") && l.contains("=> \""))
+            {
+                values.extend(line.split('"').nth(1).map(str::to_owned));
+            }
+        }
+    }
+    values
+}
+
+/// The values an expression matches the `outcome` label against, as written
+/// (`outcome="a"`, `outcome=~"a|b"`, `outcome!~"a|b"`).
+fn outcomes_in(expr: &str) -> BTreeSet<String> {
+    let mut values = BTreeSet::new();
+    for (at, _) in expr.match_indices("outcome") {
+        let rest = expr[at + "outcome".len()..].trim_start_matches(['=', '!', '~']);
+        if let Some(quoted) = rest.strip_prefix('"') {
+            let value = &quoted[..quoted.find('"').unwrap_or(quoted.len())];
+            values.extend(value.split('|').map(str::to_owned));
+        }
+    }
+    values
+}
+
 /// The `idem_*` series names in a PromQL expression, as written.
 fn named_in(expr: &str) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
@@ -133,6 +181,58 @@ fn the_alert_rules_name_only_metrics_idem_exports() {
     assert!(
         unknown.is_empty(),
         "the rules name series idem does not export: {unknown:?}"
+    );
+}
+
+#[test]
+fn the_rules_and_the_dashboard_match_only_outcomes_idem_records() {
+    let known = outcomes();
+    for value in [
+        "executed",
+        "dead_lettered",
+        "takeover",
+        "failed_transient",
+        "store_unavailable",
+    ] {
+        assert!(
+            known.contains(value),
+            "{value} not found in the source: {known:?}"
+        );
+    }
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&deploy_file("deploy/grafana/idem.json")).unwrap();
+    let mut exprs = Vec::new();
+    expressions(&dashboard["panels"], &mut exprs);
+    let rules = deploy_file("deploy/prometheus/idem-rules.yml");
+    exprs.extend(
+        rules
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .map(str::to_owned),
+    );
+    let matched: BTreeSet<String> = exprs.iter().flat_map(|e| outcomes_in(e)).collect();
+    assert!(matched.len() >= 5, "{matched:?}");
+    let unknown: Vec<_> = matched.difference(&known).collect();
+    assert!(
+        unknown.is_empty(),
+        "outcomes idem never records: {unknown:?}"
+    );
+}
+
+#[test]
+fn outcome_matchers_are_read_in_full() {
+    assert_eq!(
+        outcomes_in(
+            r#"rate(x{outcome=~"failed_transient|retries_exhausted"}[5m]) / y{outcome!~"takeover"} + z{outcome="dead_letterd"}"#
+        ),
+        [
+            "dead_letterd",
+            "failed_transient",
+            "retries_exhausted",
+            "takeover"
+        ]
+        .map(str::to_owned)
+        .into()
     );
 }
 
