@@ -92,7 +92,12 @@ async fn outage_drill_replay_books_each_order_once(
     const N: usize = 30;
     let dead = outage(&pool, &q, &url, N).await;
 
-    let _healthy = spawn_orders_worker(&url, &q.name, SEQUENTIAL);
+    let metrics_addr = free_addr();
+    let _healthy = spawn_orders_worker(
+        &url,
+        &q.name,
+        &[SEQUENTIAL, &["--metrics-addr", &metrics_addr]].concat(),
+    );
     wait_for_consumers(&q, 1).await;
     let (code, dry) = run_idem(
         &url,
@@ -117,6 +122,32 @@ async fn outage_drill_replay_books_each_order_once(
     );
     wait_all_booked(&pool, N).await;
     assert_eq!(q.counts(&q.dlq()).await.0, 0, "DLQ empty");
+    // The worker counts the replayed deliveries apart, and none was dead-lettered again.
+    let replayed = summary["replayed"].as_u64().unwrap();
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let metrics = scrape(&metrics_addr, "/metrics").await.1;
+        let lines: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("idem_replayed_deliveries_total{"))
+            .collect();
+        assert!(
+            !lines.iter().any(|l| l.contains("dead_lettered")),
+            "{metrics}"
+        );
+        let counted: u64 = lines
+            .iter()
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum();
+        if counted == replayed {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{counted} of {replayed} replays counted:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // Late duplicates and a second replay: nothing new.
     for i in (0..N).step_by(2) {
@@ -709,6 +740,12 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
     );
 }
 
+/// A free loopback address for a worker's metrics.
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+}
+
 fn counter(metrics: &str, outcome: &str) -> u64 {
     let needle = format!("outcome=\"{outcome}\"");
     metrics
@@ -726,12 +763,7 @@ async fn metrics_after_a_known_scenario_match_it(
 ) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     let q = TestQueue::new("metrics").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let notify = q.beside("notify").await;
     let _worker = spawn_orders_worker(
         &database_url(&connect),
