@@ -21,7 +21,22 @@
 //! 6. `idem_ledger_tx`, `idem_noop_tx`: the ledger and no-op handlers in transactional
 //!    mode (claim, effect and outcome in one transaction per batch);
 //! 7. `idem_orders_follow_up`: `idem_orders` staging one follow-up message per order
-//!    (the transactional outbox), published after the commit, confirmed, before the ack.
+//!    (the transactional outbox), published after the commit, confirmed, before the ack;
+//! 8. `idem_ledger_traced`: `idem_ledger` with a `traceparent` on every message, trace
+//!    export off (no OpenTelemetry layer, as when `OTEL_EXPORTER_OTLP_ENDPOINT` is
+//!    unset): the context is read, kept on the record and carried on, no span exported;
+//! 9. `idem_ledger_exporting` (built with `--features otel`): the same with an
+//!    OpenTelemetry layer exporting every span in batches to an exporter that drops
+//!    them: the cost of making the spans, without a collector's network round trips.
+//!
+//! For the cost of traces with export off, compare `idem_ledger_traced` with
+//! `idem_ledger` (same run, same binary); the last line `traces: …` does, with the
+//! spread of `idem_ledger` over the runs as the noise:
+//!
+//! ```sh
+//! cargo run --release --features otel --example bench -- \
+//!     --variants idem_ledger,idem_ledger_traced,idem_ledger_exporting --runs 5
+//! ```
 //!
 //! It prints one line per variant and run, the medians, and a last line
 //! `idem_msgs_per_s=… raw_msgs_per_s=… ratio=…`, with p50/p99 of delivery-to-ack for idem
@@ -86,7 +101,8 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     in_flight: usize,
     /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
-    /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx.
+    /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx,
+    /// idem_ledger_traced, idem_ledger_exporting (the last with `--features otel`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -171,7 +187,10 @@ impl Handler for Ledger {
 #[tokio::main]
 async fn main() -> ExitCode {
     let outcomes = Outcomes::default();
-    tracing_subscriber::registry().with(outcomes.clone()).init();
+    tracing_subscriber::registry()
+        .with(outcomes.clone())
+        .with(exporting::layer())
+        .init();
     match run(Args::parse(), outcomes).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -350,6 +369,19 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, Ledger, mode_of(variant)).await?
                 }
+                "idem_ledger_traced" => {
+                    let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    bench.traced = true;
+                    idem_variant(&bench, Ledger, Mode::Leased).await?
+                }
+                "idem_ledger_exporting" => {
+                    let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    bench.traced = true;
+                    exporting::set(true)?;
+                    let measured = idem_variant(&bench, Ledger, Mode::Leased).await;
+                    exporting::set(false)?;
+                    measured?
+                }
                 other => bail!("unknown variant {other}"),
             };
             println!(
@@ -400,6 +432,27 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
             with.msgs_per_s / without.msgs_per_s
         );
     }
+    if let (Some(traced), Some(plain)) = (median("idem_ledger_traced"), median("idem_ledger")) {
+        let (_, runs) = results
+            .iter()
+            .find(|(v, _)| v == "idem_ledger")
+            .expect("idem_ledger ran");
+        let rates = runs.iter().map(|m| m.msgs_per_s);
+        let (low, high) = rates.fold((f64::MAX, 0.0_f64), |(l, h), r| (l.min(r), h.max(r)));
+        let exporting = median("idem_ledger_exporting").map_or(0.0, |m| m.msgs_per_s);
+        println!(
+            "traces: export_off_msgs_per_s={:.0} baseline_msgs_per_s={:.0} ratio={:.3} baseline_spread={:.0}..{:.0} ({:.1}%) exporting_msgs_per_s={:.0} export_off_p50_ms={:.1} baseline_p50_ms={:.1}",
+            traced.msgs_per_s,
+            plain.msgs_per_s,
+            traced.msgs_per_s / plain.msgs_per_s,
+            low,
+            high,
+            (high - low) / plain.msgs_per_s * 100.0,
+            exporting,
+            traced.p50_ms,
+            plain.p50_ms
+        );
+    }
     if let (Some(idem), Some(raw)) = (median("idem_noop"), median("raw")) {
         let hand = median("handwritten").map(|h| h.msgs_per_s).unwrap_or(0.0);
         println!(
@@ -427,8 +480,15 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Publishes `n` orders to `queue` (declared classic and durable), confirms pipelined.
-async fn publish(connection: &Connection, queue: &str, n: usize, run: usize) -> anyhow::Result<()> {
+/// Publishes `n` orders to `queue` (declared classic and durable), confirms pipelined;
+/// each in a trace of its own (a `traceparent` header) when `traced`.
+async fn publish(
+    connection: &Connection,
+    queue: &str,
+    n: usize,
+    run: usize,
+    traced: bool,
+) -> anyhow::Result<()> {
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -442,15 +502,25 @@ async fn publish(connection: &Connection, queue: &str, n: usize, run: usize) -> 
     let mut pending = Vec::with_capacity(1000);
     for i in 0..n {
         let body = orders_worker_body(&format!("{queue}-{run}-{i}"), i);
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(format!("m-{i}").as_str().into());
+        if traced {
+            let mut headers = FieldTable::default();
+            let traceparent = format!("00-{:016x}{:016x}-{:016x}-01", run + 1, i + 1, i + 1);
+            headers.insert(
+                "traceparent".into(),
+                lapin::types::AMQPValue::LongString(traceparent.as_str().into()),
+            );
+            properties = properties.with_headers(headers);
+        }
         let confirm = channel
             .basic_publish(
                 "".into(),
                 queue.into(),
                 BasicPublishOptions::default(),
                 &body,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(format!("m-{i}").as_str().into()),
+                properties,
             )
             .await?;
         pending.push(confirm);
@@ -504,7 +574,7 @@ async fn raw(
     queue: &str,
     run: usize,
 ) -> anyhow::Result<Measure> {
-    publish(connection, queue, args.messages, run).await?;
+    publish(connection, queue, args.messages, run, false).await?;
     let cpu = CpuTicks::now();
     let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
     let mut started = None;
@@ -539,7 +609,7 @@ async fn handwritten(
     queue: &str,
     run: usize,
 ) -> anyhow::Result<Measure> {
-    publish(connection, queue, args.messages, run).await?;
+    publish(connection, queue, args.messages, run, false).await?;
     let cpu = CpuTicks::now();
     let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
     let slots = Arc::new(Semaphore::new(32));
@@ -623,6 +693,8 @@ struct Bench<'a> {
     queue: &'a str,
     run: usize,
     outcomes: &'a Outcomes,
+    /// Messages carry a `traceparent`.
+    traced: bool,
 }
 
 impl<'a> Bench<'a> {
@@ -641,6 +713,7 @@ impl<'a> Bench<'a> {
             queue,
             run,
             outcomes,
+            traced: false,
         }
     }
 }
@@ -652,7 +725,7 @@ async fn idem_variant<H: Handler>(
 ) -> anyhow::Result<Measure> {
     let (args, pool, connection, queue, run, outcomes) =
         (b.args, b.pool, b.connection, b.queue, b.run, b.outcomes);
-    publish(connection, queue, args.messages, run).await?;
+    publish(connection, queue, args.messages, run, b.traced).await?;
     let cpu = CpuTicks::now();
     outcomes.reset();
     let store = Store::new(pool.clone(), StoreConfig::default());
@@ -769,4 +842,68 @@ async fn prefill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
         .execute(pool)
         .await?;
     Ok(())
+}
+
+/// The `idem_ledger_exporting` variant's OpenTelemetry layer: installed for the whole
+/// run, and switched on only while that variant runs (a per-layer filter), so the other
+/// variants run as with export off.
+mod exporting {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static ON: AtomicBool = AtomicBool::new(false);
+
+    #[cfg(feature = "otel")]
+    pub(super) fn layer<S>() -> impl tracing_subscriber::Layer<S>
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        use opentelemetry::trace::TracerProvider;
+        use tracing_subscriber::Layer;
+
+        // Kept for the whole run: a provider dropped shuts its exporter down.
+        static PROVIDER: std::sync::OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> =
+            std::sync::OnceLock::new();
+        let provider = PROVIDER.get_or_init(|| {
+            opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                .with_batch_exporter(Dropping)
+                .build()
+        });
+        let tracer = provider.tracer("idem-bench");
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_filter(tracing_subscriber::filter::filter_fn(|_| {
+                ON.load(Ordering::Relaxed)
+            }))
+    }
+
+    #[cfg(not(feature = "otel"))]
+    pub(super) fn layer() -> Option<tracing_subscriber::layer::Identity> {
+        None
+    }
+
+    /// Switches export on or off; on needs the feature.
+    pub(super) fn set(on: bool) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            cfg!(feature = "otel") || !on,
+            "idem_ledger_exporting needs the bench built with --features otel"
+        );
+        ON.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// An exporter that drops what it is given.
+    #[cfg(feature = "otel")]
+    #[derive(Debug)]
+    struct Dropping;
+
+    #[cfg(feature = "otel")]
+    impl opentelemetry_sdk::trace::SpanExporter for Dropping {
+        async fn export(
+            &self,
+            batch: Vec<opentelemetry_sdk::trace::SpanData>,
+        ) -> opentelemetry_sdk::error::OTelSdkResult {
+            drop(batch);
+            Ok(())
+        }
+    }
 }
