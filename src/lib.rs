@@ -51,7 +51,9 @@
 //! [`store`] is the Postgres record; [`worker`] consumes, decides and settles;
 //! [`topology`], [`retry`] and [`dead_letter`] are the queues and what travels through
 //! them; [`replay`] brings dead letters back; [`outbox`] carries a handler's follow-up
-//! messages; [`gc`] expires what is done; [`metrics`] and [`db`] serve operators.
+//! messages; [`gc`] expires what is done; [`metrics`] and [`db`] serve operators;
+//! [`trace`] carries the W3C trace context through every hop, and [`telemetry`] sets up
+//! a binary's logs (and, with the feature `otel`, its OTLP trace export).
 //! With the feature `http`, `http` puts axum routes with an `Idempotency-Key` on the
 //! same store.
 #![warn(missing_docs, unreachable_pub)]
