@@ -232,4 +232,29 @@ mod tests {
         assert!(header_i64(&replayed, RETRIES).is_none());
         assert_eq!(replayed.message_id(), props.message_id());
     }
+
+    #[test]
+    fn each_replay_counts_one_more_and_keeps_the_trace() {
+        let mut headers = FieldTable::default();
+        headers.insert("traceparent".into(), text("00-t"));
+        headers.insert(REASON.into(), text("permanent_failure"));
+        let dead = BasicProperties::default().with_headers(headers);
+        let first = replay_properties(&dead);
+        assert_eq!(header_i64(&first, REPLAYS), Some(1));
+        assert_eq!(header_str(&first, REASON), None);
+        assert_eq!(header_str(&first, "traceparent").as_deref(), Some("00-t"));
+        // Dead-lettered again (the header travels with it), then replayed again.
+        let again = dead_letter_properties(
+            &first,
+            &DeadLetter {
+                reason: Reason::PermanentFailure,
+                error: "still refused",
+                key: None,
+                operation: "orders.create",
+                attempts: 2,
+                original_queue: "orders",
+            },
+        );
+        assert_eq!(header_i64(&replay_properties(&again), REPLAYS), Some(2));
+    }
 }

@@ -13,7 +13,7 @@ use crate::key::Key;
 use crate::outbox::{
     self, CORRELATION_HEADER, FollowUp, FollowUpError, SHORT_STRING_MAX, SOURCE_KEY_HEADER,
 };
-use crate::trace::{TRACEPARENT, TRACESTATE, TraceContext};
+use crate::trace::{TRACEPARENT, TraceContext};
 
 /// One job type: how to read its messages, name their intent, and run the effect.
 ///
@@ -338,9 +338,8 @@ impl Context {
         if let Some(trace) = &self.trace
             && !message.properties.headers.contains_key(TRACEPARENT)
         {
-            message = message.header(TRACEPARENT, trace.traceparent());
-            if let Some(state) = trace.tracestate() {
-                message = message.header(TRACESTATE, state);
+            for (name, value) in trace.headers() {
+                message = message.header(name, value);
             }
         }
         let (source, operation) = (self.key.digest(), self.key.operation().to_owned());

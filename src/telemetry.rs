@@ -9,6 +9,12 @@
 //! headers, timeout) apply. With neither variable set, no exporter, no OpenTelemetry
 //! layer and no spans beyond the logs' exist: nothing is exported and nothing costs.
 //!
+//! Two limits: the endpoint is plain HTTP (an `https://` one is refused at start; send
+//! to a collector or agent on the host, which forwards over TLS), and `RUST_LOG`
+//! filters spans as it filters logs (at `warn`, idem's `info` spans are not made, so
+//! none are exported). The exporter's own failures are logged (target
+//! `opentelemetry*`).
+//!
 //! ```no_run
 //! fn main() -> std::process::ExitCode {
 //!     let _telemetry = match idem::telemetry::init("my_worker") {
@@ -37,6 +43,13 @@ pub enum TelemetryError {
     /// `OTEL_EXPORTER_OTLP_PROTOCOL` names a protocol idem does not export with.
     #[error("OTEL_EXPORTER_OTLP_PROTOCOL={0:?} is not supported (use http/protobuf or http/json)")]
     Protocol(String),
+    /// The endpoint is `https://`: idem's exporter speaks plain HTTP (a TLS client for it
+    /// would add a C crypto library to every build); send to a collector or agent on
+    /// the host, which forwards over TLS.
+    #[error(
+        "{0} is https, but idem exports over plain HTTP only: send to a local collector that forwards over TLS"
+    )]
+    Https(&'static str),
     /// The OTLP exporter could not be built (an endpoint that is not a URL, say).
     #[cfg(feature = "otel")]
     #[error("the OTLP exporter could not be built")]
@@ -108,14 +121,29 @@ pub fn init(service: &str) -> Result<Telemetry, TelemetryError> {
     }
 }
 
+/// The variables that name an OTLP endpoint for traces.
+const ENDPOINT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+];
+
 /// Whether the environment asks for trace export.
 pub fn export_requested() -> bool {
-    [
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    ]
-    .iter()
-    .any(|name| std::env::var(name).is_ok_and(|v| !v.trim().is_empty()))
+    ENDPOINT_VARS
+        .iter()
+        .any(|name| std::env::var(name).is_ok_and(|v| !v.trim().is_empty()))
+}
+
+/// Refuses an `https://` endpoint, which would fail every export.
+#[cfg(feature = "otel")]
+fn plain_http() -> Result<(), TelemetryError> {
+    for name in ENDPOINT_VARS {
+        let value = std::env::var(name).unwrap_or_default();
+        if value.trim().to_ascii_lowercase().starts_with("https:") {
+            return Err(TelemetryError::Https(name));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(feature = "otel")]
@@ -151,7 +179,7 @@ mod otlp {
     use opentelemetry_sdk::Resource;
     use opentelemetry_sdk::trace::SdkTracerProvider;
 
-    use super::{Protocol, TelemetryError, export_requested, protocol};
+    use super::{Protocol, TelemetryError, export_requested, plain_http, protocol};
 
     /// A tracer provider exporting in batches to the endpoint the environment names,
     /// or `None` when it names none.
@@ -159,6 +187,7 @@ mod otlp {
         if !export_requested() {
             return Ok(None);
         }
+        plain_http()?;
         let protocol = match protocol()? {
             Protocol::Protobuf => opentelemetry_otlp::Protocol::HttpBinary,
             Protocol::Json => opentelemetry_otlp::Protocol::HttpJson,

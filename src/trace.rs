@@ -110,40 +110,46 @@ impl TraceContext {
         &self.traceparent[36..52]
     }
 
-    /// `headers` with this context in place of the trace headers they had.
-    pub(crate) fn headers_with(&self, headers: Option<&FieldTable>) -> FieldTable {
-        let text = |s: &str| AMQPValue::LongString(LongString::from(s));
-        let mut table = FieldTable::default();
-        for (name, value) in headers.map(|h| h.inner().iter()).into_iter().flatten() {
-            if name.as_str() != TRACEPARENT && name.as_str() != TRACESTATE {
-                table.insert(name.clone(), value.clone());
-            }
-        }
-        table.insert(ShortString::from(TRACEPARENT), text(&self.traceparent));
-        if let Some(state) = &self.tracestate {
-            table.insert(ShortString::from(TRACESTATE), text(state));
-        }
-        table
+    /// The headers that carry this context: `traceparent`, and `tracestate` if any.
+    pub fn headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        let state = self.tracestate.as_deref().map(|s| (TRACESTATE, s));
+        std::iter::once((TRACEPARENT, self.traceparent.as_str())).chain(state)
     }
 }
 
-/// `properties` carrying `context` (when there is one) in place of the trace headers
-/// they had.
+/// `properties` carrying `context` in place of the trace headers they had; without a
+/// context, without trace headers (a `traceparent` that did not parse is not passed on).
 pub(crate) fn with_context(
     properties: BasicProperties,
     context: Option<&TraceContext>,
 ) -> BasicProperties {
-    let Some(context) = context else {
+    let had_trace = properties.headers().as_ref().is_some_and(|h| {
+        let h = h.inner();
+        h.contains_key(TRACEPARENT) || h.contains_key(TRACESTATE)
+    });
+    if context.is_none() && !had_trace {
         return properties;
-    };
-    let headers = context.headers_with(properties.headers().as_ref());
-    properties.with_headers(headers)
+    }
+    let mut table = FieldTable::default();
+    for (name, value) in properties.headers().iter().flat_map(|h| h.inner()) {
+        if name.as_str() != TRACEPARENT && name.as_str() != TRACESTATE {
+            table.insert(name.clone(), value.clone());
+        }
+    }
+    for (name, value) in context.iter().flat_map(|cx| cx.headers()) {
+        table.insert(
+            ShortString::from(name),
+            AMQPValue::LongString(LongString::from(value)),
+        );
+    }
+    properties.with_headers(table)
 }
 
 /// Makes `span` (not yet entered) continue `incoming`, or start a trace of its own
 /// when there is none, and names it for OpenTelemetry (`otel.name`, `otel.kind`, which
-/// the span must declare). Returns whether an OpenTelemetry layer records the span;
-/// without one (or without the feature `otel`) nothing is done.
+/// the span must declare). Returns whether an OpenTelemetry layer is installed (one
+/// behind a per-layer filter counts, even if the filter then drops the span); without
+/// one, or without the feature `otel`, nothing is done.
 pub(crate) fn continue_trace(
     span: &Span,
     incoming: Option<&TraceContext>,
@@ -157,8 +163,7 @@ pub(crate) fn continue_trace(
         if span.set_parent(parent).is_err() {
             return false;
         }
-        span.record("otel.name", name);
-        span.record("otel.kind", kind);
+        self::name(span, name, kind);
         true
     }
     #[cfg(not(feature = "otel"))]
@@ -166,6 +171,14 @@ pub(crate) fn continue_trace(
         let _ = (span, incoming, name, kind);
         false
     }
+}
+
+/// Names `span` for OpenTelemetry (`otel.name`, `otel.kind`, which the span must
+/// declare); the fields show in logs too, so call it only when a layer records spans.
+#[cfg(any(feature = "otel", feature = "http"))]
+pub(crate) fn name(span: &Span, name: &str, kind: &'static str) {
+    span.record("otel.name", name);
+    span.record("otel.kind", kind);
 }
 
 /// Sets an attribute on `span`'s OpenTelemetry span (not a log field): messaging
@@ -243,6 +256,18 @@ pub(crate) fn outgoing(span: &Span, incoming: Option<&TraceContext>) -> Option<T
     }
     let _ = span;
     incoming.cloned()
+}
+
+/// Whether a span under `enclosing` should be its child rather than continue
+/// `incoming`: when `enclosing` is recorded by OpenTelemetry and is in the incoming
+/// trace already (it continued it), or there is no incoming trace to continue.
+#[cfg(feature = "http")]
+pub(crate) fn stays_under(enclosing: &Span, incoming: Option<&TraceContext>) -> bool {
+    match (outgoing(enclosing, None), incoming) {
+        (None, _) => false,
+        (Some(_), None) => true,
+        (Some(own), Some(incoming)) => own.trace_id() == incoming.trace_id(),
+    }
 }
 
 /// The trace id a record keeps for work done in `span`: its OpenTelemetry trace (which
@@ -364,5 +389,15 @@ mod tests {
         let bare = TraceContext::parse(TP, None).unwrap();
         let properties = with_context(properties, Some(&bare));
         assert_eq!(header_str(&properties, TRACESTATE), None);
+        // No context: no trace headers, a broken one is not passed on.
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from(TRACEPARENT),
+            AMQPValue::LongString("00-bad".into()),
+        );
+        let broken = BasicProperties::default().with_headers(headers);
+        assert_eq!(TraceContext::from_properties(&broken), None);
+        let properties = with_context(broken, None);
+        assert_eq!(header_str(&properties, TRACEPARENT), None);
     }
 }

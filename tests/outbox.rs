@@ -652,3 +652,71 @@ async fn messages_behind_failures_do_not_starve_the_others(o: PgPoolOptions, c: 
     stop.cancel();
     task.await.unwrap();
 }
+
+/// Without an OpenTelemetry layer (this test binary installs none), the trace context
+/// passes through unchanged: onto follow-ups (stored when staged) and onto the dead
+/// letter of a failed run, and the record keeps its trace id. A `traceparent` that does
+/// not parse is dropped, with its `tracestate`.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn without_opentelemetry_the_trace_context_passes_through_unchanged(pool: PgPool) {
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let q = TestQueue::new("outbox-trace").await;
+    let to = format!("{}.follow-ups", q.name);
+    let out = q.beside("follow-ups").await;
+    declare(&q, &to).await;
+    let (stop, task) = start_in_process(&pool, &q, Staging::to(&to), |_| {}).await;
+    let traced = |traceparent: &str| {
+        let mut headers = FieldTable::default();
+        headers.insert("traceparent".into(), header_text(traceparent));
+        headers.insert("tracestate".into(), header_text("vendor=1"));
+        BasicProperties::default().with_headers(headers)
+    };
+    q.publish_to(&q.name, &job("evt-ok", 2, 1), traced(TRACEPARENT))
+        .await;
+    q.publish_to(&q.name, &job("evt-neg", 0, -1), traced(TRACEPARENT))
+        .await;
+    q.publish_to(&q.name, &job("evt-broken", 0, -1), traced("00-nonsense"))
+        .await;
+    out.wait_for_messages(&to, 2, SETTLE).await;
+    q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
+
+    let header = |p: &BasicProperties, name: &str| idem::dead_letter::header_str(p, name);
+    for message in out.drain(&to).await {
+        let p = &message.delivery.properties;
+        assert_eq!(header(p, "traceparent").as_deref(), Some(TRACEPARENT));
+        assert_eq!(header(p, "tracestate").as_deref(), Some("vendor=1"));
+    }
+    let dead: BTreeMap<String, (Option<String>, Option<String>)> = q
+        .drain(&q.dlq())
+        .await
+        .into_iter()
+        .map(|m| {
+            let p = &m.delivery.properties;
+            let trace = (header(p, "traceparent"), header(p, "tracestate"));
+            (m.key.clone().unwrap(), trace)
+        })
+        .collect();
+    assert_eq!(
+        dead["evt-neg"],
+        (Some(TRACEPARENT.to_owned()), Some("vendor=1".to_owned()))
+    );
+    assert_eq!(
+        dead["evt-broken"],
+        (None, None),
+        "a broken context is dropped"
+    );
+    let traces: BTreeMap<String, Option<String>> = sqlx::query_as(
+        "SELECT idempotency_key, trace_id FROM processed_operations WHERE operation = 'jobs.stage'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    let trace_id = Some("4bf92f3577b34da6a3ce929d0e0e4736".to_owned());
+    assert_eq!(traces["evt-ok"], trace_id);
+    assert_eq!(traces["evt-neg"], trace_id);
+    assert_eq!(traces["evt-broken"], None);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}

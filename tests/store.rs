@@ -713,11 +713,20 @@ async fn a_record_keeps_the_trace_of_the_claim_that_last_took_it(pool: PgPool) {
         trace_id: None,
         ..origin()
     };
+    let Claim::Claimed(third) = store.claim(&k, &fp(&payload), &again).await.unwrap() else {
+        panic!("not taken")
+    };
+    assert_eq!(trace_of(k.clone()).await.as_deref(), Some(TRACE_B));
+    // A single claim with a trace takes it over with that trace.
+    store
+        .fail(&third, true, &json!("timeout"), false)
+        .await
+        .unwrap();
     assert!(matches!(
-        store.claim(&k, &fp(&payload), &again).await.unwrap(),
+        store.claim(&k, &fp(&payload), &origin()).await.unwrap(),
         Claim::Claimed(_)
     ));
-    assert_eq!(trace_of(k).await.as_deref(), Some(TRACE_B));
+    assert_eq!(trace_of(k).await.as_deref(), Some(TRACE_A));
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

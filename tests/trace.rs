@@ -13,8 +13,10 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use common::{TestQueue, start_in_process, wait_until};
@@ -23,12 +25,16 @@ use idem::replay::{self, Action};
 use idem::{Context, FollowUp, Handler, HandlerError, Key, Mode, Store, StoreConfig};
 use lapin::BasicProperties;
 use lapin::types::FieldTable;
-use opentelemetry::trace::{SpanKind, TracerProvider};
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState, TracerProvider,
+};
 use opentelemetry::{KeyValue, Value as OtelValue};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::PgPool;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -285,6 +291,48 @@ async fn a_trace_survives_a_retry_hop_and_an_outbox_hop_into_a_downstream_worker
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn follow_ups_of_a_transactional_batch_are_children_of_its_handler_span(pool: PgPool) {
+    exporter();
+    let q = TestQueue::new("trace-tx").await;
+    let downstream = q.beside("downstream").await;
+    idem::Topology {
+        queue: downstream.name.clone(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: Vec::new(),
+    }
+    .declare(&q.channel)
+    .await
+    .unwrap();
+    let (stop, task) = start_in_process(&pool, &q, Traced, |c| c.mode = Mode::Transactional).await;
+    let (stop_down, task_down) = start_in_process(&pool, &downstream, Traced, |_| {}).await;
+    let producer = Producer::new();
+    let body = json!({"event_id": "evt-tx", "follow_up_to": downstream.name});
+    q.publish_to(&q.name, body.to_string().as_bytes(), producer.properties())
+        .await;
+    let processed = wait_for_spans(&producer.trace_id, &format!("process {}", q.name), 1).await;
+    let down = wait_for_spans(
+        &producer.trace_id,
+        &format!("process {}", downstream.name),
+        1,
+    )
+    .await;
+    let spans = spans_of(&producer.trace_id);
+    // The batch runs apart from the delivery: its handler span is the delivery's child
+    // all the same, beside the delivery's `transaction` span, and the follow-up it
+    // staged continues from it.
+    let delivery = &processed[0];
+    assert_eq!(children(&spans, delivery, "transaction").len(), 1);
+    let handler = children(&spans, delivery, "handler");
+    assert_eq!(handler.len(), 1, "{spans:#?}");
+    assert_eq!(text(handler[0], "idem.attempt"), "1");
+    assert_eq!(down[0].parent_span_id, handler[0].span_context.span_id());
+    stop.cancel();
+    stop_down.cancel();
+    task.await.unwrap().unwrap();
+    task_down.await.unwrap().unwrap();
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn a_trace_survives_a_dead_letter_and_its_replay_in_transactional_mode(pool: PgPool) {
     exporter();
     let q = TestQueue::new("trace-replay").await;
@@ -375,6 +423,90 @@ fn principal(parts: &Parts) -> Result<String, Response> {
 
 async fn create(request: IdempotentRequest) -> Response {
     (StatusCode::CREATED, format!("attempt {}", request.attempt)).into_response()
+}
+
+/// An application's server span around the routes: it continues the request's
+/// `traceparent` when the request says `x-app-continues`, else it starts a trace of its
+/// own (as a `TraceLayer` that does not read the header would).
+async fn app_span(request: Request, next: Next) -> Response {
+    let span = tracing::info_span!("app_server");
+    let continues = request.headers().contains_key("x-app-continues");
+    let traceparent = request
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok());
+    if let (true, Some(traceparent)) = (continues, traceparent) {
+        let parts: Vec<&str> = traceparent.split('-').collect();
+        let remote = SpanContext::new(
+            TraceId::from_hex(parts[1]).unwrap(),
+            SpanId::from_hex(parts[2]).unwrap(),
+            TraceFlags::SAMPLED,
+            true,
+            TraceState::default(),
+        );
+        let parent = opentelemetry::Context::new().with_remote_span_context(remote);
+        span.set_parent(parent).unwrap();
+    }
+    next.run(request).instrument(span).await
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn under_an_application_span_a_request_stays_in_the_incoming_trace(pool: PgPool) {
+    exporter();
+    let keys = Idempotency::new(Store::new(pool.clone(), StoreConfig::default()), principal);
+    let app = Router::new()
+        .route("/orders", post(create).route_layer(keys.required()))
+        .layer(axum::middleware::from_fn(app_span));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let send = |producer: &Producer, key: &str, continues: bool| {
+        let mut request = reqwest::Client::new()
+            .post(format!("http://{addr}/orders"))
+            .header("authorization", "Bearer acme")
+            .header("idempotency-key", key)
+            .header("traceparent", producer.traceparent())
+            .body("{}");
+        if continues {
+            request = request.header("x-app-continues", "1");
+        }
+        request.send()
+    };
+
+    // The application's span continued the trace: idem's span is its child.
+    let producer = Producer::new();
+    assert_eq!(
+        send(&producer, "o-1", true)
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        201
+    );
+    let app = wait_for_spans(&producer.trace_id, "app_server", 1).await;
+    let ours = wait_for_spans(&producer.trace_id, "POST /orders", 1).await;
+    assert_eq!(app[0].parent_span_id.to_string(), producer.span_id);
+    assert_eq!(ours[0].parent_span_id, app[0].span_context.span_id());
+    assert_eq!(ours[0].span_kind, SpanKind::Internal);
+
+    // It did not: idem's span continues the incoming trace, as the server span.
+    let producer = Producer::new();
+    assert_eq!(
+        send(&producer, "o-2", false)
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        201
+    );
+    let ours = wait_for_spans(&producer.trace_id, "POST /orders", 1).await;
+    assert_eq!(ours[0].parent_span_id.to_string(), producer.span_id);
+    assert_eq!(ours[0].span_kind, SpanKind::Server);
+    assert!(
+        spans_of(&producer.trace_id)
+            .iter()
+            .all(|s| s.name != "app_server")
+    );
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

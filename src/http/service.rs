@@ -19,7 +19,7 @@ use super::record::{
     verdict_of,
 };
 use super::request::{
-    Unread, correlation_id, fingerprint, is_safe, key_header, operation_of, read_limited,
+    Unread, correlation_id, fingerprint, is_safe, key_header, operation_of, read_limited, route_of,
     trace_context,
 };
 use super::stored::StoredResponse;
@@ -98,12 +98,14 @@ where
         otel.kind = field::Empty,
     );
     let incoming = trace_context(&parts.headers);
-    // Under a server span of the application's (one that continued the request's
-    // trace already), this span is its child; otherwise it is the server span.
-    let under_server_span = trace::outgoing(&Span::current(), None).is_some();
-    if !under_server_span && trace::continue_trace(&span, incoming.as_ref(), &operation, "server") {
+    // Under a server span of the application's that continued the request's trace,
+    // this span is its child; otherwise it is the server span of the incoming trace.
+    let stays_under = trace::stays_under(&Span::current(), incoming.as_ref());
+    if stays_under {
+        trace::name(&span, &operation, "internal");
+    } else if trace::continue_trace(&span, incoming.as_ref(), &operation, "server") {
         trace::attribute(&span, "http.request.method", parts.method.as_str());
-        trace::attribute(&span, "http.route", route_of(&operation));
+        trace::attribute(&span, "http.route", route_of(&parts));
     }
     trace::attribute(&span, "idem.key", key.short_hash());
     async move {
@@ -444,11 +446,4 @@ fn accepted(location: Option<HeaderValue>, after: Duration) -> Response {
         response.headers_mut().insert(header::LOCATION, location);
     }
     with_retry_after(response, after)
-}
-
-/// The route of an operation (`POST /payments/{id}` → `/payments/{id}`).
-fn route_of(operation: &str) -> &str {
-    operation
-        .split_once(' ')
-        .map_or(operation, |(_, route)| route)
 }

@@ -116,7 +116,8 @@ pub struct Record {
     pub reconcile_first: bool,
     pub correlation_id: Option<String>,
     pub message_id: Option<String>,
-    /// The W3C trace id of the delivery or request that last claimed the record.
+    /// The W3C trace id of the delivery or request that inserted the record or last
+    /// took it over (a claim without a trace keeps the one there).
     pub trace_id: Option<String>,
     pub dead_lettered_at: Option<DateTime<Utc>>,
     pub replay_count: i32,

@@ -75,10 +75,7 @@ pub(super) async fn process<H: Handler>(
             }
             Err(error) => undecided(shared, &settler, error).await,
         };
-        metrics::delivery(H::OPERATION, outcome.as_str());
-        if settler.replays > 0 {
-            metrics::replayed_delivery(H::OPERATION, outcome.as_str());
-        }
+        settler.count(outcome.as_str());
         let span = Span::current();
         trace::attribute(&span, "idem.outcome", outcome.as_str());
         if settler.dead_lettered.load(Ordering::Relaxed) {
@@ -366,14 +363,15 @@ async fn settle(
 }
 
 /// The message, or the message again for a second run (the handler consumed the
-/// first), and a fresh context for a run under `lease`; its follow-ups carry the trace
-/// context `trace`.
+/// first), and a fresh context for a run under `lease` in `span`: its follow-ups carry
+/// that span's trace context.
 fn prepare<H: Handler>(
     shared: &Shared<H>,
+    settler: &Settler<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
-    trace: Option<TraceContext>,
+    span: &Span,
 ) -> Result<(H::Message, Context), WorkerError> {
     let message = match message {
         Some(message) => message,
@@ -387,7 +385,7 @@ fn prepare<H: Handler>(
     )
     .for_follow_ups(
         parsed.correlation_id.clone(),
-        trace,
+        trace::outgoing(span, settler.trace.as_ref()),
         shared.config.outbox.handoff,
     );
     Ok((message, ctx))
@@ -402,8 +400,7 @@ async fn run<H: Handler>(
     lease: &Lease,
 ) -> Result<Ran, WorkerError> {
     let span = info_span!("handler");
-    let trace = trace::outgoing(&span, settler.trace.as_ref());
-    let (message, mut ctx) = prepare(shared, parsed, message, lease, trace)?;
+    let (message, mut ctx) = prepare(shared, settler, parsed, message, lease, &span)?;
     if lease.takeover {
         metrics::delivery(H::OPERATION, "takeover");
     }
@@ -427,8 +424,7 @@ async fn reconcile<H: Handler>(
     external_ref: Option<&str>,
 ) -> Result<Ran, WorkerError> {
     let span = info_span!("reconcile");
-    let trace = trace::outgoing(&span, settler.trace.as_ref());
-    let (message, mut ctx) = prepare(shared, parsed, message, lease, trace)?;
+    let (message, mut ctx) = prepare(shared, settler, parsed, message, lease, &span)?;
     let reconciling = shared.handler.reconcile(&message, external_ref, &mut ctx);
     let reconciled = guarded(&shared.store, lease, reconciling)
         .instrument(span)

@@ -46,6 +46,15 @@ impl Settler<'_> {
         dead_letter::header_i64(&self.delivery.properties, dead_letter::RETRIES).unwrap_or(0)
     }
 
+    /// Counts `outcome` for the delivery, among replays too when the message was
+    /// replayed from a dead-letter queue.
+    pub(super) fn count(&self, outcome: &'static str) {
+        metrics::delivery(self.operation, outcome);
+        if self.replays > 0 {
+            metrics::replayed_delivery(self.operation, outcome);
+        }
+    }
+
     /// Does what the decision said. `key` is the message's key, if it had a valid one.
     pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), WorkerError> {
         match action {
@@ -116,10 +125,7 @@ impl Settler<'_> {
         if let Some(id) = order.pin {
             self.store.mark_dead_lettered(id).await?;
         }
-        metrics::delivery(self.operation, "dead_lettered");
-        if self.replays > 0 {
-            metrics::replayed_delivery(self.operation, "dead_lettered");
-        }
+        self.count("dead_lettered");
         self.dead_lettered.store(true, Ordering::Relaxed);
         self.ack();
         Ok(())

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
-use tracing::debug;
+use tracing::{Instrument, debug, field, info_span};
 
 use super::decision::{self, Ran, Reconciled};
 use super::guard::caught;
@@ -30,7 +30,7 @@ use crate::handler::{Context, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
-use crate::trace::TraceContext;
+use crate::trace::{self, TraceContext};
 use outcome::{answer_of, first_lease, new_record, refused, write_taken};
 
 mod outcome;
@@ -327,6 +327,17 @@ impl RunIn<'_> {
             Ok(message) => message,
             Err(e) => return RunResult::Refused(format!("body does not fit the message: {e}")),
         };
+        // The batch runs apart from the delivery's task: the handler's span is made a
+        // child of the delivery's span by its context.
+        let span = info_span!(
+            "handler",
+            otel.name = field::Empty,
+            otel.kind = field::Empty
+        );
+        if trace::continue_trace(&span, self.trace.as_ref(), "handler", "internal") {
+            trace::attribute(&span, "idem.attempt", i64::from(self.attempt));
+            trace::attribute(&span, "idem.takeover", self.takeover);
+        }
         let mut ctx = Context::new(
             self.key.clone(),
             self.attempt,
@@ -335,7 +346,7 @@ impl RunIn<'_> {
         )
         .for_follow_ups(
             self.correlation_id.clone(),
-            self.trace.clone(),
+            trace::outgoing(&span, self.trace.as_ref()),
             self.handoff,
         );
         if let Some(open) = tx.take() {
@@ -343,7 +354,11 @@ impl RunIn<'_> {
         }
         let started = Instant::now();
         let result = match reconcile {
-            None => caught(handler.handle(message, &mut ctx)).await,
+            None => {
+                caught(handler.handle(message, &mut ctx))
+                    .instrument(span)
+                    .await
+            }
             Some(external_ref) => {
                 // What reconcile writes or stages counts only if it finds the effect
                 // applied: "not applied" runs the handler afresh, as in leased mode. The
@@ -364,7 +379,7 @@ impl RunIn<'_> {
                     return RunResult::Failed(error);
                 }
                 let asked = caught(handler.reconcile(&message, external_ref.as_deref(), &mut ctx));
-                match decision::reconciled(asked.await) {
+                match decision::reconciled(asked.instrument(span.clone()).await) {
                     Reconciled::Applied(output) => {
                         *tx = ctx.take_tx();
                         return done(output, true, ctx.take_staged());
@@ -374,7 +389,9 @@ impl RunIn<'_> {
                         match undone.await {
                             Ok(()) => {
                                 ctx.take_staged();
-                                caught(handler.handle(message, &mut ctx)).await
+                                caught(handler.handle(message, &mut ctx))
+                                    .instrument(span)
+                                    .await
                             }
                             Err(error) => Err(error),
                         }
