@@ -33,8 +33,9 @@ fn exported() -> BTreeMap<String, bool> {
 }
 
 /// The `outcome` label values the source records: the first string literal of every
-/// call that counts an outcome (`delivery(`, `replayed_delivery(`, `http_request(`,
-/// `answered(`), and the names of the worker's outcomes (`Outcome::as_str`).
+/// call that counts an outcome (`metrics::delivery(` and `replayed_delivery(`, the
+/// worker's `count(`, `http_request(`, `answered(`), and the names of the worker's
+/// outcomes (`Outcome::as_str`).
 fn outcomes() -> BTreeSet<String> {
     let mut values = BTreeSet::new();
     let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
@@ -46,7 +47,7 @@ fn outcomes() -> BTreeSet<String> {
                 continue;
             }
             let text = std::fs::read_to_string(&path).unwrap();
-            for call in ["delivery(", "http_request(", "answered("] {
+            for call in ["delivery(", "count(", "http_request(", "answered("] {
                 for (at, _) in text.match_indices(call) {
                     let args = &text[at + call.len()..];
                     let args = &args[..args.find(')').unwrap_or(args.len())];
