@@ -5,10 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// The metric names the source records, with whether each is a histogram: the first
-/// argument of every `counter!`, `gauge!` and `histogram!`.
-fn exported() -> BTreeMap<String, bool> {
-    let mut names = BTreeMap::new();
+/// Every `.rs` file under `src/`, with its text.
+fn sources() -> Vec<String> {
+    let mut texts = Vec::new();
     let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
@@ -16,15 +15,24 @@ fn exported() -> BTreeMap<String, bool> {
             if path.is_dir() {
                 dirs.push(path);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).unwrap();
-                for macro_name in ["counter!(", "gauge!(", "histogram!("] {
-                    for (at, _) in text.match_indices(macro_name) {
-                        let rest = text[at + macro_name.len()..].trim_start();
-                        if let Some(quoted) = rest.strip_prefix('"') {
-                            let name = &quoted[..quoted.find('"').unwrap()];
-                            names.insert(name.to_owned(), macro_name == "histogram!(");
-                        }
-                    }
+                texts.push(std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    texts
+}
+
+/// The metric names the source records, with whether each is a histogram: the first
+/// argument of every `counter!`, `gauge!` and `histogram!`.
+fn exported() -> BTreeMap<String, bool> {
+    let mut names = BTreeMap::new();
+    for text in sources() {
+        for macro_name in ["counter!(", "gauge!(", "histogram!("] {
+            for (at, _) in text.match_indices(macro_name) {
+                let rest = text[at + macro_name.len()..].trim_start();
+                if let Some(quoted) = rest.strip_prefix('"') {
+                    let name = &quoted[..quoted.find('"').unwrap()];
+                    names.insert(name.to_owned(), macro_name == "histogram!(");
                 }
             }
         }
@@ -38,30 +46,21 @@ fn exported() -> BTreeMap<String, bool> {
 /// outcomes (`Outcome::as_str`).
 fn outcomes() -> BTreeSet<String> {
     let mut values = BTreeSet::new();
-    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).unwrap();
-            for call in ["delivery(", "count(", "http_request(", "answered("] {
-                for (at, _) in text.match_indices(call) {
-                    let args = &text[at + call.len()..];
-                    let args = &args[..args.find(')').unwrap_or(args.len())];
-                    if let Some(value) = args.split('"').nth(1) {
-                        values.insert(value.to_owned());
-                    }
+    for text in sources() {
+        for call in ["delivery(", "count(", "http_request(", "answered("] {
+            for (at, _) in text.match_indices(call) {
+                let args = &text[at + call.len()..];
+                let args = &args[..args.find(')').unwrap_or(args.len())];
+                if let Some(value) = args.split('"').nth(1) {
+                    values.insert(value.to_owned());
                 }
             }
-            for line in text
-                .lines()
-                .filter(|l| l.contains("Outcome::") && l.contains("=> \""))
-            {
-                values.extend(line.split('"').nth(1).map(str::to_owned));
-            }
+        }
+        for line in text
+            .lines()
+            .filter(|l| l.contains("Outcome::") && l.contains("=> \""))
+        {
+            values.extend(line.split('"').nth(1).map(str::to_owned));
         }
     }
     values

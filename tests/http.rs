@@ -17,7 +17,9 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{WorkerProcess, database_url, idem_cli, signal, spawn_payments_api, wait_until};
+use common::{
+    WorkerProcess, bearer_principal, database_url, idem_cli, signal, spawn_payments_api, wait_until,
+};
 use idem::http::{Decided, IDEMPOTENCY_REPLAYED, Idempotency, IdempotentRequest, Tx};
 use idem::{HandlerError, Key, Reconciliation, Store, StoreConfig};
 use reqwest::header::HeaderMap;
@@ -411,16 +413,6 @@ struct TestState {
     gate: Arc<tokio::sync::Semaphore>,
 }
 
-// A rejection is a whole response, as axum's own are.
-#[allow(clippy::result_large_err)]
-fn principal(parts: &Parts) -> Result<String, Response> {
-    parts
-        .headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned))
-        .ok_or_else(|| StatusCode::UNAUTHORIZED.into_response())
-}
-
 async fn note(tx: &mut Tx, what: &str) -> Result<(), HandlerError> {
     sqlx::query("INSERT INTO test_effects (what) VALUES ($1)")
         .bind(what)
@@ -533,7 +525,7 @@ async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) 
             ..StoreConfig::default()
         },
     );
-    let keys = Idempotency::new(store, principal).max_response_bytes(1024);
+    let keys = Idempotency::new(store, bearer_principal).max_response_bytes(1024);
     let poll_keys = keys.clone();
     let state = TestState {
         calls: Arc::new(AtomicU32::new(0)),
@@ -564,7 +556,7 @@ async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) 
                 move |parts: Parts, axum::extract::Path(key): axum::extract::Path<String>| {
                     let keys = poll_keys.clone();
                     async move {
-                        let scope = principal(&parts)?;
+                        let scope = bearer_principal(&parts)?;
                         let key = Key::new(scope, "POST /gated", key).map_err(|e| {
                             (StatusCode::BAD_REQUEST, e.to_string()).into_response()
                         })?;

@@ -15,11 +15,10 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::Request;
 use axum::http::StatusCode;
-use axum::http::request::Parts;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use common::{TestQueue, start_in_process, wait_until};
+use common::{TestQueue, bearer_principal, start_in_process, wait_until};
 use idem::http::{Idempotency, IdempotentRequest};
 use idem::replay::{self, Action};
 use idem::{Context, FollowUp, Handler, HandlerError, Key, Mode, Store, StoreConfig};
@@ -181,6 +180,20 @@ impl Handler for Traced {
     }
 }
 
+/// A queue beside `q` for follow-ups, declared as its worker will.
+async fn downstream_of(q: &TestQueue) -> TestQueue {
+    let downstream = q.beside("downstream").await;
+    idem::Topology {
+        queue: downstream.name.clone(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: Vec::new(),
+    }
+    .declare(&q.channel)
+    .await
+    .unwrap();
+    downstream
+}
+
 async fn trace_id_of(pool: &PgPool, event_id: &str) -> Option<String> {
     let key = Key::new("t", Traced::OPERATION, event_id).unwrap();
     let store = Store::new(pool.clone(), StoreConfig::default());
@@ -191,15 +204,7 @@ async fn trace_id_of(pool: &PgPool, event_id: &str) -> Option<String> {
 async fn a_trace_survives_a_retry_hop_and_an_outbox_hop_into_a_downstream_worker(pool: PgPool) {
     exporter();
     let q = TestQueue::new("trace-hops").await;
-    let downstream = q.beside("downstream").await;
-    idem::Topology {
-        queue: downstream.name.clone(),
-        queue_type: idem::QueueType::Classic,
-        retry_delays: Vec::new(),
-    }
-    .declare(&q.channel)
-    .await
-    .unwrap();
+    let downstream = downstream_of(&q).await;
     let (stop, task) = start_in_process(&pool, &q, Traced, |c| c.retry.immediate = 0).await;
     let (stop_down, task_down) = start_in_process(&pool, &downstream, Traced, |_| {}).await;
 
@@ -294,15 +299,7 @@ async fn a_trace_survives_a_retry_hop_and_an_outbox_hop_into_a_downstream_worker
 async fn follow_ups_of_a_transactional_batch_are_children_of_its_handler_span(pool: PgPool) {
     exporter();
     let q = TestQueue::new("trace-tx").await;
-    let downstream = q.beside("downstream").await;
-    idem::Topology {
-        queue: downstream.name.clone(),
-        queue_type: idem::QueueType::Classic,
-        retry_delays: Vec::new(),
-    }
-    .declare(&q.channel)
-    .await
-    .unwrap();
+    let downstream = downstream_of(&q).await;
     let (stop, task) = start_in_process(&pool, &q, Traced, |c| c.mode = Mode::Transactional).await;
     let (stop_down, task_down) = start_in_process(&pool, &downstream, Traced, |_| {}).await;
     let producer = Producer::new();
@@ -411,16 +408,6 @@ async fn a_message_without_a_traceparent_starts_a_trace_that_the_record_names(po
     task.await.unwrap().unwrap();
 }
 
-// The scope closure answers with a `Response`, the shape axum itself uses.
-#[allow(clippy::result_large_err)]
-fn principal(parts: &Parts) -> Result<String, Response> {
-    parts
-        .headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned))
-        .ok_or_else(|| StatusCode::UNAUTHORIZED.into_response())
-}
-
 async fn create(request: IdempotentRequest) -> Response {
     (StatusCode::CREATED, format!("attempt {}", request.attempt)).into_response()
 }
@@ -453,7 +440,10 @@ async fn app_span(request: Request, next: Next) -> Response {
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn under_an_application_span_a_request_stays_in_the_incoming_trace(pool: PgPool) {
     exporter();
-    let keys = Idempotency::new(Store::new(pool.clone(), StoreConfig::default()), principal);
+    let keys = Idempotency::new(
+        Store::new(pool.clone(), StoreConfig::default()),
+        bearer_principal,
+    );
     let app = Router::new()
         .route("/orders", post(create).route_layer(keys.required()))
         .layer(axum::middleware::from_fn(app_span));
@@ -512,7 +502,10 @@ async fn under_an_application_span_a_request_stays_in_the_incoming_trace(pool: P
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn an_http_request_with_a_traceparent_joins_its_trace(pool: PgPool) {
     exporter();
-    let keys = Idempotency::new(Store::new(pool.clone(), StoreConfig::default()), principal);
+    let keys = Idempotency::new(
+        Store::new(pool.clone(), StoreConfig::default()),
+        bearer_principal,
+    );
     let app = Router::new().route("/orders", post(create).route_layer(keys.required()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

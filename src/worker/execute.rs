@@ -411,7 +411,9 @@ async fn run<H: Handler>(
         .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
-    record(shared, settler, &mut ctx, lease, result, false).await
+    record(shared, settler, &mut ctx, lease, result, false)
+        .instrument(info_span!("completion"))
+        .await
 }
 
 /// Asks the handler what became of a pending operation, and acts on the answer.
@@ -438,19 +440,7 @@ async fn reconcile<H: Handler>(
         }
         Reconciled::Failed(error) => Err(error),
     };
-    record(shared, settler, &mut ctx, lease, answer, true).await
-}
-
-/// Writes the outcome (see [`record_in_span`]) inside the span `completion`.
-async fn record<H: Handler>(
-    shared: &Shared<H>,
-    settler: &Settler<'_>,
-    ctx: &mut Context,
-    lease: &Lease,
-    result: Result<H::Output, HandlerError>,
-    reconciled: bool,
-) -> Result<Ran, WorkerError> {
-    record_in_span(shared, settler, ctx, lease, result, reconciled)
+    record(shared, settler, &mut ctx, lease, answer, true)
         .instrument(info_span!("completion"))
         .await
 }
@@ -458,7 +448,7 @@ async fn record<H: Handler>(
 /// Writes the outcome, fenced by the lease; a success commits the handler's transaction
 /// together with the `completed` record, then publishes the follow-up messages it
 /// staged.
-async fn record_in_span<H: Handler>(
+async fn record<H: Handler>(
     shared: &Shared<H>,
     settler: &Settler<'_>,
     ctx: &mut Context,

@@ -579,3 +579,18 @@ pub async fn start_in_process<H: idem::Handler>(
     wait_for_consumers(q, 1).await;
     (shutdown, task)
 }
+
+/// The principal of a test request: its bearer token (401 without one). A rejection is
+/// a whole response, as axum's own are.
+#[cfg(feature = "http")]
+#[allow(clippy::result_large_err)]
+pub fn bearer_principal(
+    parts: &axum::http::request::Parts,
+) -> Result<String, axum::response::Response> {
+    use axum::response::IntoResponse;
+    parts
+        .headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned))
+        .ok_or_else(|| axum::http::StatusCode::UNAUTHORIZED.into_response())
+}
