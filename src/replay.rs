@@ -111,6 +111,10 @@ pub struct Filter {
     pub key: Option<String>,
     /// At most this many matching messages.
     pub limit: Option<usize>,
+    /// Only this `idem-operation` (a group of [`group`] is reason, operation, error).
+    pub operation: Option<String>,
+    /// Only this `idem-error`, exactly.
+    pub error: Option<String>,
 }
 
 impl Filter {
@@ -124,7 +128,10 @@ impl Filter {
             m.key.as_deref() == Some(k)
                 || (k.len() >= 6 && m.key_hash.as_deref().is_some_and(|h| h.starts_with(k)))
         });
-        reason && key
+        let same = |wanted: &Option<String>, got: &Option<String>| {
+            wanted.as_deref().is_none_or(|w| got.as_deref() == Some(w))
+        };
+        reason && key && same(&self.operation, &m.operation) && same(&self.error, &m.error)
     }
 }
 

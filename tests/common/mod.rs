@@ -594,3 +594,37 @@ pub fn bearer_principal(
         .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned))
         .ok_or_else(|| axum::http::StatusCode::UNAUTHORIZED.into_response())
 }
+
+/// Publishes `n` orders over acme and globex with a worker failing acme for good, waits
+/// until acme's are dead-lettered and globex's booked, and stops that worker.
+pub async fn outage(pool: &PgPool, q: &TestQueue, url: &str, n: usize) -> u32 {
+    let mut failing = spawn_orders_worker(url, &q.name, &["--fail-tenant", "acme"]);
+    wait_for_worker_tables(pool).await;
+    wait_for_consumers(q, 1).await;
+    for i in 0..n {
+        let tenant = if i % 2 == 0 { "acme" } else { "globex" };
+        q.publish(&order(&format!("evt-{i}"), tenant, 100 + i as i64))
+            .await;
+        if i % 5 == 0 {
+            q.publish(&order_resent(&format!("evt-{i}"), tenant, 100 + i as i64))
+                .await;
+        }
+    }
+    let acme = n.div_ceil(2) as i64;
+    wait_until(Duration::from_secs(90), "the outage to settle", || async {
+        let dead: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM processed_operations
+             WHERE scope = 'acme' AND status = 'failed' AND dead_lettered_at IS NOT NULL",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0);
+        dead == acme && ledger(pool).await.len() == n / 2 && q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    signal(&failing, "TERM");
+    assert_eq!(failing.child.wait().await.unwrap().code(), Some(0));
+    let dead = q.counts(&q.dlq()).await.0;
+    assert!(dead as i64 >= acme, "every acme order is in the DLQ");
+    dead
+}

@@ -90,6 +90,7 @@ impl FilterArgs {
             reason: self.reason.clone(),
             key: self.key.clone(),
             limit: self.limit,
+            ..Filter::default()
         }
     }
 }

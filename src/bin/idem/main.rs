@@ -10,6 +10,8 @@ use clap::{Parser, Subcommand};
 use idem::gc::Garbage;
 use idem::{Store, StoreConfig};
 
+#[cfg(feature = "console")]
+mod console;
 mod dlq;
 mod ops;
 mod outbox;
@@ -49,6 +51,10 @@ enum Command {
     /// Follow-up messages not published yet: the backlog and why.
     #[command(subcommand)]
     Outbox(Outbox),
+    /// A web page for operators: dead letters with replay previews, stuck operations,
+    /// the outbox (feature `console`).
+    #[cfg(feature = "console")]
+    Console(console::ConsoleArgs),
     /// Delete expired records and dispatched follow-up messages past their retention,
     /// in short, paced batches (safe beside running workers).
     Gc(GcArgs),
@@ -114,6 +120,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq(command) => dlq::run(&cli, command).await?,
         Command::Ops(command) => ops::run(&cli, command).await?,
         Command::Outbox(command) => outbox::run(&cli, command).await?,
+        #[cfg(feature = "console")]
+        Command::Console(args) => console::run(&cli, args).await?,
     }
     Ok(())
 }
