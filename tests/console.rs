@@ -1,15 +1,19 @@
 //! `idem console` (feature `console`) as a process, against the real broker and
-//! database: without the token every page and action answers 401; an action without
-//! the form's CSRF token answers 403 and changes nothing; the dead-letter page shows an
-//! outage's group with the replay preview; replaying the group from the console books
-//! each order once; discarding a conflict removes it; a stuck operation left by a
-//! SIGKILLed worker is listed and released.
+//! database. Over plain HTTP: without the token every page and action answers 401; an
+//! action without the form's CSRF token answers 403 and changes nothing. In a real
+//! browser (headless Chromium through WebDriver): the dead-letter page shows an
+//! outage's group with the replay preview; replaying the group from the page books each
+//! order once; discarding a conflict from the page removes it; a stuck operation left
+//! by a SIGKILLed worker is listed and released. Screenshots of each page are saved
+//! under `target/tmp/console-screenshots/`.
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
+use fantoccini::Locator;
 use reqwest::StatusCode;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -78,44 +82,6 @@ impl ConsoleProcess {
         let response = request.send().await.unwrap();
         (response.status(), response.text().await.unwrap_or_default())
     }
-}
-
-/// The hidden fields of the first POST form on `page`, as the browser would send them.
-fn form_fields(page: &str) -> Vec<(String, String)> {
-    let form = &page[page
-        .find("<form class=\"inline\" method=\"post\"")
-        .expect("a form")..];
-    let form = &form[..form.find("</form>").unwrap()];
-    let attr = |tag: &str, name: &str| -> String {
-        let at = tag.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
-        let value = &tag[at..];
-        value[..value.find('"').unwrap()]
-            .replace("&quot;", "\"")
-            .replace("&#39;", "'")
-            .replace("&lt;", "<")
-            .replace("&gt;", ">")
-            .replace("&amp;", "&")
-    };
-    form.split("<input ")
-        .skip(1)
-        .map(|tag| (attr(tag, "name"), attr(tag, "value")))
-        .collect()
-}
-
-/// The action of the first POST form on `page`.
-fn form_action(page: &str) -> String {
-    let form = &page[page.find("method=\"post\" action=\"").unwrap() + 22..];
-    form[..form.find('"').unwrap()].to_owned()
-}
-
-/// Submits the first POST form on `page` with the token.
-async fn submit(console: &ConsoleProcess, page: &str) -> (StatusCode, String) {
-    let fields = form_fields(page);
-    let pairs: Vec<(&str, &str)> = fields
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    console.post(&form_action(page), &pairs, true).await
 }
 
 /// The number in the row of table `id` whose first cell is `label`.
@@ -207,8 +173,114 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
     assert_eq!(page.status(), StatusCode::OK);
 }
 
+/// A headless Chromium driven through WebDriver (Debian's `chromium` and
+/// `chromium-driver`), logged in to `console`; each page it shows can be saved as a
+/// screenshot under `target/tmp/console-screenshots/`. Without a `chromedriver` the
+/// test is skipped, unless `IDEM_TEST_BROWSER=required` (as `.ci/run` sets it).
+struct Browser {
+    client: fantoccini::Client,
+    _driver: Child,
+    _profile: PathBuf,
+    test: &'static str,
+}
+
+impl Browser {
+    async fn open(console: &ConsoleProcess, test: &'static str) -> Option<Browser> {
+        let driver =
+            std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "/usr/bin/chromedriver".into());
+        if !Path::new(&driver).exists() {
+            assert!(
+                std::env::var("IDEM_TEST_BROWSER").as_deref() != Ok("required"),
+                "{driver} is missing: install chromium and chromium-driver"
+            );
+            eprintln!("{test}: skipped, {driver} is missing (install chromium-driver)");
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = tokio::process::Command::new(&driver)
+            .arg(format!("--port={port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn chromedriver");
+        let profile = std::env::temp_dir().join(format!("idem-chromium-{}", uuid::Uuid::new_v4()));
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".into(),
+            serde_json::json!({
+                "binary": std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into()),
+                "args": [
+                    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--disable-quic", "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
+                    format!("--user-data-dir={}", profile.display()),
+                ]
+            }),
+        );
+        let webdriver = format!("http://127.0.0.1:{port}");
+        // chromedriver takes a moment to listen: try until a session starts.
+        let deadline = std::time::Instant::now() + SETTLE;
+        let client = loop {
+            let mut builder = fantoccini::ClientBuilder::new(
+                hyper_util::client::legacy::connect::HttpConnector::new(),
+            );
+            builder.capabilities(capabilities.clone());
+            match builder.connect(&webdriver).await {
+                Ok(client) => break client,
+                Err(error) if std::time::Instant::now() > deadline => {
+                    panic!("no WebDriver session: {error}")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        };
+        let browser = Browser {
+            client,
+            _driver: child,
+            _profile: profile,
+            test,
+        };
+        browser
+            .go(&format!("{}/login?token={TOKEN}", console.base))
+            .await;
+        Some(browser)
+    }
+
+    async fn go(&self, url: &str) {
+        self.client.goto(url).await.unwrap();
+    }
+
+    async fn source(&self) -> String {
+        self.client.source().await.unwrap()
+    }
+
+    async fn click(&self, css: &str) {
+        let element = match self.client.find(Locator::Css(css)).await {
+            Ok(element) => element,
+            Err(error) => panic!("{css}: {error}\n{}", self.source().await),
+        };
+        element.click().await.unwrap();
+    }
+
+    /// Saves what the browser shows as `<test>-<name>.png`.
+    async fn screenshot(&self, name: &str) {
+        let png = self.client.screenshot().await.unwrap();
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(format!("{}-{name}.png", self.test)), png).unwrap();
+    }
+
+    async fn close(self) {
+        let _ = self.client.close().await;
+    }
+}
+
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn replaying_a_group_from_the_console_books_each_order_once(
+async fn replaying_a_group_from_the_page_books_each_order_once(
     pool_options: PgPoolOptions,
     connect: PgConnectOptions,
 ) {
@@ -227,30 +299,28 @@ async fn replaying_a_group_from_the_console_books_each_order_once(
     })
     .await;
     let console = start_console(&url, &q.name).await;
+    let Some(browser) = Browser::open(&console, "replay").await else {
+        return;
+    };
     // The outage's dead letters: one per acme order, or two when a resent copy was
     // dead-lettered before the first was recorded (a DLQ may hold a key twice).
     let outage_letters = q.counts(&q.dlq()).await.0 as i64 - 1;
     assert!(outage_letters >= acme as i64);
 
-    // The page shows the outage's group: every acme order would run again.
-    let (status, page) = console.get("/dlq", true).await;
-    assert_eq!(status, StatusCode::OK, "{page}");
-    assert!(page.contains("permanent_failure"), "{page}");
+    // The page shows the outage's group and the conflict, with the replay preview.
+    let page = browser.source().await;
+    browser.screenshot("dead-letters").await;
     assert!(page.contains("fingerprint_conflict"), "{page}");
     assert_eq!(
         row_number(&page, "permanent_failure"),
         outage_letters,
         "the group's count"
     );
-    let (_, confirm) = console
-        .get(
-            &format!(
-                "/dlq/confirm?queue={}&action=replay&reason=permanent_failure&operation=orders.create&error={}",
-                q.name, "tenant%20acme%20is%20failing%20(--fail-tenant)"
-            ),
-            true,
-        )
+    browser
+        .click("a[href*='action=replay'][href*='reason=permanent_failure']")
         .await;
+    let confirm = browser.source().await;
+    browser.screenshot("replay-confirm").await;
     assert_eq!(
         row_number(&confirm, "republished: will run again"),
         outage_letters,
@@ -259,8 +329,9 @@ async fn replaying_a_group_from_the_console_books_each_order_once(
     assert_eq!(row_number(&confirm, "conflicts: stay"), 0);
 
     // Replay it from the page: each acme order is booked exactly once.
-    let (status, done) = submit(&console, &confirm).await;
-    assert_eq!(status, StatusCode::OK, "{done}");
+    browser.click("form[action='/dlq/act'] button").await;
+    let done = browser.source().await;
+    browser.screenshot("replay-done").await;
     assert!(done.contains("Replayed"), "{done}");
     let replayed = row_number(&done, "republished: will run again")
         + row_number(&done, "already completed: acked, not run");
@@ -274,24 +345,27 @@ async fn replaying_a_group_from_the_console_books_each_order_once(
         "one ledger row per order"
     );
 
-    // Discarding the conflict from the console removes it, and only it.
-    let (_, confirm) = console
-        .get(
-            &format!("/dlq/confirm?queue={}&action=discard&key=evt-1", q.name),
-            true,
-        )
+    // Discarding the conflict from the page removes it, and only it.
+    browser.go(&format!("{}/dlq", console.base)).await;
+    browser
+        .click("a[href*='action=discard'][href*='key=evt-1']")
         .await;
+    let confirm = browser.source().await;
     assert_eq!(row_number(&confirm, "discarded"), 1, "{confirm}");
-    let (status, done) = submit(&console, &confirm).await;
-    assert_eq!(status, StatusCode::OK, "{done}");
-    assert_eq!(row_number(&done, "discarded"), 1);
-    let (_, page) = console.get("/dlq", true).await;
+    browser.click("form[action='/dlq/act'] button").await;
+    let done = browser.source().await;
+    assert_eq!(row_number(&done, "discarded"), 1, "{done}");
+    browser.go(&format!("{}/dlq", console.base)).await;
+    let page = browser.source().await;
     assert!(!page.contains("fingerprint_conflict"), "{page}");
     assert_eq!(q.counts(&q.dlq()).await.0, 0, "the DLQ is empty");
+    browser.go(&format!("{}/outbox", console.base)).await;
+    browser.screenshot("outbox").await;
+    browser.close().await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn a_stuck_operation_after_a_sigkill_is_listed_and_released(pool: PgPool) {
+async fn a_stuck_operation_after_a_sigkill_is_released_from_the_page(pool: PgPool) {
     let q = TestQueue::new("console-stuck").await;
     let url = database_url(&pool.connect_options());
     let worker = spawn_orders_worker(
@@ -308,25 +382,39 @@ async fn a_stuck_operation_after_a_sigkill_is_listed_and_released(pool: PgPool) 
     .await;
     signal(&worker, "KILL");
     let console = start_console(&url, &q.name).await;
+    let Some(browser) = Browser::open(&console, "stuck").await else {
+        return;
+    };
 
     // Processing with a live lease: listed as processing, not yet as stuck.
-    let (_, page) = console.get("/ops?status=processing", true).await;
-    assert!(page.contains("evt-stuck"), "{page}");
-    let (_, page) = console.get("/ops?status=stuck", true).await;
-    assert!(!page.contains("evt-stuck"), "{page}");
-    let (_, shown) = console
-        .get(
-            "/ops/show?scope=acme&operation=orders.create&key=evt-stuck",
-            true,
-        )
+    browser
+        .go(&format!("{}/ops?status=stuck", console.base))
         .await;
-    assert!(shown.contains("Release the lease"), "{shown}");
-    let (status, released) = submit(&console, &shown).await;
-    assert_eq!(status, StatusCode::OK, "{released}");
-    assert!(released.contains("Released"), "{released}");
-    let (_, page) = console.get("/ops?status=stuck", true).await;
+    assert!(!browser.source().await.contains("evt-stuck"));
+    browser
+        .go(&format!("{}/ops?status=processing", console.base))
+        .await;
+    browser.screenshot("operations").await;
+    browser.click("a[href*='key=evt-stuck']").await;
+    let shown = browser.source().await;
+    browser.screenshot("operation").await;
     assert!(
-        page.contains("evt-stuck"),
-        "released: its lease has lapsed\n{page}"
+        shown.contains("orders_worker-"),
+        "the owner is shown\n{shown}"
     );
+    browser.click("form[action='/ops/release'] button").await;
+    let released = browser.source().await;
+    assert!(released.contains("Released"), "{released}");
+    let lapsed: bool = sqlx::query_scalar(
+        "SELECT lease_expires_at <= now() FROM processed_operations WHERE idempotency_key = 'evt-stuck'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(lapsed, "the lease ended");
+    browser
+        .go(&format!("{}/ops?status=stuck", console.base))
+        .await;
+    assert!(browser.source().await.contains("evt-stuck"));
+    browser.close().await;
 }
