@@ -361,6 +361,26 @@ async fn replaying_a_group_from_the_page_books_each_order_once(
     assert_eq!(q.counts(&q.dlq()).await.0, 0, "the DLQ is empty");
     browser.go(&format!("{}/outbox", console.base)).await;
     browser.screenshot("outbox").await;
+
+    // The charts count from the records: globex's orders completed on their first run,
+    // acme's after the replay (their second claim); nothing is dead-lettered any more.
+    browser.go(&format!("{}/charts", console.base)).await;
+    let charts = browser.source().await;
+    browser.screenshot("charts").await;
+    let count = |id: &str| -> i64 {
+        let at = charts.find(&format!("<span id=\"{id}\">")).unwrap() + id.len() + 12;
+        charts[at..at + charts[at..].find('<').unwrap()]
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(count("executed"), (N - acme) as i64, "{charts}");
+    assert_eq!(count("retried"), acme as i64, "{charts}");
+    assert_eq!(count("dead-lettered"), 0, "{charts}");
+    assert!(charts.contains("<svg id=\"outcomes\""), "{charts}");
+    assert!(
+        charts.contains("<svg id=\"depths\""),
+        "a depth sample at least\n{charts}"
+    );
     browser.close().await;
 }
 

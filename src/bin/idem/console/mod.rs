@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 
 use crate::Cli;
 
+mod charts;
 mod html;
 mod pages;
 
@@ -43,6 +44,10 @@ pub(crate) struct ConsoleArgs {
     /// The token; one is generated and printed when neither this nor the variable is set.
     #[arg(long, env = "IDEM_CONSOLE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The workers' retention in days (`StoreConfig::retention`), which the charts use
+    /// to find completed records through the index on their expiry.
+    #[arg(long, default_value_t = 7)]
+    retention_days: u64,
 }
 
 /// What every page needs.
@@ -52,6 +57,8 @@ pub(super) struct Console {
     queues: Vec<String>,
     token: String,
     csrf: String,
+    retention: std::time::Duration,
+    samples: charts::Samples,
 }
 
 /// The cookie that carries the token.
@@ -80,7 +87,10 @@ pub(crate) async fn run(cli: &Cli, args: &ConsoleArgs) -> anyhow::Result<()> {
         queues: args.queues.clone(),
         csrf: hex::encode(Sha256::digest(format!("idem-console-csrf:{token}"))),
         token,
+        retention: std::time::Duration::from_secs(args.retention_days.saturating_mul(86_400)),
+        samples: charts::Samples::default(),
     });
+    tokio::spawn(charts::sample_forever(console.clone()));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
@@ -109,6 +119,7 @@ fn router(console: Arc<Console>) -> Router {
         .route("/ops/show", get(pages::operation))
         .route("/ops/release", post(pages::release))
         .route("/outbox", get(pages::outbox))
+        .route("/charts", get(pages::charts))
         .route_layer(middleware::from_fn_with_state(console.clone(), authorized));
     Router::new()
         .route("/login", get(login))

@@ -13,7 +13,7 @@ use idem::{Key, Status};
 use serde::Deserialize;
 
 use super::html::{escape, num, page, post_form, query, table};
-use super::{Console, forbidden};
+use super::{Console, charts, forbidden};
 
 /// The most dead letters read from one DLQ for a page.
 const DLQ_READ: usize = 2_000;
@@ -651,4 +651,83 @@ pub(super) async fn outbox(State(console): State<Arc<Console>>) -> Response {
         )
     );
     page("Outbox", &body).into_response()
+}
+
+/// Charts: operations completed and dead-lettered per minute (from the records), queue
+/// depths and the outbox's oldest age (sampled by the console since it started).
+pub(super) async fn charts(State(console): State<Arc<Console>>) -> Response {
+    let minutes = match charts::per_minute(&console).await {
+        Ok(minutes) => minutes,
+        Err(error) => return failed("the store", &error.into()),
+    };
+    let times: Vec<_> = minutes.iter().map(|m| m.0).collect();
+    let column = |f: fn(&(chrono::DateTime<chrono::Utc>, i64, i64, i64)) -> i64| -> Vec<f64> {
+        minutes.iter().map(|m| f(m) as f64).collect()
+    };
+    let total = |f: fn(&(chrono::DateTime<chrono::Utc>, i64, i64, i64)) -> i64| -> i64 {
+        minutes.iter().map(f).sum()
+    };
+    let mut body = format!(
+        "<p>Last {} minutes: <span id=\"executed\">{}</span> completed on the first run,          <span id=\"retried\">{}</span> after a retry, <span id=\"dead-lettered\">{}</span>          dead-lettered.</p>",
+        charts::WINDOW_MINUTES,
+        total(|m| m.1),
+        total(|m| m.2),
+        total(|m| m.3)
+    );
+    body.push_str(&charts::line_chart(
+        "outcomes",
+        "Operations per minute",
+        &times,
+        &[
+            ("completed, first run", "#1a7f37", column(|m| m.1)),
+            ("completed after a retry", "#9a6700", column(|m| m.2)),
+            ("dead-lettered", "#cf222e", column(|m| m.3)),
+        ],
+    ));
+    let samples = console.samples.snapshot();
+    let times: Vec<_> = samples.iter().map(|s| s.at).collect();
+    let colours = [
+        "#0969da", "#cf222e", "#8250df", "#bf3989", "#1a7f37", "#9a6700",
+    ];
+    let names: Vec<String> = samples
+        .last()
+        .map(|s| s.depths.iter().map(|(name, _)| name.clone()).collect())
+        .unwrap_or_default();
+    let depth_series: Vec<(&str, &str, Vec<f64>)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let values = samples
+                .iter()
+                .map(|s| {
+                    s.depths
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .and_then(|(_, d)| *d)
+                        .map_or(0.0, f64::from)
+                })
+                .collect();
+            (name.as_str(), colours[i % colours.len()], values)
+        })
+        .collect();
+    body.push_str(&charts::line_chart(
+        "depths",
+        &format!(
+            "Queue depths (ready messages, sampled every {} s)",
+            charts::SAMPLE_EVERY.as_secs()
+        ),
+        &times,
+        &depth_series,
+    ));
+    let ages: Vec<f64> = samples
+        .iter()
+        .map(|s| s.outbox_age_s.unwrap_or(0.0))
+        .collect();
+    body.push_str(&charts::line_chart(
+        "outbox-age",
+        "Outbox: oldest unpublished message (s)",
+        &times,
+        &[("oldest age", "#8250df", ages)],
+    ));
+    page("Charts", &body).into_response()
 }

@@ -1,0 +1,234 @@
+//! The console's charts, drawn as inline SVG from what Postgres and the broker hold, not
+//! from a metrics server that may not exist.
+//!
+//! - Operations completed per minute over the last hours (first runs and runs after a
+//!   retry), read from `completed_at` through the index on `expires_at` (a completed
+//!   record expires `--retention` after it completed), and dead letters per minute, from
+//!   `dead_lettered_at` of failed records (the index of unresolved records).
+//! - Queue depths (ready messages of each queue and its DLQ) and the outbox's oldest
+//!   age, sampled by the console itself every [`SAMPLE_EVERY`] since it started: the
+//!   broker keeps no history.
+
+use std::collections::VecDeque;
+use std::fmt::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+
+use super::Console;
+use super::html::escape;
+
+/// How often the console samples the broker and the outbox.
+pub(super) const SAMPLE_EVERY: Duration = Duration::from_secs(15);
+/// The samples kept: three hours.
+const SAMPLES_KEPT: usize = 720;
+/// The window of the per-minute charts, in minutes.
+pub(super) const WINDOW_MINUTES: i64 = 180;
+
+/// One sample: when, each queue's ready messages (queue, then its DLQ), the outbox's
+/// oldest age in seconds.
+#[derive(Debug, Clone)]
+pub(super) struct Sample {
+    pub(super) at: DateTime<Utc>,
+    pub(super) depths: Vec<(String, Option<u32>)>,
+    pub(super) outbox_age_s: Option<f64>,
+}
+
+/// The samples taken so far, oldest first.
+#[derive(Default)]
+pub(super) struct Samples(Mutex<VecDeque<Sample>>);
+
+impl Samples {
+    pub(super) fn snapshot(&self) -> Vec<Sample> {
+        self.0
+            .lock()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn push(&self, sample: Sample) {
+        if let Ok(mut samples) = self.0.lock() {
+            if samples.len() == SAMPLES_KEPT {
+                samples.pop_front();
+            }
+            samples.push_back(sample);
+        }
+    }
+}
+
+/// Samples the broker and the outbox every [`SAMPLE_EVERY`] while the console runs. A
+/// failed sample is skipped (the chart shows a gap), never fatal.
+pub(super) async fn sample_forever(console: Arc<Console>) {
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    let mut connection: Option<lapin::Connection> = None;
+    loop {
+        tick.tick().await;
+        if connection.as_ref().is_none_or(|c| !c.status().connected()) {
+            connection = console.broker().await.ok();
+        }
+        let mut depths = Vec::new();
+        for queue in &console.queues {
+            for name in [queue.clone(), idem::topology::dlq_name(queue)] {
+                let depth = match &connection {
+                    Some(c) => ready(c, &name).await,
+                    None => None,
+                };
+                depths.push((name, depth));
+            }
+        }
+        let outbox_age_s = idem::outbox::stats(console.store.pool())
+            .await
+            .ok()
+            .and_then(|s| s.oldest_age_s);
+        console.samples.push(Sample {
+            at: Utc::now(),
+            depths,
+            outbox_age_s,
+        });
+    }
+}
+
+/// Ready messages in `queue` (a passive declare: it creates nothing), on a channel of
+/// its own, since the broker closes the channel when the queue is missing.
+async fn ready(connection: &lapin::Connection, queue: &str) -> Option<u32> {
+    let channel = connection.create_channel().await.ok()?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+        .ok()
+        .map(|q| q.message_count());
+    let _ = channel.close(200, "sampled".into()).await;
+    declared
+}
+
+/// Per-minute counts over the window: completed on the first attempt, completed after a
+/// retry, dead-lettered. Minutes without any are absent.
+pub(super) async fn per_minute(
+    console: &Console,
+) -> Result<Vec<(DateTime<Utc>, i64, i64, i64)>, sqlx::Error> {
+    let retention_ms = i64::try_from(console.retention.as_millis()).unwrap_or(i64::MAX);
+    sqlx::query_as(
+        "WITH completed AS (
+            SELECT date_trunc('minute', completed_at) AS minute,
+                   count(*) FILTER (WHERE attempts = 1) AS first_runs,
+                   count(*) FILTER (WHERE attempts > 1) AS retried
+            FROM processed_operations
+            WHERE expires_at >= now() + $1::bigint * interval '1 millisecond'
+                                 - $2::bigint * interval '1 minute' - interval '1 minute'
+              AND status = 'completed'
+              AND completed_at >= now() - $2::bigint * interval '1 minute'
+            GROUP BY 1
+         ),
+         dead AS (
+            SELECT date_trunc('minute', dead_lettered_at) AS minute, count(*) AS dead
+            FROM processed_operations
+            WHERE status = 'failed'
+              AND dead_lettered_at >= now() - $2::bigint * interval '1 minute'
+            GROUP BY 1
+         )
+         SELECT minute, coalesce(c.first_runs, 0), coalesce(c.retried, 0), coalesce(d.dead, 0)
+         FROM completed c FULL JOIN dead d USING (minute)
+         ORDER BY minute",
+    )
+    .bind(retention_ms)
+    .bind(WINDOW_MINUTES)
+    .fetch_all(console.store.pool())
+    .await
+}
+
+/// A line chart of `series` (name, colour, values by time) as inline SVG, with the
+/// largest value and the time range as labels.
+pub(super) fn line_chart(
+    id: &str,
+    title: &str,
+    times: &[DateTime<Utc>],
+    series: &[(&str, &str, Vec<f64>)],
+) -> String {
+    let (w, h, pad) = (900.0, 220.0, 40.0);
+    let max = series
+        .iter()
+        .flat_map(|(_, _, v)| v.iter().copied())
+        .fold(0.0_f64, f64::max)
+        .max(1.0);
+    let (first, last) = match (times.first(), times.last()) {
+        (Some(f), Some(l)) => (*f, *l),
+        _ => {
+            return format!(
+                "<h2>{}</h2><p id=\"{}\">No data yet.</p>",
+                escape(title),
+                escape(id)
+            );
+        }
+    };
+    let span = (last - first).num_milliseconds().max(1) as f64;
+    let x =
+        |t: &DateTime<Utc>| pad + (*t - first).num_milliseconds() as f64 / span * (w - 2.0 * pad);
+    let y = |v: f64| h - pad - v / max * (h - 2.0 * pad);
+    let mut svg = format!(
+        "<h2>{}</h2><svg id=\"{}\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
+         role=\"img\" aria-label=\"{}\" style=\"border:1px solid #d0d7de\">\
+         <text x=\"4\" y=\"{}\" font-size=\"11\">{max:.0}</text>\
+         <text x=\"4\" y=\"{}\" font-size=\"11\">0</text>\
+         <text x=\"{pad}\" y=\"{}\" font-size=\"11\">{}</text>\
+         <text x=\"{}\" y=\"{}\" font-size=\"11\" text-anchor=\"end\">{}</text>",
+        escape(title),
+        escape(id),
+        escape(title),
+        pad,
+        h - pad,
+        h - 8.0,
+        first.format("%H:%M"),
+        w - pad,
+        h - 8.0,
+        last.format("%H:%M UTC"),
+    );
+    let mut legend_x = pad;
+    for (name, colour, values) in series {
+        let points: Vec<String> = times
+            .iter()
+            .zip(values)
+            .map(|(t, v)| format!("{:.1},{:.1}", x(t), y(*v)))
+            .collect();
+        let _ = write!(
+            svg,
+            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>\
+             <text x=\"{}\" y=\"14\" font-size=\"12\" fill=\"{colour}\">{}</text>",
+            points.join(" "),
+            legend_x,
+            escape(name)
+        );
+        legend_x += 7.0 * name.chars().count() as f64 + 24.0;
+        if points.len() == 1 {
+            let _ = write!(
+                svg,
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{colour}\"/>",
+                x(&times[0]),
+                y(values[0])
+            );
+        }
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chart_scales_to_its_largest_value_and_says_when_it_has_no_data() {
+        let t0 = Utc::now();
+        let times = [t0, t0 + chrono::Duration::minutes(1)];
+        let svg = line_chart("c", "t", &times, &[("a", "#000", vec![2.0, 4.0])]);
+        assert!(svg.contains(">4</text>"), "{svg}");
+        assert!(svg.contains("points=\"40.0,110.0 860.0,40.0\""), "{svg}");
+        assert!(line_chart("c", "t", &[], &[]).contains("No data yet."));
+    }
+}
