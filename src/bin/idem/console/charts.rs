@@ -108,11 +108,20 @@ async fn ready(connection: &lapin::Connection, queue: &str) -> Option<u32> {
     declared
 }
 
-/// Per-minute counts over the window: completed on the first attempt, completed after a
-/// retry, dead-lettered. Minutes without any are absent.
-pub(super) async fn per_minute(
-    console: &Console,
-) -> Result<Vec<(DateTime<Utc>, i64, i64, i64)>, sqlx::Error> {
+/// One minute's counts.
+#[derive(sqlx::FromRow)]
+pub(super) struct Minute {
+    pub(super) minute: DateTime<Utc>,
+    /// Completed on the first attempt.
+    pub(super) first_runs: i64,
+    /// Completed after a retry (a later claim).
+    pub(super) retried: i64,
+    /// Dead-lettered (records failed for good).
+    pub(super) dead: i64,
+}
+
+/// Per-minute counts over the window. Minutes without any are absent.
+pub(super) async fn per_minute(console: &Console) -> Result<Vec<Minute>, sqlx::Error> {
     let retention_ms = i64::try_from(console.retention.as_millis()).unwrap_or(i64::MAX);
     sqlx::query_as(
         "WITH completed AS (
@@ -133,7 +142,8 @@ pub(super) async fn per_minute(
               AND dead_lettered_at >= now() - $2::bigint * interval '1 minute'
             GROUP BY 1
          )
-         SELECT minute, coalesce(c.first_runs, 0), coalesce(c.retried, 0), coalesce(d.dead, 0)
+         SELECT minute, coalesce(c.first_runs, 0) AS first_runs,
+                coalesce(c.retried, 0) AS retried, coalesce(d.dead, 0) AS dead
          FROM completed c FULL JOIN dead d USING (minute)
          ORDER BY minute",
     )

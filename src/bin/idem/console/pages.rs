@@ -660,28 +660,28 @@ pub(super) async fn charts(State(console): State<Arc<Console>>) -> Response {
         Ok(minutes) => minutes,
         Err(error) => return failed("the store", &error.into()),
     };
-    let times: Vec<_> = minutes.iter().map(|m| m.0).collect();
-    let column = |f: fn(&(chrono::DateTime<chrono::Utc>, i64, i64, i64)) -> i64| -> Vec<f64> {
+    let times: Vec<_> = minutes.iter().map(|m| m.minute).collect();
+    let column = |f: fn(&charts::Minute) -> i64| -> Vec<f64> {
         minutes.iter().map(|m| f(m) as f64).collect()
     };
-    let total = |f: fn(&(chrono::DateTime<chrono::Utc>, i64, i64, i64)) -> i64| -> i64 {
-        minutes.iter().map(f).sum()
-    };
+    let total = |f: fn(&charts::Minute) -> i64| -> i64 { minutes.iter().map(f).sum() };
     let mut body = format!(
-        "<p>Last {} minutes: <span id=\"executed\">{}</span> completed on the first run,          <span id=\"retried\">{}</span> after a retry, <span id=\"dead-lettered\">{}</span>          dead-lettered.</p>",
+        "<p>Last {} minutes: <span id=\"executed\">{}</span> completed on the first run, \
+         <span id=\"retried\">{}</span> after a retry, <span id=\"dead-lettered\">{}</span> \
+         dead-lettered.</p>",
         charts::WINDOW_MINUTES,
-        total(|m| m.1),
-        total(|m| m.2),
-        total(|m| m.3)
+        total(|m| m.first_runs),
+        total(|m| m.retried),
+        total(|m| m.dead)
     );
     body.push_str(&charts::line_chart(
         "outcomes",
         "Operations per minute",
         &times,
         &[
-            ("completed, first run", "#1a7f37", column(|m| m.1)),
-            ("completed after a retry", "#9a6700", column(|m| m.2)),
-            ("dead-lettered", "#cf222e", column(|m| m.3)),
+            ("completed, first run", "#1a7f37", column(|m| m.first_runs)),
+            ("completed after a retry", "#9a6700", column(|m| m.retried)),
+            ("dead-lettered", "#cf222e", column(|m| m.dead)),
         ],
     ));
     let samples = console.samples.snapshot();
