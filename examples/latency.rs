@@ -20,6 +20,18 @@
 //! fills the table with `--expired` expired records first, starts `idem gc` (the binary
 //! beside the examples' directory) `--gc-after` seconds into the run, and also prints how
 //! long gc took and the latencies of the messages published while it ran.
+//!
+//! The operator console beside live traffic (what its pages cost the workers):
+//!
+//! ```sh
+//! cargo build --release --features console --bin idem --examples
+//! cargo run --release --example latency -- --rate 300 --seconds 40 --console-after 20
+//! ```
+//!
+//! starts `idem console` `--console-after` seconds into the run and loads its pages back
+//! to back (dead letters, stuck and processing operations, outbox, charts) until the
+//! run ends, then prints the latencies of the messages published before and while it
+//! did, and how many pages it served.
 
 #[allow(dead_code)]
 #[path = "orders_worker.rs"]
@@ -55,6 +67,10 @@ struct Args {
     /// Start `idem gc` this many seconds into the run.
     #[arg(long)]
     gc_after: Option<u64>,
+    /// Start `idem console` this many seconds into the run and load its pages until the
+    /// end (needs the idem binary built with `--features console`).
+    #[arg(long)]
+    console_after: Option<u64>,
     /// More arguments for `idem gc`, comma separated (e.g. `--duty,1`).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     gc_args: Vec<String>,
@@ -165,6 +181,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .map(|dir| dir.join("idem"))
         .context("where is idem")?;
     let mut gc: Option<tokio::task::JoinHandle<anyhow::Result<(Instant, Instant, String)>>> = None;
+    let mut console: Option<ConsoleLoad> = None;
     let start = tokio::time::Instant::now();
     let mut next = 0usize;
     let mut confirms = Vec::new();
@@ -194,6 +211,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     String::from_utf8_lossy(&out.stdout).into_owned(),
                 ))
             }));
+        }
+        if console.is_none()
+            && let Some(after) = args.console_after
+            && start.elapsed() >= Duration::from_secs(after)
+        {
+            console = Some(ConsoleLoad::start(&gc_path, &url, &args.amqp_url, &queue).await?);
         }
         tokio::select! {
             _ = tokio::time::sleep_until(due), if next < total => {
@@ -255,6 +278,31 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ms(dq(0.99)),
             ms(dq(1.0)),
         );
+    }
+    if let Some(console) = console {
+        let (begun, pages) = console.stop().await?;
+        let (before, during): (Vec<_>, Vec<_>) = timed.iter().partition(|(at, _)| *at < begun);
+        for (label, part) in [
+            ("before the console", before),
+            ("while the console was loaded", during),
+        ] {
+            let mut part: Vec<Duration> = part.into_iter().map(|(_, latency)| latency).collect();
+            part.sort();
+            let pq = |p: f64| {
+                part.get(((part.len() as f64 * p) as usize).min(part.len().saturating_sub(1)))
+                    .copied()
+                    .unwrap_or_default()
+            };
+            println!(
+                "latency: {label} ({} messages): p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1}",
+                part.len(),
+                ms(pq(0.5)),
+                ms(pq(0.9)),
+                ms(pq(0.99)),
+                ms(pq(1.0)),
+            );
+        }
+        println!("latency: the console served {pages} pages while loaded");
     }
     println!(
         "latency: mode={} rate={} kept={:.0}/s messages={} p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1} worker_args={:?}",
@@ -342,4 +390,84 @@ async fn table_health(pool: &sqlx::PgPool) -> anyhow::Result<()> {
         "latency: table after the run: live {rows} dead {dead}, table {table_mb:.0} MiB, indexes {indexes_mb:.0} MiB, autovacuums {vacuums}"
     );
     Ok(())
+}
+
+/// `idem console` on a free port, and a task loading its pages back to back.
+struct ConsoleLoad {
+    _process: tokio::process::Child,
+    begun: Instant,
+    stop: tokio_util::sync::CancellationToken,
+    loader: tokio::task::JoinHandle<anyhow::Result<u64>>,
+}
+
+impl ConsoleLoad {
+    const TOKEN: &str = "latency-console-token-000000";
+
+    async fn start(
+        idem: &std::path::Path,
+        url: &str,
+        amqp: &str,
+        queue: &str,
+    ) -> anyhow::Result<Self> {
+        use tokio::io::AsyncBufReadExt;
+        let mut process = tokio::process::Command::new(idem)
+            .args(["console", "--listen", "127.0.0.1:0", "--queue", queue])
+            .env("DATABASE_URL", url)
+            .env("AMQP_URL", amqp)
+            .env("IDEM_CONSOLE_TOKEN", Self::TOKEN)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("start idem console (built with --features console?)")?;
+        let stdout = process.stdout.take().context("console stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let line = lines
+            .next_line()
+            .await?
+            .context("idem console printed nothing")?;
+        let base = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .map(|w| w.trim_end_matches('/').to_owned())
+            .context("no URL in the console's first line")?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let until = stop.clone();
+        let loader = tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let mut pages = 0u64;
+            let paths = [
+                "/dlq",
+                "/ops?status=stuck",
+                "/ops?status=processing",
+                "/outbox",
+                "/charts",
+            ];
+            while !until.is_cancelled() {
+                for path in paths {
+                    let answer = client
+                        .get(format!("{base}{path}"))
+                        .bearer_auth(Self::TOKEN)
+                        .send()
+                        .await?;
+                    anyhow::ensure!(answer.status().is_success(), "{path}: {}", answer.status());
+                    answer.bytes().await?;
+                    pages += 1;
+                }
+            }
+            Ok(pages)
+        });
+        Ok(Self {
+            _process: process,
+            begun: Instant::now(),
+            stop,
+            loader,
+        })
+    }
+
+    /// Stops loading; when it began and how many pages were served.
+    async fn stop(self) -> anyhow::Result<(Instant, u64)> {
+        self.stop.cancel();
+        let pages = self.loader.await??;
+        Ok((self.begun, pages))
+    }
 }
