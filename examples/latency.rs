@@ -28,10 +28,10 @@
 //! cargo run --release --example latency -- --rate 300 --seconds 40 --console-after 20
 //! ```
 //!
-//! starts `idem console` `--console-after` seconds into the run and loads its pages back
-//! to back (dead letters, stuck and processing operations, outbox, charts) until the
-//! run ends, then prints the latencies of the messages published before and while it
-//! did, and how many pages it served.
+//! starts `idem console` `--console-after` seconds into the run and loads its pages
+//! (dead letters, stuck and processing operations, outbox, charts) until the run ends,
+//! back to back or `--console-rate` per second, then prints the latencies of the
+//! messages published before and while it did, and how many pages it served.
 
 #[allow(dead_code)]
 #[path = "orders_worker.rs"]
@@ -71,6 +71,9 @@ struct Args {
     /// end (needs the idem binary built with `--features console`).
     #[arg(long)]
     console_after: Option<u64>,
+    /// Console pages per second (0: back to back, as fast as it answers).
+    #[arg(long, default_value_t = 0.0)]
+    console_rate: f64,
     /// More arguments for `idem gc`, comma separated (e.g. `--duty,1`).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     gc_args: Vec<String>,
@@ -216,7 +219,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             && let Some(after) = args.console_after
             && start.elapsed() >= Duration::from_secs(after)
         {
-            console = Some(ConsoleLoad::start(&gc_path, &url, &args.amqp_url, &queue).await?);
+            let load =
+                ConsoleLoad::start(&gc_path, &url, &args.amqp_url, &queue, args.console_rate);
+            console = Some(load.await?);
         }
         tokio::select! {
             _ = tokio::time::sleep_until(due), if next < total => {
@@ -408,6 +413,7 @@ impl ConsoleLoad {
         url: &str,
         amqp: &str,
         queue: &str,
+        rate: f64,
     ) -> anyhow::Result<Self> {
         use tokio::io::AsyncBufReadExt;
         let mut process = tokio::process::Command::new(idem)
@@ -452,6 +458,9 @@ impl ConsoleLoad {
                     anyhow::ensure!(answer.status().is_success(), "{path}: {}", answer.status());
                     answer.bytes().await?;
                     pages += 1;
+                    if rate > 0.0 {
+                        tokio::time::sleep(Duration::from_secs_f64(1.0 / rate)).await;
+                    }
                 }
             }
             Ok(pages)

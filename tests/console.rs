@@ -102,6 +102,19 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
     let q = TestQueue::new("console-auth").await;
     let url = database_url(&connect);
     let dead = outage(&pool, &q, &url, 6).await;
+    // Another address than loopback needs the explicit flag.
+    let refused = idem_command(
+        &url,
+        &["console", "--listen", "0.0.0.0:0", "--queue", &q.name],
+    )
+    .output()
+    .await
+    .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("--allow-remote"),
+        "{said}"
+    );
     let console = start_console(&url, &q.name).await;
     let key = "?scope=acme&operation=orders.create&key=evt-0";
     let group = format!("?queue={}&action=replay&reason=permanent_failure", q.name);
