@@ -111,27 +111,33 @@ pub struct Filter {
     pub key: Option<String>,
     /// At most this many matching messages.
     pub limit: Option<usize>,
-    /// Only this `idem-operation` (a group of [`group`] is reason, operation, error).
+    /// Only this `idem-operation` (a group of [`group`] is reason, operation, error;
+    /// a missing header reads as in the group: `unknown`).
     pub operation: Option<String>,
-    /// Only this `idem-error`, exactly.
+    /// Only this `idem-error`, exactly (a missing header reads as empty).
     pub error: Option<String>,
+    /// Only this `idem-scope`.
+    pub scope: Option<String>,
 }
 
 impl Filter {
     /// Whether `m` passes the filter.
     pub fn matches(&self, m: &DlqMessage) -> bool {
-        let reason = self
-            .reason
-            .as_deref()
-            .is_none_or(|r| m.reason.as_deref() == Some(r));
+        let (reason, operation, error) = group_key(m);
+        let same = |wanted: &Option<String>, got: &str| wanted.as_deref().is_none_or(|w| w == got);
         let key = self.key.as_deref().is_none_or(|k| {
             m.key.as_deref() == Some(k)
                 || (k.len() >= 6 && m.key_hash.as_deref().is_some_and(|h| h.starts_with(k)))
         });
-        let same = |wanted: &Option<String>, got: &Option<String>| {
-            wanted.as_deref().is_none_or(|w| got.as_deref() == Some(w))
-        };
-        reason && key && same(&self.operation, &m.operation) && same(&self.error, &m.error)
+        let scope = self
+            .scope
+            .as_deref()
+            .is_none_or(|s| m.scope.as_deref() == Some(s));
+        same(&self.reason, reason)
+            && key
+            && same(&self.operation, operation)
+            && same(&self.error, error)
+            && scope
     }
 }
 
@@ -198,17 +204,15 @@ pub struct Group {
 /// Groups dead letters by reason, then operation and error text; largest groups first
 /// within a reason.
 pub fn group(messages: &[DlqMessage]) -> Vec<Group> {
-    let mut groups: BTreeMap<(String, String, String), Group> = BTreeMap::new();
+    let mut groups: BTreeMap<(&str, &str, &str), Group> = BTreeMap::new();
     for m in messages {
-        let reason = m.reason.clone().unwrap_or_else(|| "unknown".into());
-        let operation = m.operation.clone().unwrap_or_else(|| "unknown".into());
-        let error = m.error.clone().unwrap_or_default();
+        let (reason, operation, error) = group_key(m);
         let g = groups
-            .entry((reason.clone(), operation.clone(), error.clone()))
+            .entry((reason, operation, error))
             .or_insert_with(|| Group {
-                reason,
-                operation,
-                error,
+                reason: reason.to_owned(),
+                operation: operation.to_owned(),
+                error: error.to_owned(),
                 count: 0,
                 oldest: None,
                 newest: None,
@@ -305,12 +309,10 @@ pub async fn run(
         }
         selected += 1;
         let key = m.key();
-        let conflict = m.reason.as_deref() == Some(Reason::FingerprintConflict.as_str());
-        // Malformed by its own data (even with a valid key: the database refused it):
-        // the same bytes would fail the same way.
-        let malformed = key.is_none() || m.reason.as_deref() == Some(Reason::Malformed.as_str());
-        if action == Action::Replay && (conflict || malformed) {
-            if conflict {
+        if action == Action::Replay
+            && let Some(left) = left_alone(&m)
+        {
+            if left == Preview::Conflict {
                 summary.conflicts_left += 1;
             } else {
                 summary.malformed_left += 1;
@@ -390,6 +392,57 @@ async fn replay_one(
     topology::publish_confirmed(channel, queue, &m.delivery.data, properties).await?;
     m.delivery.ack(BasicAckOptions::default()).await?;
     Ok(Replayed::Republished)
+}
+
+/// The group a dead letter belongs to: reason, operation and error, a missing header
+/// read as `unknown` (reason, operation) or empty (error). [`group`] groups by it and
+/// [`Filter`] selects by it.
+pub fn group_key(m: &DlqMessage) -> (&str, &str, &str) {
+    (
+        m.reason.as_deref().unwrap_or("unknown"),
+        m.operation.as_deref().unwrap_or("unknown"),
+        m.error.as_deref().unwrap_or_default(),
+    )
+}
+
+/// What a replay would do with a dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preview {
+    /// Its key is completed: acked in the DLQ, not republished.
+    AlreadyDone,
+    /// Republished: the operation runs again.
+    Runs,
+    /// A fingerprint conflict: left in the DLQ.
+    Conflict,
+    /// Malformed (no valid key, or data the database refuses): left in the DLQ.
+    Malformed,
+}
+
+/// What a replay would do with `m` (one read of its record when it has a key).
+pub async fn preview(store: &Store, m: &DlqMessage) -> Result<Preview, StoreError> {
+    if let Some(left) = left_alone(m) {
+        return Ok(left);
+    }
+    let done = match m.key() {
+        Some(key) => is_completed(store, &key).await?,
+        None => false,
+    };
+    Ok(if done {
+        Preview::AlreadyDone
+    } else {
+        Preview::Runs
+    })
+}
+
+/// What a replay leaves in the DLQ, known from the headers alone: a conflict, or a
+/// message malformed by its own data (no valid key, or one the database refused, even
+/// with a valid key): the same bytes would fail the same way.
+fn left_alone(m: &DlqMessage) -> Option<Preview> {
+    if m.reason.as_deref() == Some(Reason::FingerprintConflict.as_str()) {
+        return Some(Preview::Conflict);
+    }
+    let malformed = m.key().is_none() || m.reason.as_deref() == Some(Reason::Malformed.as_str());
+    malformed.then_some(Preview::Malformed)
 }
 
 async fn is_completed(store: &Store, key: &Key) -> Result<bool, StoreError> {

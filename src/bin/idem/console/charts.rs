@@ -3,8 +3,10 @@
 //!
 //! - Operations completed per minute over the last hours (first runs and runs after a
 //!   retry), read from `completed_at` through the index on `expires_at` (a completed
-//!   record expires `--retention` after it completed), and dead letters per minute, from
-//!   `dead_lettered_at` of failed records (the index of unresolved records).
+//!   record expires `--retention-days` after it completed, so that flag must say the
+//!   workers' retention), and dead letters per minute from `dead_lettered_at` of failed
+//!   records (the index of unresolved records): those not replayed or discarded since,
+//!   which clear it.
 //! - Queue depths (ready messages of each queue and its DLQ) and the outbox's oldest
 //!   age, sampled by the console itself every [`SAMPLE_EVERY`] since it started: the
 //!   broker keeps no history.
@@ -59,8 +61,8 @@ impl Samples {
     }
 }
 
-/// Samples the broker and the outbox every [`SAMPLE_EVERY`] while the console runs. A
-/// failed sample is skipped (the chart shows a gap), never fatal.
+/// Samples the broker and the outbox every [`SAMPLE_EVERY`] while the console runs. What
+/// a sample could not read is drawn as 0, never fatal.
 pub(super) async fn sample_forever(console: Arc<Console>) {
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
     let mut connection: Option<lapin::Connection> = None;
@@ -71,7 +73,7 @@ pub(super) async fn sample_forever(console: Arc<Console>) {
         }
         let mut depths = Vec::new();
         for queue in &console.queues {
-            for name in [queue.clone(), idem::topology::dlq_name(queue)] {
+            for name in [queue.clone(), idem::replay::dlq_of(queue)] {
                 let depth = match &connection {
                     Some(c) => ready(c, &name).await,
                     None => None,
@@ -120,7 +122,7 @@ pub(super) struct Minute {
     pub(super) dead: i64,
 }
 
-/// Per-minute counts over the window. Minutes without any are absent.
+/// Per-minute counts over the window, every minute of it (zeros where nothing happened).
 pub(super) async fn per_minute(console: &Console) -> Result<Vec<Minute>, sqlx::Error> {
     let retention_ms = i64::try_from(console.retention.as_millis()).unwrap_or(i64::MAX);
     sqlx::query_as(
@@ -142,10 +144,12 @@ pub(super) async fn per_minute(console: &Console) -> Result<Vec<Minute>, sqlx::E
               AND dead_lettered_at >= now() - $2::bigint * interval '1 minute'
             GROUP BY 1
          )
-         SELECT minute, coalesce(c.first_runs, 0) AS first_runs,
+         SELECT m.minute, coalesce(c.first_runs, 0) AS first_runs,
                 coalesce(c.retried, 0) AS retried, coalesce(d.dead, 0) AS dead
-         FROM completed c FULL JOIN dead d USING (minute)
-         ORDER BY minute",
+         FROM generate_series(date_trunc('minute', now()) - $2::bigint * interval '1 minute',
+                              date_trunc('minute', now()), interval '1 minute') AS m(minute)
+         LEFT JOIN completed c USING (minute) LEFT JOIN dead d USING (minute)
+         ORDER BY m.minute",
     )
     .bind(retention_ms)
     .bind(WINDOW_MINUTES)

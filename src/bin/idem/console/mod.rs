@@ -41,8 +41,9 @@ pub(crate) struct ConsoleArgs {
     /// The work queues whose dead letters to show (repeat the flag for several).
     #[arg(long = "queue", required = true)]
     queues: Vec<String>,
-    /// The token; one is generated and printed when neither this nor the variable is set.
-    #[arg(long, env = "IDEM_CONSOLE_TOKEN", hide_env_values = true)]
+    /// The token, from the environment only (a flag would show in `ps`); one is
+    /// generated and printed when it is unset.
+    #[arg(skip = std::env::var("IDEM_CONSOLE_TOKEN").ok())]
     token: Option<String>,
     /// The workers' retention in days (`StoreConfig::retention`), which the charts use
     /// to find completed records through the index on their expiry.
@@ -77,8 +78,11 @@ pub(crate) async fn run(cli: &Cli, args: &ConsoleArgs) -> anyhow::Result<()> {
         );
     }
     let token = match &args.token {
-        Some(token) if token.len() >= 16 => token.clone(),
-        Some(_) => bail!("IDEM_CONSOLE_TOKEN must be at least 16 characters"),
+        Some(token) if token_is_valid(token) => token.clone(),
+        Some(_) => bail!(
+            "IDEM_CONSOLE_TOKEN must be at least 16 characters of A-Z, a-z, 0-9, '.', '_', \
+             '~' or '-' (it travels in a cookie)"
+        ),
         None => uuid::Uuid::new_v4().simple().to_string(),
     };
     let console = Arc::new(Console {
@@ -124,7 +128,36 @@ fn router(console: Arc<Console>) -> Router {
     Router::new()
         .route("/login", get(login))
         .merge(pages)
+        .layer(middleware::map_response(guarded))
         .with_state(console)
+}
+
+/// Headers on every answer: no framing (clickjacking), no script and nothing loaded
+/// from elsewhere, forms posted only here, no referrer (URLs carry keys).
+async fn guarded(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    for (name, value) in [
+        ("x-frame-options", "DENY"),
+        (
+            "content-security-policy",
+            "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; \
+             form-action 'self'; frame-ancestors 'none'",
+        ),
+        ("referrer-policy", "no-referrer"),
+        ("x-content-type-options", "nosniff"),
+        ("cache-control", "no-store"),
+    ] {
+        headers.insert(name, header::HeaderValue::from_static(value));
+    }
+    response
+}
+
+/// A token that can travel in a cookie, and long enough.
+fn token_is_valid(token: &str) -> bool {
+    token.len() >= 16
+        && token
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'~' | b'-'))
 }
 
 #[derive(Deserialize)]
@@ -197,6 +230,11 @@ fn forbidden() -> Response {
 }
 
 impl Console {
+    /// Whether `queue` is one the console was started for (actions take no other).
+    fn serves(&self, queue: &str) -> bool {
+        self.queues.iter().any(|q| q == queue)
+    }
+
     /// Whether a form carried this console's CSRF token.
     fn csrf_ok(&self, presented: Option<&str>) -> bool {
         presented.is_some_and(|p| same(p, &self.csrf))
@@ -225,5 +263,7 @@ mod tests {
         headers.insert(header::AUTHORIZATION, "Bearer other".parse().unwrap());
         assert_eq!(presented(&headers).as_deref(), Some("other"));
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
+        assert!(token_is_valid("abcdefghijklmnop-_.~0"));
+        assert!(!token_is_valid("short") && !token_is_valid("abcdefghijklmnop;x"));
     }
 }

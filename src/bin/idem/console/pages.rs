@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::Form;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
-use idem::replay::{self, Action, DlqMessage, Filter, Options, Summary};
+use idem::replay::{self, Action, DlqMessage, Filter, Options, Preview, Summary};
 use idem::store::Record;
 use idem::{Key, Status};
 use serde::Deserialize;
@@ -36,28 +36,15 @@ fn failed(what: &str, error: &anyhow::Error) -> Response {
         .into_response()
 }
 
-/// What a replay would do with one dead letter.
-enum Fate {
-    /// Its key is completed: acked, not run.
-    Acked,
-    /// Republished: runs again.
-    Runs,
-    /// A conflict or malformed: stays in the DLQ.
-    Stays,
+/// A time as the pages show it.
+fn when(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    t.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
+        .unwrap_or_else(|| "-".into())
 }
 
-async fn fate(console: &Console, m: &DlqMessage) -> anyhow::Result<Fate> {
-    let conflict = m.reason.as_deref() == Some("fingerprint_conflict");
-    let malformed = m.reason.as_deref() == Some("malformed");
-    let Some(key) = m.key().filter(|_| !conflict && !malformed) else {
-        return Ok(Fate::Stays);
-    };
-    let done = console
-        .store
-        .get(&key)
-        .await?
-        .is_some_and(|r| r.status == Status::Completed);
-    Ok(if done { Fate::Acked } else { Fate::Runs })
+/// A filter value given in a form or query: absent when empty.
+fn given(value: &Option<String>) -> Option<String> {
+    value.clone().filter(|v| !v.is_empty())
 }
 
 /// Dead letters per queue, grouped by reason, operation and error, with what a replay
@@ -87,21 +74,22 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
         let mut rows = Vec::new();
         let mut listed = String::new();
         for group in replay::group(&messages) {
+            let key = (
+                group.reason.as_str(),
+                group.operation.as_str(),
+                group.error.as_str(),
+            );
             let members: Vec<&DlqMessage> = messages
                 .iter()
-                .filter(|m| {
-                    m.reason.as_deref().unwrap_or("unknown") == group.reason
-                        && m.operation.as_deref().unwrap_or("unknown") == group.operation
-                        && m.error.as_deref().unwrap_or_default() == group.error
-                })
+                .filter(|m| replay::group_key(m) == key)
                 .collect();
             let (mut acked, mut runs, mut stays) = (0, 0, 0);
             for m in &members {
-                match fate(&console, m).await {
-                    Ok(Fate::Acked) => acked += 1,
-                    Ok(Fate::Runs) => runs += 1,
-                    Ok(Fate::Stays) => stays += 1,
-                    Err(error) => return failed("the store", &error),
+                match replay::preview(&console.store, m).await {
+                    Ok(Preview::AlreadyDone) => acked += 1,
+                    Ok(Preview::Runs) => runs += 1,
+                    Ok(Preview::Conflict | Preview::Malformed) => stays += 1,
+                    Err(error) => return failed("the store", &error.into()),
                 }
             }
             let selector = [
@@ -117,10 +105,6 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
                     "<a href=\"/dlq/confirm?{}\">{label}</a>",
                     escape(&query(&pairs))
                 )
-            };
-            let when = |t: Option<chrono::DateTime<chrono::Utc>>| {
-                t.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
-                    .unwrap_or_else(|| "-".into())
             };
             rows.push(vec![
                 escape(&group.reason),
@@ -180,8 +164,16 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
 
 fn message_row(queue: &str, m: &DlqMessage) -> Vec<String> {
     let key = m.key.as_deref().unwrap_or_default();
+    let (_, operation, _) = replay::group_key(m);
+    let scope = m.scope.as_deref().unwrap_or_default();
     let link = |action: &str, label: &str| {
-        let pairs = [("queue", queue), ("key", key), ("action", action)];
+        let pairs = [
+            ("queue", queue),
+            ("scope", scope),
+            ("operation", operation),
+            ("key", key),
+            ("action", action),
+        ];
         format!(
             "<a href=\"/dlq/confirm?{}\">{label}</a>",
             escape(&query(&pairs))
@@ -191,9 +183,7 @@ fn message_row(queue: &str, m: &DlqMessage) -> Vec<String> {
         escape(m.scope.as_deref().unwrap_or("-")),
         format!("<code>{}</code>", escape(key)),
         num(m.attempts.unwrap_or(0)),
-        m.failed_at
-            .map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
-            .unwrap_or_else(|| "-".into()),
+        when(m.failed_at),
         if key.is_empty() {
             String::new()
         } else {
@@ -219,6 +209,9 @@ pub(super) struct Selection {
     error: Option<String>,
     #[serde(default)]
     key: Option<String>,
+    /// With `key`: the message's scope (a key is unique within a scope and operation).
+    #[serde(default)]
+    scope: Option<String>,
     /// The form's CSRF token (actions only).
     #[serde(default)]
     csrf: Option<String>,
@@ -233,14 +226,30 @@ impl Selection {
         }
     }
 
+    /// One message: its key, scope and operation. A group: its reason, operation and
+    /// error exactly as the page grouped them (an empty error is a value).
     fn filter(&self) -> Filter {
-        let given = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
-        Filter {
-            reason: given(&self.reason),
-            key: given(&self.key),
-            operation: given(&self.operation),
-            error: self.error.clone().filter(|_| self.key.is_none()),
-            limit: None,
+        match given(&self.key) {
+            Some(key) => Filter {
+                key: Some(key),
+                scope: self.scope.clone(),
+                operation: self.operation.clone(),
+                ..Filter::default()
+            },
+            None => Filter {
+                reason: Some(self.reason.clone().unwrap_or_default()),
+                operation: Some(self.operation.clone().unwrap_or_default()),
+                error: Some(self.error.clone().unwrap_or_default()),
+                ..Filter::default()
+            },
+        }
+    }
+
+    /// `Replay` or `Discard`, and its past tense.
+    fn verbs(action: Action) -> (&'static str, &'static str) {
+        match action {
+            Action::Replay => ("Replay", "Replayed"),
+            Action::Discard => ("Discard", "Discarded"),
         }
     }
 
@@ -254,6 +263,7 @@ impl Selection {
             ("operation", &self.operation),
             ("error", &self.error),
             ("key", &self.key),
+            ("scope", &self.scope),
         ] {
             if let Some(value) = value {
                 fields.push((name, value.clone()));
@@ -303,8 +313,13 @@ async fn summarize(
     dry_run: bool,
 ) -> anyhow::Result<Summary> {
     let connection = console.broker().await?;
+    // At most DLQ_READ matching messages per action, as the page shows at most that
+    // many: a larger group takes another action (its confirmation says what is left).
     let options = Options {
-        filter: selection.filter(),
+        filter: Filter {
+            limit: Some(DLQ_READ),
+            ..selection.filter()
+        },
         dry_run,
         pace: None,
     };
@@ -319,18 +334,21 @@ pub(super) async fn confirm_dead_letters(
     State(console): State<Arc<Console>>,
     Query(selection): Query<Selection>,
 ) -> Response {
-    let Some(action) = selection.action() else {
-        return (axum::http::StatusCode::BAD_REQUEST, "unknown action").into_response();
+    let Some(action) = selection
+        .action()
+        .filter(|_| console.serves(&selection.queue))
+    else {
+        let answer = (
+            axum::http::StatusCode::BAD_REQUEST,
+            "unknown action or queue",
+        );
+        return answer.into_response();
     };
     let summary = match summarize(&console, &selection, action, true).await {
         Ok(summary) => summary,
         Err(error) => return failed("the dry run", &error),
     };
-    let verb = if action == Action::Replay {
-        "Replay"
-    } else {
-        "Discard"
-    };
+    let (verb, _) = Selection::verbs(action);
     let fields = selection.fields();
     let fields: Vec<(&str, &str)> = fields.iter().map(|(n, v)| (*n, v.as_str())).collect();
     let body = format!(
@@ -352,18 +370,21 @@ pub(super) async fn act_on_dead_letters(
     if !console.csrf_ok(selection.csrf.as_deref()) {
         return forbidden();
     }
-    let Some(action) = selection.action() else {
-        return (axum::http::StatusCode::BAD_REQUEST, "unknown action").into_response();
+    let Some(action) = selection
+        .action()
+        .filter(|_| console.serves(&selection.queue))
+    else {
+        let answer = (
+            axum::http::StatusCode::BAD_REQUEST,
+            "unknown action or queue",
+        );
+        return answer.into_response();
     };
     let summary = match summarize(&console, &selection, action, false).await {
         Ok(summary) => summary,
         Err(error) => return failed("the action", &error),
     };
-    let verb = if action == Action::Replay {
-        "Replayed"
-    } else {
-        "Discarded"
-    };
+    let (_, verb) = Selection::verbs(action);
     let body = format!(
         "<p class=\"ok\">{verb}: {}.</p>{}<p><a href=\"/dlq\">Back to the dead letters</a></p>",
         selection.describe(),
@@ -402,16 +423,16 @@ pub(super) async fn operations(
             Ok(status) => (status, false),
         },
     };
-    let given = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
-    // Served by the partial index on (status, lease_expires_at) of unresolved records.
+    // Served by the partial index on (status, lease_expires_at) of unresolved records
+    // (the literal `<> 'completed'` lets every plan use its predicate).
     let rows: Result<Vec<Record>, sqlx::Error> = sqlx::query_as(
         "SELECT * FROM processed_operations
-         WHERE status = $1
+         WHERE status <> 'completed' AND status = $1
            AND (NOT $2 OR lease_expires_at <= now())
            AND ($3::text IS NULL OR scope = $3)
            AND ($4::text IS NULL OR operation = $4)
            AND ($5::text IS NULL OR starts_with(idempotency_key, $5))
-         ORDER BY lease_expires_at NULLS FIRST
+         ORDER BY lease_expires_at
          LIMIT $6",
     )
     .bind(status)
@@ -461,9 +482,7 @@ pub(super) async fn operations(
                 ),
                 escape(r.status.as_str()),
                 num(r.attempts),
-                r.lease_expires_at
-                    .map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
-                    .unwrap_or_else(|| "-".into()),
+                when(r.lease_expires_at),
                 escape(r.owner.as_deref().unwrap_or("-")),
                 escape(&r.error_text().unwrap_or_default()),
             ]
@@ -668,7 +687,7 @@ pub(super) async fn charts(State(console): State<Arc<Console>>) -> Response {
     let mut body = format!(
         "<p>Last {} minutes: <span id=\"executed\">{}</span> completed on the first run, \
          <span id=\"retried\">{}</span> after a retry, <span id=\"dead-lettered\">{}</span> \
-         dead-lettered.</p>",
+         dead-lettered and still in the DLQ.</p>",
         charts::WINDOW_MINUTES,
         total(|m| m.first_runs),
         total(|m| m.retried),
@@ -681,7 +700,11 @@ pub(super) async fn charts(State(console): State<Arc<Console>>) -> Response {
         &[
             ("completed, first run", "#1a7f37", column(|m| m.first_runs)),
             ("completed after a retry", "#9a6700", column(|m| m.retried)),
-            ("dead-lettered", "#cf222e", column(|m| m.dead)),
+            (
+                "dead-lettered, still in the DLQ",
+                "#cf222e",
+                column(|m| m.dead),
+            ),
         ],
     ));
     let samples = console.samples.snapshot();
