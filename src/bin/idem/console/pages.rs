@@ -329,11 +329,13 @@ async fn summarize(
     Ok(summary?)
 }
 
-/// What an action would do, with the form that does it.
-pub(super) async fn confirm_dead_letters(
-    State(console): State<Arc<Console>>,
-    Query(selection): Query<Selection>,
-) -> Response {
+/// The selection's action on one of the console's queues, and what it did (or, in a dry
+/// run, would do); otherwise the 400 or 500 answer.
+async fn carry_out(
+    console: &Console,
+    selection: &Selection,
+    dry_run: bool,
+) -> Result<(Action, Summary), Box<Response>> {
     let Some(action) = selection
         .action()
         .filter(|_| console.serves(&selection.queue))
@@ -342,11 +344,25 @@ pub(super) async fn confirm_dead_letters(
             axum::http::StatusCode::BAD_REQUEST,
             "unknown action or queue",
         );
-        return answer.into_response();
+        return Err(Box::new(answer.into_response()));
     };
-    let summary = match summarize(&console, &selection, action, true).await {
-        Ok(summary) => summary,
-        Err(error) => return failed("the dry run", &error),
+    match summarize(console, selection, action, dry_run).await {
+        Ok(summary) => Ok((action, summary)),
+        Err(error) => {
+            let what = if dry_run { "the dry run" } else { "the action" };
+            Err(Box::new(failed(what, &error)))
+        }
+    }
+}
+
+/// What an action would do, with the form that does it.
+pub(super) async fn confirm_dead_letters(
+    State(console): State<Arc<Console>>,
+    Query(selection): Query<Selection>,
+) -> Response {
+    let (action, summary) = match carry_out(&console, &selection, true).await {
+        Ok(done) => done,
+        Err(answer) => return *answer,
     };
     let (verb, _) = Selection::verbs(action);
     let fields = selection.fields();
@@ -370,19 +386,9 @@ pub(super) async fn act_on_dead_letters(
     if !console.csrf_ok(selection.csrf.as_deref()) {
         return forbidden();
     }
-    let Some(action) = selection
-        .action()
-        .filter(|_| console.serves(&selection.queue))
-    else {
-        let answer = (
-            axum::http::StatusCode::BAD_REQUEST,
-            "unknown action or queue",
-        );
-        return answer.into_response();
-    };
-    let summary = match summarize(&console, &selection, action, false).await {
-        Ok(summary) => summary,
-        Err(error) => return failed("the action", &error),
+    let (action, summary) = match carry_out(&console, &selection, false).await {
+        Ok(done) => done,
+        Err(answer) => return *answer,
     };
     let (_, verb) = Selection::verbs(action);
     let body = format!(
