@@ -285,12 +285,27 @@ impl Browser {
         self.client.source().await.unwrap()
     }
 
+    /// Clicks the element `css` finds, and waits until the browser shows the page the
+    /// click leads to (a form's submit navigates after the click returns).
     async fn click(&self, css: &str) {
+        let before = self.client.current_url().await.unwrap();
         let element = match self.client.find(Locator::Css(css)).await {
             Ok(element) => element,
             Err(error) => panic!("{css}: {error}\n{}", self.source().await),
         };
         element.click().await.unwrap();
+        let deadline = std::time::Instant::now() + SETTLE;
+        loop {
+            let now = self.client.current_url().await.unwrap();
+            if now != before && self.source().await.contains("</main>") {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{css} led nowhere from {before}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Saves what the browser shows as `<test>-<name>.png`.
