@@ -52,7 +52,8 @@ enum Command {
     #[command(subcommand)]
     Outbox(Outbox),
     /// A web page for operators: dead letters with replay previews, stuck operations,
-    /// the outbox (feature `console`).
+    /// the outbox, charts (feature `console`). Its token is IDEM_CONSOLE_TOKEN, or one
+    /// generated and printed as a login link.
     #[cfg(feature = "console")]
     Console(console::ConsoleArgs),
     /// Delete expired records and dispatched follow-up messages past their retention,
