@@ -232,8 +232,8 @@ impl Selection {
         match given(&self.key) {
             Some(key) => Filter {
                 key: Some(key),
-                scope: self.scope.clone(),
-                operation: self.operation.clone(),
+                scope: given(&self.scope),
+                operation: given(&self.operation),
                 ..Filter::default()
             },
             None => Filter {
