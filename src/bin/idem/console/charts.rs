@@ -20,8 +20,12 @@ use chrono::{DateTime, Utc};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+
 use super::Console;
-use super::html::escape;
+use super::html::{self, escape};
+use super::pages::failed;
 
 /// How often the console samples the broker and the outbox.
 pub(super) const SAMPLE_EVERY: Duration = Duration::from_secs(15);
@@ -230,6 +234,88 @@ pub(super) fn line_chart(
     }
     svg.push_str("</svg>");
     svg
+}
+
+/// Charts: operations completed and dead-lettered per minute (from the records), queue
+/// depths and the outbox's oldest age (sampled by the console since it started).
+pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
+    let minutes = match per_minute(&console).await {
+        Ok(minutes) => minutes,
+        Err(error) => return failed("the store", &error.into()),
+    };
+    let times: Vec<_> = minutes.iter().map(|m| m.minute).collect();
+    let column =
+        |f: fn(&Minute) -> i64| -> Vec<f64> { minutes.iter().map(|m| f(m) as f64).collect() };
+    let total = |f: fn(&Minute) -> i64| -> i64 { minutes.iter().map(f).sum() };
+    let mut body = format!(
+        "<p>Last {} minutes: <span id=\"executed\">{}</span> completed on the first run, \
+         <span id=\"retried\">{}</span> after a retry, <span id=\"dead-lettered\">{}</span> \
+         dead-lettered and still in the DLQ.</p>",
+        WINDOW_MINUTES,
+        total(|m| m.first_runs),
+        total(|m| m.retried),
+        total(|m| m.dead)
+    );
+    body.push_str(&line_chart(
+        "outcomes",
+        "Operations per minute",
+        &times,
+        &[
+            ("completed, first run", "#1a7f37", column(|m| m.first_runs)),
+            ("completed after a retry", "#9a6700", column(|m| m.retried)),
+            (
+                "dead-lettered, still in the DLQ",
+                "#cf222e",
+                column(|m| m.dead),
+            ),
+        ],
+    ));
+    let samples = console.samples.snapshot();
+    let times: Vec<_> = samples.iter().map(|s| s.at).collect();
+    let colours = [
+        "#0969da", "#cf222e", "#8250df", "#bf3989", "#1a7f37", "#9a6700",
+    ];
+    let names: Vec<String> = samples
+        .last()
+        .map(|s| s.depths.iter().map(|(name, _)| name.clone()).collect())
+        .unwrap_or_default();
+    let depth_series: Vec<(&str, &str, Vec<f64>)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let values = samples
+                .iter()
+                .map(|s| {
+                    s.depths
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .and_then(|(_, d)| *d)
+                        .map_or(0.0, f64::from)
+                })
+                .collect();
+            (name.as_str(), colours[i % colours.len()], values)
+        })
+        .collect();
+    body.push_str(&line_chart(
+        "depths",
+        &format!(
+            "Queue depths (ready messages, sampled every {} s)",
+            SAMPLE_EVERY.as_secs()
+        ),
+        &times,
+        &depth_series,
+    ));
+    let ages: Vec<f64> = samples
+        .iter()
+        .map(|s| s.outbox_age_s.unwrap_or(0.0))
+        .collect();
+    body.push_str(&line_chart(
+        "outbox-age",
+        "Outbox: oldest unpublished message (s)",
+        &times,
+        &[("oldest age", "#8250df", ages)],
+    ));
+    html::page("Charts", &body).into_response()
 }
 
 #[cfg(test)]

@@ -26,7 +26,9 @@ use sha2::{Digest, Sha256};
 use crate::Cli;
 
 mod charts;
+mod dead_letters;
 mod html;
+mod operations;
 mod pages;
 
 /// `idem console` flags.
@@ -116,14 +118,14 @@ pub(crate) async fn run(cli: &Cli, args: &ConsoleArgs) -> anyhow::Result<()> {
 fn router(console: Arc<Console>) -> Router {
     let pages = Router::new()
         .route("/", get(|| async { Redirect::to("/dlq") }))
-        .route("/dlq", get(pages::dead_letters))
-        .route("/dlq/confirm", get(pages::confirm_dead_letters))
-        .route("/dlq/act", post(pages::act_on_dead_letters))
-        .route("/ops", get(pages::operations))
-        .route("/ops/show", get(pages::operation))
-        .route("/ops/release", post(pages::release))
+        .route("/dlq", get(dead_letters::dead_letters))
+        .route("/dlq/confirm", get(dead_letters::confirm_dead_letters))
+        .route("/dlq/act", post(dead_letters::act_on_dead_letters))
+        .route("/ops", get(operations::operations))
+        .route("/ops/show", get(operations::operation))
+        .route("/ops/release", post(operations::release))
         .route("/outbox", get(pages::outbox))
-        .route("/charts", get(pages::charts))
+        .route("/charts", get(charts::page))
         .route_layer(middleware::from_fn_with_state(console.clone(), authorized));
     Router::new()
         .route("/login", get(login))

@@ -1,0 +1,242 @@
+//! The operations pages: unresolved records (stuck, processing, pending, failed),
+//! searchable; one record whole; releasing its lease.
+
+use std::sync::Arc;
+
+use axum::Form;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+use idem::store::Record;
+use idem::{Key, Status};
+use serde::Deserialize;
+
+use super::html::{escape, num, page, post_form, query, table};
+use super::pages::{ROWS, failed, given, when};
+use super::{Console, forbidden};
+
+/// Which operations to list.
+#[derive(Deserialize, Default)]
+pub(super) struct OpsQuery {
+    /// `stuck` (processing past its lease), `processing`, `pending` or `failed`.
+    #[serde(default)]
+    status: Option<String>,
+    #[serde(default)]
+    scope: Option<String>,
+    #[serde(default)]
+    operation: Option<String>,
+    /// A prefix of the idempotency key.
+    #[serde(default)]
+    key: Option<String>,
+}
+
+/// Unresolved operations (stuck, pending, failed), searchable.
+pub(super) async fn operations(
+    State(console): State<Arc<Console>>,
+    Query(q): Query<OpsQuery>,
+) -> Response {
+    let wanted = q.status.clone().unwrap_or_else(|| "stuck".into());
+    let (status, stuck) = match wanted.as_str() {
+        "stuck" => (Status::Processing, true),
+        other => match other.parse::<Status>() {
+            Ok(Status::Completed) | Err(_) => {
+                return (axum::http::StatusCode::BAD_REQUEST, "unknown status").into_response();
+            }
+            Ok(status) => (status, false),
+        },
+    };
+    // Served by the partial index on (status, lease_expires_at) of unresolved records
+    // (the literal `<> 'completed'` lets every plan use its predicate).
+    let rows: Result<Vec<Record>, sqlx::Error> = sqlx::query_as(
+        "SELECT * FROM processed_operations
+         WHERE status <> 'completed' AND status = $1
+           AND (NOT $2 OR lease_expires_at <= now())
+           AND ($3::text IS NULL OR scope = $3)
+           AND ($4::text IS NULL OR operation = $4)
+           AND ($5::text IS NULL OR starts_with(idempotency_key, $5))
+         ORDER BY lease_expires_at
+         LIMIT $6",
+    )
+    .bind(status)
+    .bind(stuck)
+    .bind(given(&q.scope))
+    .bind(given(&q.operation))
+    .bind(given(&q.key))
+    .bind(ROWS)
+    .fetch_all(console.store.pool())
+    .await;
+    let records = match rows {
+        Ok(records) => records,
+        Err(error) => return failed("the store", &error.into()),
+    };
+    let tabs: String = ["stuck", "processing", "pending", "failed"]
+        .iter()
+        .map(|s| {
+            let mark = if *s == wanted { " <b>◀</b>" } else { "" };
+            format!("<a href=\"/ops?status={s}\">{s}</a>{mark} ")
+        })
+        .collect();
+    let value = |v: &Option<String>| escape(v.as_deref().unwrap_or_default());
+    let search = format!(
+        "<form method=\"get\" action=\"/ops\"><input type=\"hidden\" name=\"status\" value=\"{}\">\
+         scope <input name=\"scope\" value=\"{}\"> operation <input name=\"operation\" value=\"{}\"> \
+         key starts with <input name=\"key\" value=\"{}\"> <button type=\"submit\">Search</button></form>",
+        escape(&wanted),
+        value(&q.scope),
+        value(&q.operation),
+        value(&q.key)
+    );
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            let pairs = [
+                ("scope", r.scope.as_str()),
+                ("operation", r.operation.as_str()),
+                ("key", r.idempotency_key.as_str()),
+            ];
+            vec![
+                escape(&r.scope),
+                escape(&r.operation),
+                format!(
+                    "<a href=\"/ops/show?{}\"><code>{}</code></a>",
+                    escape(&query(&pairs)),
+                    escape(&r.idempotency_key)
+                ),
+                escape(r.status.as_str()),
+                num(r.attempts),
+                when(r.lease_expires_at),
+                escape(r.owner.as_deref().unwrap_or("-")),
+                escape(&r.error_text().unwrap_or_default()),
+            ]
+        })
+        .collect();
+    let body = format!(
+        "<p>{tabs}</p>{search}<p>{} operation(s){}</p>{}",
+        records.len(),
+        if records.len() as i64 == ROWS {
+            " (the first)"
+        } else {
+            ""
+        },
+        table(
+            "operations",
+            &[
+                "scope",
+                "operation",
+                "key",
+                "status",
+                "attempts",
+                "lease expires",
+                "owner",
+                "error"
+            ],
+            &rows
+        )
+    );
+    page("Operations", &body).into_response()
+}
+
+/// One operation's key, as a query or a form.
+#[derive(Deserialize)]
+pub(super) struct KeyForm {
+    scope: String,
+    operation: String,
+    key: String,
+    #[serde(default)]
+    csrf: Option<String>,
+}
+
+impl KeyForm {
+    /// The key, or the 400 answer saying why it is not one.
+    fn key(&self) -> Result<Key, Box<Response>> {
+        Key::new(&self.scope, &self.operation, &self.key).map_err(|e| {
+            let answer = (
+                axum::http::StatusCode::BAD_REQUEST,
+                format!("invalid key: {e}"),
+            );
+            Box::new(answer.into_response())
+        })
+    }
+}
+
+/// One operation's whole record, with a release button while it is in flight.
+pub(super) async fn operation(
+    State(console): State<Arc<Console>>,
+    Query(form): Query<KeyForm>,
+) -> Response {
+    let key = match form.key() {
+        Ok(key) => key,
+        Err(response) => return *response,
+    };
+    let record = match console.store.get(&key).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return page("Operation", "<p>No record for this key.</p>").into_response(),
+        Err(error) => return failed("the store", &error.into()),
+    };
+    let mut fields: Vec<Vec<String>> = Vec::new();
+    let json = serde_json::to_value(&record).unwrap_or_default();
+    if let Some(object) = json.as_object() {
+        for (name, value) in object {
+            let text = match value {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Null => "-".into(),
+                other => other.to_string(),
+            };
+            fields.push(vec![
+                escape(name),
+                format!("<code>{}</code>", escape(&text)),
+            ]);
+        }
+    }
+    let release = if matches!(record.status, Status::Processing | Status::Pending) {
+        let pairs = [
+            ("scope", form.scope.as_str()),
+            ("operation", form.operation.as_str()),
+            ("key", form.key.as_str()),
+        ];
+        format!(
+            "<div class=\"box\"><p class=\"warn\">Release only when its worker is dead: the \
+             lease ends now, and the next delivery or replay takes the operation over \
+             (a pending one is reconciled first). The old owner's late writes are fenced \
+             off.</p>{}</div>",
+            post_form("/ops/release", &pairs, &console.csrf, "Release the lease")
+        )
+    } else {
+        String::new()
+    };
+    let body = format!("{}{release}", table("record", &["field", "value"], &fields));
+    page("Operation", &body).into_response()
+}
+
+/// Ends an in-flight operation's lease (as `idem ops release`).
+pub(super) async fn release(
+    State(console): State<Arc<Console>>,
+    Form(form): Form<KeyForm>,
+) -> Response {
+    if !console.csrf_ok(form.csrf.as_deref()) {
+        return forbidden();
+    }
+    let key = match form.key() {
+        Ok(key) => key,
+        Err(response) => return *response,
+    };
+    let said = match console.store.release(&key).await {
+        Ok(Some(record)) => format!(
+            "<p class=\"ok\">Released: the lease of this {} operation ended; the next \
+             delivery takes it over.</p>",
+            escape(record.status.as_str())
+        ),
+        Ok(None) => "<p class=\"warn\">Nothing released: the operation is not processing or \
+                     pending.</p>"
+            .into(),
+        Err(error) => return failed("the store", &error.into()),
+    };
+    let back = format!(
+        "<p><a href=\"/ops/show?{}\">Back to the operation</a></p>",
+        escape(&query(&[
+            ("scope", form.scope.as_str()),
+            ("operation", form.operation.as_str()),
+            ("key", form.key.as_str()),
+        ]))
+    );
+    page("Release", &format!("{said}{back}")).into_response()
+}
