@@ -201,6 +201,31 @@ pub(crate) fn attribute(span: &Span, key: &'static str, value: impl Into<Attribu
     }
 }
 
+/// The OpenTelemetry messaging attributes of a RabbitMQ consumer span.
+pub(crate) fn consumer_attributes(
+    span: &Span,
+    queue: &str,
+    operation: &str,
+    delivery: &lapin::message::Delivery,
+) {
+    attribute(span, "messaging.system", "rabbitmq");
+    attribute(span, "messaging.operation.name", "process");
+    attribute(span, "messaging.operation.type", "process");
+    attribute(span, "messaging.destination.name", queue);
+    let tag = i64::try_from(delivery.delivery_tag).unwrap_or(i64::MAX);
+    attribute(span, "messaging.rabbitmq.message.delivery_tag", tag);
+    let properties = &delivery.properties;
+    if let Some(id) = properties.message_id() {
+        attribute(span, "messaging.message.id", id.as_str());
+    }
+    if let Some(id) = properties.correlation_id() {
+        attribute(span, "messaging.message.conversation_id", id.as_str());
+    }
+    let size = i64::try_from(delivery.data.len()).unwrap_or(i64::MAX);
+    attribute(span, "messaging.message.body.size", size);
+    attribute(span, "idem.operation", operation);
+}
+
 /// Marks `span` as failed for OpenTelemetry, saying why.
 pub(crate) fn error_status(span: &Span, why: &str) {
     #[cfg(feature = "otel")]

@@ -52,7 +52,7 @@ pub(super) async fn process<H: Handler>(
     );
     let incoming = TraceContext::from_properties(&delivery.properties);
     if trace::continue_trace(&span, incoming.as_ref(), &shared.process_span, "consumer") {
-        consumer_attributes(&span, &shared.config.queue, H::OPERATION, &delivery);
+        trace::consumer_attributes(&span, &shared.config.queue, H::OPERATION, &delivery);
     }
     let received = Instant::now();
     let settler = Settler {
@@ -89,26 +89,6 @@ pub(super) async fn process<H: Handler>(
     }
     .instrument(span)
     .await
-}
-
-/// The OpenTelemetry messaging attributes of a RabbitMQ consumer span.
-fn consumer_attributes(span: &Span, queue: &str, operation: &str, delivery: &Delivery) {
-    trace::attribute(span, "messaging.system", "rabbitmq");
-    trace::attribute(span, "messaging.operation.name", "process");
-    trace::attribute(span, "messaging.operation.type", "process");
-    trace::attribute(span, "messaging.destination.name", queue);
-    let tag = i64::try_from(delivery.delivery_tag).unwrap_or(i64::MAX);
-    trace::attribute(span, "messaging.rabbitmq.message.delivery_tag", tag);
-    let properties = &delivery.properties;
-    if let Some(id) = properties.message_id() {
-        trace::attribute(span, "messaging.message.id", id.as_str());
-    }
-    if let Some(id) = properties.correlation_id() {
-        trace::attribute(span, "messaging.message.conversation_id", id.as_str());
-    }
-    let size = i64::try_from(delivery.data.len()).unwrap_or(i64::MAX);
-    trace::attribute(span, "messaging.message.body.size", size);
-    trace::attribute(span, "idem.operation", operation);
 }
 
 /// A delivery that could not be decided (docs/DESIGN.md, "Errors by cause"). The
