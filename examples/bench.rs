@@ -27,7 +27,16 @@
 //!    unset): the context is read, kept on the record and carried on, no span exported;
 //! 9. `idem_ledger_exporting` (built with `--features otel`): the same with an
 //!    OpenTelemetry layer exporting every span in batches to an exporter that drops
-//!    them: the cost of making the spans, without a collector's network round trips.
+//!    them: the cost of making the spans, without a collector's network round trips;
+//! 10. `idem_ledger_untallied`: `idem_ledger` with `WorkerConfig::tally_every` `None`,
+//!     so no delivery's outcome is counted for the console's charts (every other idem
+//!     variant counts them, as workers do by default). The last line `tally: …`
+//!     compares it with `idem_ledger`:
+//!
+//! ```sh
+//! cargo run --release --example bench -- \
+//!     --variants idem_ledger,idem_ledger_untallied --runs 5
+//! ```
 //!
 //! For the cost of traces with export off, compare `idem_ledger_traced` with
 //! `idem_ledger` (same run, same binary); the last line `traces: …` does, with the
@@ -107,7 +116,8 @@ struct Args {
     in_flight: usize,
     /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
     /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx,
-    /// idem_ledger_traced, idem_ledger_exporting (the last with `--features otel`).
+    /// idem_ledger_traced, idem_ledger_exporting (the last with `--features otel`),
+    /// idem_ledger_untallied.
     #[arg(
         long,
         value_delimiter = ',',
@@ -378,6 +388,11 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, Ledger, mode_of(variant)).await?
                 }
+                "idem_ledger_untallied" => {
+                    let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    bench.tallied = false;
+                    idem_variant(&bench, Ledger, Mode::Leased).await?
+                }
                 "idem_ledger_traced" => {
                     let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     bench.traced = true;
@@ -394,7 +409,7 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                 other => bail!("unknown variant {other}"),
             };
             println!(
-                "run {} {:<14} {:>9.0} msgs/s  {}{}",
+                "run {} {:<22} {:>9.0} msgs/s  {}{}",
                 run + 1,
                 variant,
                 m.msgs_per_s,
@@ -428,7 +443,7 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                 String::new()
             };
             println!(
-                "  {variant:<14} {:>9.0} msgs/s  {ratio:.2}x raw  {}{latency}",
+                "  {variant:<22} {:>9.0} msgs/s  {ratio:.2}x raw  {}{latency}",
                 m.msgs_per_s, m.cpu
             );
         }
@@ -460,6 +475,17 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
             exporting,
             traced.p50_ms,
             plain.p50_ms
+        );
+    }
+    if let (Some(untallied), Some(plain)) = (median("idem_ledger_untallied"), median("idem_ledger"))
+    {
+        println!(
+            "tally: tallied_msgs_per_s={:.0} untallied_msgs_per_s={:.0} ratio={:.3} tallied_p50_ms={:.1} untallied_p50_ms={:.1}",
+            plain.msgs_per_s,
+            untallied.msgs_per_s,
+            plain.msgs_per_s / untallied.msgs_per_s,
+            plain.p50_ms,
+            untallied.p50_ms
         );
     }
     if let (Some(idem), Some(raw)) = (median("idem_noop"), median("raw")) {
@@ -704,6 +730,8 @@ struct Bench<'a> {
     outcomes: &'a Outcomes,
     /// Messages carry a `traceparent`.
     traced: bool,
+    /// The worker counts outcomes for the console (`WorkerConfig::tally_every`).
+    tallied: bool,
 }
 
 impl<'a> Bench<'a> {
@@ -723,6 +751,7 @@ impl<'a> Bench<'a> {
             run,
             outcomes,
             traced: false,
+            tallied: true,
         }
     }
 }
@@ -752,6 +781,11 @@ async fn idem_variant<H: Handler>(
         batch_linger: Duration::from_micros(args.linger_us),
         batches_in_flight: args.in_flight,
         name: format!("idem-bench-{queue}"),
+        tally_every: if b.tallied {
+            WorkerConfig::default().tally_every
+        } else {
+            None
+        },
         ..WorkerConfig::default()
     };
     let shutdown = CancellationToken::new();

@@ -1,8 +1,8 @@
 //! Garbage collection that the live path does not feel (docs/DESIGN.md, "Retention").
 //!
-//! Two kinds of [`Garbage`]: expired records that no dead letter pins, and follow-up
+//! Three kinds of [`Garbage`]: expired records that no dead letter pins, follow-up
 //! messages dispatched longer ago than the retention (a message not yet published is
-//! never deleted). Each is deleted in short batches ([`Store::gc_batch_from`]), and
+//! never deleted), and the per-minute delivery counts of [`crate::tally`]. Each is deleted in short batches ([`Store::gc_batch_from`]), and
 //! between two batches gc rests in proportion to what the batch cost: with the default
 //! duty of 0.3, a batch that took 30 ms is followed by 70 ms of rest, so the live path
 //! gets most of the database's time and WAL bandwidth. Batches shrink when they take
@@ -34,17 +34,21 @@ pub enum Garbage {
     /// Rows of `outbox_messages` dispatched before the retention; never one that is not
     /// published yet.
     FollowUps,
+    /// Rows of `delivery_outcomes` (the console's per-minute counts) older than the
+    /// retention.
+    Outcomes,
 }
 
 impl Garbage {
     /// Both kinds, in the order gc collects them.
-    pub const ALL: [Garbage; 2] = [Garbage::Records, Garbage::FollowUps];
+    pub const ALL: [Garbage; 3] = [Garbage::Records, Garbage::FollowUps, Garbage::Outcomes];
 
     /// The table.
     pub fn table(self) -> &'static str {
         match self {
             Garbage::Records => "processed_operations",
             Garbage::FollowUps => "outbox_messages",
+            Garbage::Outcomes => "delivery_outcomes",
         }
     }
 
@@ -53,6 +57,7 @@ impl Garbage {
         match self {
             Garbage::Records => "records",
             Garbage::FollowUps => "follow-ups",
+            Garbage::Outcomes => "outcomes",
         }
     }
 
@@ -65,6 +70,7 @@ impl Garbage {
             Garbage::Records => "dead_lettered_at IS NOT NULL",
             // expires_at is set with dispatched_at; the check is belt and braces.
             Garbage::FollowUps => "dispatched_at IS NULL",
+            Garbage::Outcomes => "false",
         }
     }
 }

@@ -75,6 +75,7 @@ pub mod replay;
 pub mod retry;
 pub mod shutdown;
 pub mod store;
+pub mod tally;
 pub mod telemetry;
 pub mod topology;
 pub mod trace;

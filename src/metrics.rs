@@ -13,7 +13,7 @@
 //! | `idem_store_round_trip_seconds` | histogram | `call` |
 //! | `idem_oldest_pending_age_seconds` | gauge | |
 //! | `idem_oldest_processing_age_seconds` | gauge | |
-//! | `idem_gc_deleted_total` | counter | `table` (`records`, `follow-ups`) |
+//! | `idem_gc_deleted_total` | counter | `table` (`records`, `follow-ups`, `outcomes`) |
 //! | `idem_gc_batch_seconds` | histogram | |
 //! | `idem_gc_expired_rows`, `idem_gc_oldest_expired_age_seconds` | gauge | `table` |
 //! | `idem_outbox_published_total` | counter | |

@@ -9,11 +9,13 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
 use fantoccini::Locator;
+use idem::tally::Line;
 use reqwest::StatusCode;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -327,6 +329,29 @@ impl Drop for Browser {
     }
 }
 
+/// The number in the charts page's `<span id="{id}">`.
+fn chart_count(page: &str, id: &str) -> i64 {
+    let open = format!("<span id=\"{id}\">");
+    let at = page.find(&open).unwrap_or_else(|| panic!("{id}: {page}")) + open.len();
+    page[at..at + page[at..].find('<').unwrap()]
+        .parse()
+        .unwrap()
+}
+
+/// The deliveries of `queue` per line of the charts page, as the workers tallied them.
+async fn tallied(pool: &PgPool, queue: &str) -> HashMap<Line, i64> {
+    let mut lines: HashMap<Line, i64> = Line::ALL.iter().map(|l| (*l, 0)).collect();
+    for row in idem::tally::per_minute(pool, &[queue.to_owned()], 180)
+        .await
+        .unwrap()
+    {
+        if let Some(line) = Line::of(&row.outcome) {
+            *lines.entry(line).or_default() += row.deliveries;
+        }
+    }
+    lines
+}
+
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn replaying_a_group_from_the_page_books_each_order_once(
     pool_options: PgPoolOptions,
@@ -338,12 +363,28 @@ async fn replaying_a_group_from_the_page_books_each_order_once(
     const N: usize = 10;
     let dead = outage(&pool, &q, &url, N).await;
     let acme = N.div_ceil(2);
-    // A conflict: the same event with another amount.
-    let _healthy = spawn_orders_worker(&url, &q.name, &["--concurrency", "1"]);
+    // The failing worker counted its deliveries as it stopped (resent copies may have
+    // been duplicates or dead letters: the outage decides).
+    let outage_duplicates = tallied(&pool, &q.name).await[&Line::Duplicates];
+    // A conflict, the same event with another amount, and a duplicate of a completed
+    // order: the worker's next flush counts both, with any resent copy of the outage
+    // that was still in a retry queue (the worker's log says how many duplicates it
+    // decided).
+    let healthy = spawn_orders_worker(&url, &q.name, &["--concurrency", "1"]);
     wait_for_consumers(&q, 1).await;
     q.publish(&order("evt-1", "globex", 999_999)).await;
+    q.publish(&order("evt-1", "globex", 101)).await;
     wait_until(SETTLE, "the conflict dead-lettered", || async {
         q.counts(&q.dlq()).await.0 == dead + 1
+    })
+    .await;
+    let decided_duplicates =
+        || outage_duplicates + healthy.log_count("outcome=\"duplicate_") as i64;
+    wait_until(SETTLE, "the duplicate and the conflict tallied", || async {
+        let lines = tallied(&pool, &q.name).await;
+        decided_duplicates() > outage_duplicates
+            && lines[&Line::Duplicates] == decided_duplicates()
+            && lines[&Line::DeadLettered] == i64::from(dead) + 1
     })
     .await;
     let console = start_console(&url, &q.name).await;
@@ -364,6 +405,21 @@ async fn replaying_a_group_from_the_page_books_each_order_once(
         outage_letters,
         "the group's count"
     );
+
+    // The charts show the outage as the workers counted it: globex's orders executed,
+    // the duplicate, every dead letter (the outage's and the conflict).
+    browser.go(&format!("{}/charts", console.base)).await;
+    let charts = browser.source().await;
+    browser.screenshot("charts-outage").await;
+    assert_eq!(
+        chart_count(&charts, "executed"),
+        (N - acme) as i64,
+        "{charts}"
+    );
+    assert_eq!(chart_count(&charts, "duplicates"), decided_duplicates());
+    assert_eq!(chart_count(&charts, "dead-lettered"), i64::from(dead) + 1);
+    assert!(charts.contains("<svg id=\"deliveries\""), "{charts}");
+    browser.go(&format!("{}/dlq", console.base)).await;
     browser
         .click("a[href*='action=replay'][href*='reason=permanent_failure']")
         .await;
@@ -410,21 +466,23 @@ async fn replaying_a_group_from_the_page_books_each_order_once(
     browser.go(&format!("{}/outbox", console.base)).await;
     browser.screenshot("outbox").await;
 
-    // The charts count from the records: globex's orders completed on their first run,
-    // acme's after the replay (their second claim); nothing is dead-lettered any more.
+    // Once the worker's next flush has counted the replayed orders, every order was
+    // executed once and nothing more was dead-lettered. From the records: globex's
+    // orders completed on their first run, acme's after the replay (their second
+    // claim), and none is dead-lettered any more.
+    wait_until(SETTLE, "the replay tallied", || async {
+        tallied(&pool, &q.name).await[&Line::Executed] == N as i64
+    })
+    .await;
     browser.go(&format!("{}/charts", console.base)).await;
     let charts = browser.source().await;
     browser.screenshot("charts").await;
-    let count = |id: &str| -> i64 {
-        let at = charts.find(&format!("<span id=\"{id}\">")).unwrap() + id.len() + 12;
-        charts[at..at + charts[at..].find('<').unwrap()]
-            .parse()
-            .unwrap()
-    };
-    assert_eq!(count("executed"), (N - acme) as i64, "{charts}");
-    assert_eq!(count("retried"), acme as i64, "{charts}");
-    assert_eq!(count("dead-lettered"), 0, "{charts}");
-    assert!(charts.contains("<svg id=\"outcomes\""), "{charts}");
+    assert_eq!(chart_count(&charts, "executed"), N as i64, "{charts}");
+    assert_eq!(chart_count(&charts, "dead-lettered"), i64::from(dead) + 1);
+    assert_eq!(chart_count(&charts, "completed-first"), (N - acme) as i64);
+    assert_eq!(chart_count(&charts, "completed-retried"), acme as i64);
+    assert_eq!(chart_count(&charts, "dead-in-dlq"), 0, "{charts}");
+    assert!(charts.contains("<svg id=\"operations\""), "{charts}");
     assert!(
         charts.contains("<svg id=\"depths\""),
         "a depth sample at least\n{charts}"

@@ -160,3 +160,30 @@ async fn gc_deletes_dispatched_follow_ups_and_never_undispatched_ones(
         "never published: kept"
     );
 }
+
+/// `idem gc` deletes the console's per-minute delivery counts after the retention, and
+/// only those.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn gc_deletes_delivery_counts_past_their_retention(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    // Counted with no retention: the rows expire at their minute's start.
+    let gone = idem::tally::Tally::new("gone", Duration::ZERO);
+    let kept = idem::tally::Tally::new("kept", Duration::from_secs(3600));
+    for tally in [&gone, &kept] {
+        tally.count("jobs", "executed");
+        tally.count("jobs", "dead_lettered");
+        assert_eq!(tally.flush(&pool).await.unwrap(), 2);
+    }
+    let (code, stdout) = run_idem(&database_url(&connect), &["gc", "--duty", "1"]).await;
+    assert_eq!(code, 0, "{stdout}");
+    assert!(stdout.contains("deleted 2 expired outcomes"), "{stdout}");
+    let queues: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT queue FROM delivery_outcomes ORDER BY queue")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(queues, ["kept"]);
+}

@@ -1137,3 +1137,65 @@ async fn workers_starting_together_create_and_migrate_one_database() {
         assert!(pool.is_ok(), "{pool:?}");
     }
 }
+
+/// Two workers' tallies of one queue add their counts to the same rows at once, over and
+/// over, and every count arrives; a flush that fails keeps its counts for the next.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn racing_tallies_add_up_and_a_failed_flush_loses_nothing(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    use idem::tally::{Tally, per_minute};
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let tallies = [
+        Arc::new(Tally::new("q", week)),
+        Arc::new(Tally::new("q", week)),
+    ];
+    let mut racers = Vec::new();
+    for tally in &tallies {
+        let (tally, pool) = (tally.clone(), pool.clone());
+        racers.push(tokio::spawn(async move {
+            for _ in 0..50 {
+                for _ in 0..10 {
+                    tally.count("jobs", "executed");
+                    tally.count("jobs", "duplicate_completed");
+                }
+                tally.flush(&pool).await.unwrap();
+            }
+        }));
+    }
+    for racer in racers {
+        racer.await.unwrap();
+    }
+    let total = |rows: &[idem::tally::MinuteCount], outcome: &str| -> i64 {
+        rows.iter()
+            .filter(|r| r.outcome == outcome && r.queue == "q" && r.operation == "jobs")
+            .map(|r| r.deliveries)
+            .sum()
+    };
+    let rows = per_minute(&pool, &["q".into()], 60).await.unwrap();
+    assert_eq!(total(&rows, "executed"), 1_000);
+    assert_eq!(total(&rows, "duplicate_completed"), 1_000);
+    assert!(
+        per_minute(&pool, &["other".into()], 60)
+            .await
+            .unwrap()
+            .is_empty(),
+        "only the queues asked for"
+    );
+
+    let closed = PgPoolOptions::new().connect_with(connect).await.unwrap();
+    closed.close().await;
+    tallies[0].count("jobs", "dead_lettered");
+    assert!(tallies[0].flush(&closed).await.is_err());
+    tallies[0].count("jobs", "dead_lettered");
+    assert_eq!(tallies[0].flush(&pool).await.unwrap(), 1, "one row");
+    let rows = per_minute(&pool, &["q".into()], 60).await.unwrap();
+    assert_eq!(
+        total(&rows, "dead_lettered"),
+        2,
+        "the failed flush's count kept"
+    );
+    assert_eq!(tallies[0].flush(&pool).await.unwrap(), 0, "nothing left");
+}

@@ -300,6 +300,18 @@ async fn start_in_process<H: Handler>(
     (shutdown, task)
 }
 
+/// The deliveries of `queue` by outcome, as the workers tallied them for the console.
+async fn outcomes(pool: &PgPool, queue: &str) -> HashMap<String, i64> {
+    idem::tally::per_minute(pool, &[queue.to_owned()], 60)
+        .await
+        .unwrap()
+        .into_iter()
+        .fold(HashMap::new(), |mut by, row| {
+            *by.entry(row.outcome).or_default() += row.deliveries;
+            by
+        })
+}
+
 async fn effects(pool: &PgPool, event: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
         .bind(event)
@@ -328,8 +340,21 @@ async fn transient_failures_retry_until_success_or_exhaustion(pool: PgPool) {
         effects(&pool, "evt-eventually").await == 1
     })
     .await;
+    // A duplicate publish is acked without running, and counted as such for the
+    // console by the worker's next periodic flush (every 5 s), before any shutdown.
+    q.publish(br#"{"event_id":"evt-eventually"}"#).await;
+    wait_until(SETTLE, "the duplicate tallied", || async {
+        outcomes(&pool, &q.name).await.get("duplicate_completed") == Some(&1)
+    })
+    .await;
     shutdown.cancel();
     task.await.unwrap().unwrap();
+    let tallied = outcomes(&pool, &q.name).await;
+    assert_eq!(tallied["executed"], 1, "{tallied:?}");
+    assert_eq!(
+        tallied["failed_transient"], 1,
+        "one delayed retry: {tallied:?}"
+    );
     let record: (String, i32) = sqlx::query_as(
         "SELECT status, attempts FROM processed_operations WHERE idempotency_key = 'evt-eventually'",
     )
@@ -355,6 +380,14 @@ async fn transient_failures_retry_until_success_or_exhaustion(pool: PgPool) {
     assert_eq!(dead[0].attempts, Some(9));
     assert_eq!(dead[0].error.as_deref(), Some("flaky run 9"));
     assert_eq!(always.seen.lock().unwrap()["evt-never"], 9);
+    // Counted per delivery, the last ones by the flush at shutdown: two delayed retries
+    // more, then the exhausted one, dead-lettered.
+    let tallied = outcomes(&pool, &q.name).await;
+    assert_eq!(tallied["failed_transient"], 3, "{tallied:?}");
+    assert_eq!(tallied["retries_exhausted"], 1, "{tallied:?}");
+    assert_eq!(tallied["dead_lettered"], 1, "{tallied:?}");
+    assert_eq!(tallied["executed"], 1, "{tallied:?}");
+    assert_eq!(tallied.len(), 5, "no other outcome: {tallied:?}");
     assert_eq!(
         effects(&pool, "evt-never").await,
         0,

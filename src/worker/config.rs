@@ -91,6 +91,11 @@ pub struct WorkerConfig {
     pub undecidable_after: u32,
     /// How handlers' follow-up messages are published (see [`crate::outbox`]).
     pub outbox: OutboxConfig,
+    /// Add the outcome counts of the deliveries to `delivery_outcomes` this often, for
+    /// the console's charts (see [`crate::tally`]); `None` counts nothing. Each flush is
+    /// one statement per worker; a worker killed with `SIGKILL` loses at most this
+    /// interval's counts.
+    pub tally_every: Option<Duration>,
 }
 
 impl Default for WorkerConfig {
@@ -113,6 +118,7 @@ impl Default for WorkerConfig {
             batches_in_flight: 3,
             undecidable_after: 20,
             outbox: OutboxConfig::default(),
+            tally_every: Some(Duration::from_secs(5)),
         }
     }
 }

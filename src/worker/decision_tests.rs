@@ -314,3 +314,46 @@ fn decision_lost_lease_leaves_the_outcome_to_the_new_owner() {
         )
     );
 }
+
+/// Every outcome is on one line of the console's deliveries chart, or ends in a dead
+/// letter that `dead_lettered` counts (the match is exhaustive: a new outcome has to be
+/// placed here before this compiles).
+#[test]
+fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
+    use crate::tally::Line;
+    let all = [
+        Outcome::Executed,
+        Outcome::DuplicateCompleted,
+        Outcome::DuplicateInProgress,
+        Outcome::DuplicateFailed,
+        Outcome::Conflict,
+        Outcome::Malformed,
+        Outcome::FailedTransient,
+        Outcome::FailedPermanent,
+        Outcome::RetriesExhausted,
+        Outcome::Pending,
+        Outcome::Reconciled,
+        Outcome::LeaseLost,
+        Outcome::Requeued,
+        Outcome::Undecidable,
+    ];
+    for outcome in all {
+        let line = match outcome {
+            Outcome::Executed | Outcome::Reconciled => Some(Line::Executed),
+            Outcome::DuplicateCompleted
+            | Outcome::DuplicateInProgress
+            | Outcome::DuplicateFailed => Some(Line::Duplicates),
+            Outcome::FailedTransient
+            | Outcome::Pending
+            | Outcome::LeaseLost
+            | Outcome::Requeued => Some(Line::Retried),
+            Outcome::Conflict
+            | Outcome::Malformed
+            | Outcome::FailedPermanent
+            | Outcome::RetriesExhausted
+            | Outcome::Undecidable => None,
+        };
+        assert_eq!(Line::of(outcome.as_str()), line, "{outcome:?}");
+    }
+    assert_eq!(Line::of("dead_lettered"), Some(Line::DeadLettered));
+}

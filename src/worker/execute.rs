@@ -66,6 +66,7 @@ pub(super) async fn process<H: Handler>(
         follow_ups,
         delivery: &delivery,
         queue: &shared.config.queue,
+        tally: shared.tally.as_deref(),
     };
     async {
         let outcome = match decide(shared, &settler).await {

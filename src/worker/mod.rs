@@ -49,6 +49,7 @@ use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::outbox::relay::Relay;
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
+use crate::tally::{self, Tally};
 use crate::topology::{self, Topology};
 use batch::Batcher;
 use follow_ups::FollowUps;
@@ -152,6 +153,9 @@ struct Shared<H> {
     follow_ups: FollowUps,
     /// The name of each delivery's consumer span: `process <queue>`.
     process_span: String,
+    /// The deliveries' outcomes per minute, for the console (none when
+    /// `tally_every` is `None`).
+    tally: Option<Arc<Tally>>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -208,6 +212,13 @@ impl<H: Handler> Worker<H> {
             );
             background.push(tokio::spawn(gc));
         }
+        let tally = config.tally_every.map(|every| {
+            let tally = Arc::new(Tally::new(&config.queue, store.config().retention));
+            let flushes =
+                tally::flush_every(tally.clone(), store.pool().clone(), every, shutdown.clone());
+            background.push(tokio::spawn(flushes));
+            tally
+        });
         let relay_wake = Arc::new(Notify::new());
         if config.outbox.relay {
             let relay = Relay {
@@ -247,6 +258,7 @@ impl<H: Handler> Worker<H> {
             undecided: Undecided::new(config.undecidable_after),
             follow_ups: FollowUps::new(&store, &config, relay_wake),
             process_span: format!("process {}", config.queue),
+            tally,
             handler,
             store,
             config,
@@ -295,6 +307,12 @@ impl<H: Handler> Worker<H> {
         }
         for task in background {
             let _ = task.await;
+        }
+        if let Some(tally) = &shared.tally {
+            // The deliveries decided since the last flush, now that none is in flight.
+            if let Err(error) = tally.flush(shared.store.pool()).await {
+                warn!(error = %crate::error_line(&error), "delivery outcomes of the last seconds not written");
+            }
         }
         info!("worker stopped");
         Ok(())

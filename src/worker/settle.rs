@@ -18,6 +18,7 @@ use crate::key::Key;
 use crate::metrics;
 use crate::retry::retry_queue_name;
 use crate::store::Store;
+use crate::tally::Tally;
 use crate::topology;
 use crate::trace::{self, TraceContext};
 
@@ -38,6 +39,8 @@ pub(super) struct Settler<'a> {
     pub(super) follow_ups: &'a FollowUpChannel,
     pub(super) delivery: &'a Delivery,
     pub(super) queue: &'a str,
+    /// Where the outcome is counted for the console, if anywhere.
+    pub(super) tally: Option<&'a Tally>,
 }
 
 impl Settler<'_> {
@@ -50,6 +53,9 @@ impl Settler<'_> {
     /// replayed from a dead-letter queue.
     pub(super) fn count(&self, outcome: &'static str) {
         metrics::delivery(self.operation, outcome);
+        if let Some(tally) = self.tally {
+            tally.count(self.operation, outcome);
+        }
         if self.replays > 0 {
             metrics::replayed_delivery(self.operation, outcome);
         }

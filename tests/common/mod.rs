@@ -333,6 +333,13 @@ impl WorkerProcess {
             .map(|text| text.contains(needle))
             .unwrap_or(false)
     }
+
+    /// How many times `needle` occurs in the log so far.
+    pub fn log_count(&self, needle: &str) -> usize {
+        std::fs::read_to_string(&self.log)
+            .map(|text| text.matches(needle).count())
+            .unwrap_or(0)
+    }
 }
 
 /// Starts an `orders_worker` process on `queue` and the test's database, logging to a

@@ -1,8 +1,11 @@
 //! The console's charts, drawn as inline SVG from what Postgres and the broker hold, not
 //! from a metrics server that may not exist.
 //!
-//! - Operations completed per minute over the last hours (first runs and runs after a
-//!   retry), read from `completed_at` through the index on `expires_at` (a completed
+//! - Deliveries per minute over the last hours by what became of them (executed,
+//!   duplicates, retried, dead-lettered), as the workers tallied them in
+//!   `delivery_outcomes` ([`idem::tally`]), with every outcome's total below.
+//! - Operations completed per minute (first runs and runs after a retry), read from the
+//!   records' `completed_at` through the index on `expires_at` (a completed
 //!   record expires `--retention-days` after it completed, so that flag must say the
 //!   workers' retention), and dead letters per minute from `dead_lettered_at` of failed
 //!   records (the index of unresolved records): those not replayed or discarded since,
@@ -11,12 +14,13 @@
 //!   age, sampled by the console itself every [`SAMPLE_EVERY`] since it started: the
 //!   broker keeps no history.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use idem::tally::{Line, MinuteCount};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 
@@ -236,29 +240,102 @@ pub(super) fn line_chart(
     svg
 }
 
-/// Charts: operations completed and dead-lettered per minute (from the records), queue
-/// depths and the outbox's oldest age (sampled by the console since it started).
+/// Deliveries per (operation, outcome) over the window.
+type Totals = BTreeMap<(String, String), i64>;
+
+/// The deliveries chart's four lines over `times` (one value per minute, in the order
+/// of [`Line::ALL`]), and every (operation, outcome)'s total over the window.
+fn delivery_lines(times: &[DateTime<Utc>], rows: &[MinuteCount]) -> ([Vec<f64>; 4], Totals) {
+    let at: HashMap<DateTime<Utc>, usize> =
+        times.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+    let mut lines: [Vec<f64>; 4] = std::array::from_fn(|_| vec![0.0; times.len()]);
+    let mut totals = BTreeMap::new();
+    for row in rows {
+        *totals
+            .entry((row.operation.clone(), row.outcome.clone()))
+            .or_default() += row.deliveries;
+        let (Some(line), Some(&i)) = (Line::of(&row.outcome), at.get(&row.minute)) else {
+            continue;
+        };
+        let n = Line::ALL.iter().position(|l| *l == line).unwrap_or(0);
+        lines[n][i] += row.deliveries as f64;
+    }
+    (lines, totals)
+}
+
+/// Charts: deliveries per minute by outcome (as the workers tallied them), operations
+/// completed and dead-lettered per minute (from the records), queue depths and the
+/// outbox's oldest age (sampled by the console since it started).
 pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
     let minutes = match per_minute(&console).await {
         Ok(minutes) => minutes,
         Err(error) => return failed("the store", &error.into()),
     };
+    let tallied = match idem::tally::per_minute(
+        console.store.pool(),
+        &console.queues,
+        WINDOW_MINUTES,
+    )
+    .await
+    {
+        Ok(rows) => rows,
+        Err(error) => return failed("the store", &error.into()),
+    };
     let times: Vec<_> = minutes.iter().map(|m| m.minute).collect();
+    let (lines, totals) = delivery_lines(&times, &tallied);
+    let mut body = format!("<p>Deliveries in the last {WINDOW_MINUTES} minutes:");
+    for (line, values) in Line::ALL.iter().zip(&lines) {
+        let _ = write!(
+            body,
+            " <span id=\"{0}\">{1:.0}</span> {0},",
+            line.as_str(),
+            values.iter().sum::<f64>()
+        );
+    }
+    body.pop();
+    body.push_str(
+        " (counted by the workers every few seconds; a worker killed with SIGKILL takes \
+         its last seconds with it).</p>",
+    );
+    let colours = ["#1a7f37", "#0969da", "#9a6700", "#cf222e"];
+    let series: Vec<(&str, &str, Vec<f64>)> = Line::ALL
+        .iter()
+        .zip(colours)
+        .zip(lines)
+        .map(|((line, colour), values)| (line.as_str(), colour, values))
+        .collect();
+    body.push_str(&line_chart(
+        "deliveries",
+        "Deliveries per minute",
+        &times,
+        &series,
+    ));
+    let rows: Vec<Vec<String>> = totals
+        .iter()
+        .map(|((operation, outcome), n)| vec![escape(operation), escape(outcome), html::num(n)])
+        .collect();
+    body.push_str(&html::table(
+        "outcome-totals",
+        &["operation", "outcome", "deliveries"],
+        &rows,
+    ));
     let column =
         |f: fn(&Minute) -> i64| -> Vec<f64> { minutes.iter().map(|m| f(m) as f64).collect() };
     let total = |f: fn(&Minute) -> i64| -> i64 { minutes.iter().map(f).sum() };
-    let mut body = format!(
-        "<p>Last {} minutes: <span id=\"executed\">{}</span> completed on the first run, \
-         <span id=\"retried\">{}</span> after a retry, <span id=\"dead-lettered\">{}</span> \
-         dead-lettered and still in the DLQ.</p>",
+    let _ = write!(
+        body,
+        "<p>From the records, last {} minutes: \
+         <span id=\"completed-first\">{}</span> completed on the first run, \
+         <span id=\"completed-retried\">{}</span> after a retry, \
+         <span id=\"dead-in-dlq\">{}</span> dead-lettered and still in the DLQ.</p>",
         WINDOW_MINUTES,
         total(|m| m.first_runs),
         total(|m| m.retried),
         total(|m| m.dead)
     );
     body.push_str(&line_chart(
-        "outcomes",
-        "Operations per minute",
+        "operations",
+        "Operations per minute (from the records)",
         &times,
         &[
             ("completed, first run", "#1a7f37", column(|m| m.first_runs)),
@@ -330,5 +407,39 @@ mod tests {
         assert!(svg.contains(">4</text>"), "{svg}");
         assert!(svg.contains("points=\"40.0,110.0 860.0,40.0\""), "{svg}");
         assert!(line_chart("c", "t", &[], &[]).contains("No data yet."));
+    }
+
+    #[test]
+    fn deliveries_add_up_per_line_and_minute_and_every_outcome_is_totalled() {
+        let t0 = DateTime::from_timestamp(60 * 1_000, 0).unwrap();
+        let times = [t0, t0 + chrono::Duration::minutes(1)];
+        let row = |minute: DateTime<Utc>, outcome: &str, n: i64| MinuteCount {
+            minute,
+            queue: "q".into(),
+            operation: "jobs".into(),
+            outcome: outcome.into(),
+            deliveries: n,
+        };
+        let rows = [
+            row(times[0], "executed", 3),
+            row(times[0], "reconciled", 1),
+            row(times[1], "duplicate_completed", 2),
+            row(times[1], "duplicate_in_progress", 1),
+            row(times[1], "conflict", 1),
+            row(times[1], "dead_lettered", 1),
+            // Outside the window: totalled, not drawn.
+            row(t0 - chrono::Duration::minutes(1), "executed", 5),
+        ];
+        let (lines, totals) = delivery_lines(&times, &rows);
+        assert_eq!(lines[0], [4.0, 0.0], "executed and reconciled");
+        assert_eq!(lines[1], [0.0, 3.0], "duplicates");
+        assert_eq!(lines[2], [0.0, 0.0], "retried");
+        assert_eq!(
+            lines[3],
+            [0.0, 1.0],
+            "the conflict once, as its dead letter"
+        );
+        assert_eq!(totals[&("jobs".into(), "conflict".into())], 1);
+        assert_eq!(totals[&("jobs".into(), "executed".into())], 8);
     }
 }

@@ -1,0 +1,287 @@
+//! What became of the deliveries, per minute, in Postgres (`delivery_outcomes`), so that
+//! the operator console can chart executed, duplicates, retried and dead-lettered
+//! without a metrics server (docs/DESIGN.md, "Operator console").
+//!
+//! The records cannot tell these apart on their own: a duplicate delivery writes nothing
+//! to `processed_operations` (its claim only reads the completed record), and a retry
+//! leaves only a higher `attempts`. So each worker counts every delivery's outcome in
+//! memory as it records `idem_deliveries_total` (a lock and a map entry, no I/O on the
+//! delivery's path) and adds the counts to one row per minute, queue, operation and
+//! outcome every [`crate::WorkerConfig::tally_every`], in one statement, and once more
+//! when it stops. A flush that fails keeps its counts for the next one.
+//!
+//! It is a tally, not a ledger: a worker killed with `SIGKILL` takes the counts of its
+//! last interval with it. The records stay the truth about operations; this is the
+//! truth about deliveries, give or take that interval. gc deletes the rows after the
+//! store's retention ([`crate::gc::Garbage::Outcomes`]).
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+/// The most (minute, operation, outcome) entries a tally keeps while its flushes fail:
+/// past it, the oldest minutes are dropped. A day of 15 outcomes of one operation is
+/// 21,600 entries; an outage of the database that long has other consequences.
+const MAX_ENTRIES: usize = 50_000;
+
+/// The four lines of the console's deliveries chart, each a set of outcomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Line {
+    /// The handler ran and its result was recorded (`executed`), or a pending
+    /// operation was reconciled as applied (`reconciled`).
+    Executed,
+    /// The key was already completed, failed for good, or in another worker's hands:
+    /// acked or sent to a retry queue without running.
+    Duplicates,
+    /// Sent to a retry queue or requeued to run again: a transient failure, an
+    /// uncertain outcome awaiting reconciliation, an outage, a lost lease.
+    Retried,
+    /// A dead letter was published (whatever the reason).
+    DeadLettered,
+}
+
+impl Line {
+    /// The four, in the chart's order.
+    pub const ALL: [Line; 4] = [
+        Line::Executed,
+        Line::Duplicates,
+        Line::Retried,
+        Line::DeadLettered,
+    ];
+
+    /// The line an outcome label belongs to; `None` for those that are counted apart
+    /// from a delivery's one outcome (`takeover`), or that end in a dead letter, which
+    /// `dead_lettered` counts already (`conflict`, `malformed`, `failed_permanent`,
+    /// `retries_exhausted`, `undecidable`).
+    pub fn of(outcome: &str) -> Option<Line> {
+        match outcome {
+            "executed" | "reconciled" => Some(Line::Executed),
+            "duplicate_completed" | "duplicate_failed" | "duplicate_in_progress" => {
+                Some(Line::Duplicates)
+            }
+            "failed_transient" | "pending" | "requeued" | "lease_lost" => Some(Line::Retried),
+            "dead_lettered" => Some(Line::DeadLettered),
+            _ => None,
+        }
+    }
+
+    /// How the console names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Line::Executed => "executed",
+            Line::Duplicates => "duplicates",
+            Line::Retried => "retried",
+            Line::DeadLettered => "dead-lettered",
+        }
+    }
+}
+
+/// One worker's counts not yet written: (minute since the epoch, operation, outcome) →
+/// deliveries. Sorted, so that every worker's statement locks the shared rows in the
+/// same order and two flushes never deadlock.
+type Counts = BTreeMap<(i64, &'static str, &'static str), i64>;
+
+/// The outcome counts of one queue's deliveries, kept in memory until [`Tally::flush`]
+/// adds them to `delivery_outcomes`. A worker makes its own; it is public for tests
+/// and for tools that decide deliveries themselves.
+#[derive(Debug)]
+pub struct Tally {
+    queue: String,
+    retention: Duration,
+    counts: Mutex<Counts>,
+}
+
+impl Tally {
+    /// An empty tally of `queue`'s deliveries, whose rows expire `retention` after
+    /// their minute.
+    pub fn new(queue: impl Into<String>, retention: Duration) -> Self {
+        Self {
+            queue: queue.into(),
+            retention,
+            counts: Mutex::default(),
+        }
+    }
+
+    /// Counts one delivery of `operation` with `outcome`, in the current minute.
+    pub fn count(&self, operation: &'static str, outcome: &'static str) {
+        let minute = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| (d.as_secs() / 60) as i64);
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        *counts.entry((minute, operation, outcome)).or_default() += 1;
+    }
+
+    /// Adds the counts so far to `delivery_outcomes`, in one statement; returns the
+    /// rows written. When the statement fails the counts are kept for the next flush.
+    pub async fn flush(&self, pool: &PgPool) -> Result<usize, sqlx::Error> {
+        let taken = std::mem::take(&mut *self.lock());
+        if taken.is_empty() {
+            return Ok(0);
+        }
+        let rows = taken.len();
+        let (mut minutes, mut operations, mut outcomes, mut deliveries) =
+            (Vec::with_capacity(rows), Vec::new(), Vec::new(), Vec::new());
+        for (&(minute, operation, outcome), &n) in &taken {
+            minutes.push(minute);
+            operations.push(operation);
+            outcomes.push(outcome);
+            deliveries.push(n);
+        }
+        // The update leaves `expires_at` (set by the insert) alone: with no indexed
+        // column changed, Postgres updates the row in place (HOT), and a flush leaves
+        // no index entries behind.
+        let retention_ms = i64::try_from(self.retention.as_millis()).unwrap_or(i64::MAX);
+        let written = sqlx::query(
+            "INSERT INTO delivery_outcomes
+                 (minute, queue, operation, outcome, deliveries, expires_at)
+             SELECT to_timestamp(m * 60), $1, o, r, n,
+                    to_timestamp(m * 60) + $6::bigint * interval '1 millisecond'
+             FROM unnest($2::bigint[], $3::text[], $4::text[], $5::bigint[])
+                  WITH ORDINALITY AS t(m, o, r, n, i)
+             ORDER BY i
+             ON CONFLICT (queue, minute, operation, outcome) DO UPDATE
+             SET deliveries = delivery_outcomes.deliveries + excluded.deliveries",
+        )
+        .bind(&self.queue)
+        .bind(&minutes)
+        .bind(&operations)
+        .bind(&outcomes)
+        .bind(&deliveries)
+        .bind(retention_ms)
+        .execute(pool)
+        .await;
+        match written {
+            Ok(_) => Ok(rows),
+            Err(error) => {
+                self.keep(taken);
+                Err(error)
+            }
+        }
+    }
+
+    /// Puts back counts whose flush failed, dropping the oldest minutes past
+    /// [`MAX_ENTRIES`].
+    fn keep(&self, taken: Counts) {
+        let mut counts = self.lock();
+        for (entry, n) in taken {
+            *counts.entry(entry).or_default() += n;
+        }
+        while counts.len() > MAX_ENTRIES {
+            counts.pop_first();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Flushes `tally` every `every` until `stop` is cancelled. The last flush is the
+/// caller's, once the deliveries in flight are decided.
+pub(crate) async fn flush_every(
+    tally: std::sync::Arc<Tally>,
+    pool: PgPool,
+    every: Duration,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        if let Err(error) = tally.flush(&pool).await {
+            warn!(error = %crate::error_line(&error), "delivery outcomes not written; kept for the next flush");
+        }
+    }
+}
+
+/// One row of `delivery_outcomes`.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct MinuteCount {
+    /// The minute the deliveries were decided in.
+    pub minute: DateTime<Utc>,
+    /// The queue.
+    pub queue: String,
+    /// The operation.
+    pub operation: String,
+    /// The outcome label (see [`Line::of`]).
+    pub outcome: String,
+    /// Deliveries with that outcome in that minute, by every worker of the queue.
+    pub deliveries: i64,
+}
+
+/// The rows of `queues` for the last `minutes` minutes (and the current one), oldest
+/// first; read through the table's unique index, which leads with queue and minute.
+pub async fn per_minute(
+    pool: &PgPool,
+    queues: &[String],
+    minutes: i64,
+) -> Result<Vec<MinuteCount>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT minute, queue, operation, outcome, deliveries
+         FROM delivery_outcomes
+         WHERE queue = ANY($1)
+           AND minute >= date_trunc('minute', now()) - $2::bigint * interval '1 minute'
+         ORDER BY minute, queue, operation, outcome",
+    )
+    .bind(queues)
+    .bind(minutes)
+    .fetch_all(pool)
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_line_has_outcomes_and_dead_letter_reasons_count_once() {
+        for line in Line::ALL {
+            assert!(!line.as_str().is_empty());
+        }
+        assert_eq!(Line::of("executed"), Some(Line::Executed));
+        assert_eq!(Line::of("duplicate_completed"), Some(Line::Duplicates));
+        assert_eq!(Line::of("failed_transient"), Some(Line::Retried));
+        assert_eq!(Line::of("dead_lettered"), Some(Line::DeadLettered));
+        // A conflict is dead-lettered: `dead_lettered` counts it, not its own outcome.
+        assert_eq!(Line::of("conflict"), None);
+        assert_eq!(Line::of("takeover"), None);
+    }
+
+    #[test]
+    fn counts_add_up_per_minute_operation_and_outcome() {
+        let tally = Tally::new("q", Duration::from_secs(60));
+        tally.count("op", "executed");
+        tally.count("op", "executed");
+        tally.count("op", "dead_lettered");
+        let counts = tally.lock();
+        let per_outcome: BTreeMap<_, _> = counts.iter().map(|(k, n)| (k.2, *n)).collect();
+        assert_eq!(per_outcome["executed"], 2);
+        assert_eq!(per_outcome["dead_lettered"], 1);
+    }
+
+    #[test]
+    fn counts_kept_after_a_failed_flush_are_bounded() {
+        let tally = Tally::new("q", Duration::from_secs(60));
+        let mut many = Counts::new();
+        for minute in 0..(MAX_ENTRIES as i64 + 10) {
+            many.insert((minute, "op", "executed"), 1);
+        }
+        tally.keep(many);
+        let counts = tally.lock();
+        assert_eq!(counts.len(), MAX_ENTRIES);
+        assert_eq!(
+            counts.keys().next().map(|k| k.0),
+            Some(10),
+            "oldest dropped"
+        );
+    }
+}
