@@ -28,6 +28,7 @@ use crate::store::{Store, StoreError};
 
 /// What gc deletes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Garbage {
     /// Expired records of `processed_operations`; never one a dead letter pins.
     Records,
@@ -40,7 +41,7 @@ pub enum Garbage {
 }
 
 impl Garbage {
-    /// Both kinds, in the order gc collects them.
+    /// Every kind, in the order gc collects them.
     pub const ALL: [Garbage; 3] = [Garbage::Records, Garbage::FollowUps, Garbage::Outcomes];
 
     /// The table.
@@ -52,7 +53,7 @@ impl Garbage {
         }
     }
 
-    /// `records` or `follow-ups`, for output and metric labels.
+    /// `records`, `follow-ups` or `outcomes`, for output and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
             Garbage::Records => "records",

@@ -10,10 +10,12 @@
 //! outcome every [`crate::WorkerConfig::tally_every`], in one statement, and once more
 //! when it stops. A flush that fails keeps its counts for the next one.
 //!
-//! It is a tally, not a ledger: a worker killed with `SIGKILL` takes the counts of its
-//! last interval with it. The records stay the truth about operations; this is the
-//! truth about deliveries, give or take that interval. gc deletes the rows after the
-//! store's retention ([`crate::gc::Garbage::Outcomes`]).
+//! It is a tally, not a ledger: a worker killed with `SIGKILL` takes the counts not
+//! flushed yet with it, and a flush whose commit the database made but whose answer
+//! the worker never got (the connection dropped in between) is added again by the next
+//! one. The records stay the truth about operations; this is the truth about
+//! deliveries, give or take those seconds. The minute is the worker's clock's. gc
+//! deletes the rows after the store's retention ([`crate::gc::Garbage::Outcomes`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -181,15 +183,19 @@ impl Tally {
     }
 }
 
-/// Flushes `tally` every `every` until `stop` is cancelled. The last flush is the
-/// caller's, once the deliveries in flight are decided.
+/// The shortest interval between two flushes.
+const MIN_FLUSH_EVERY: Duration = Duration::from_millis(100);
+
+/// Flushes `tally` every `every` (at least [`MIN_FLUSH_EVERY`]) until `stop` is
+/// cancelled, which ends it between two flushes. The last flush is the caller's, once
+/// the deliveries in flight are decided.
 pub(crate) async fn flush_every(
     tally: std::sync::Arc<Tally>,
     pool: PgPool,
     every: Duration,
     stop: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(every);
+    let mut tick = tokio::time::interval(every.max(MIN_FLUSH_EVERY));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
@@ -218,22 +224,23 @@ pub struct MinuteCount {
     pub deliveries: i64,
 }
 
-/// The rows of `queues` for the last `minutes` minutes (and the current one), oldest
+/// The rows of `queues` for the minutes from `first` to `last` (both included), oldest
 /// first; read through the table's unique index, which leads with queue and minute.
 pub async fn per_minute(
     pool: &PgPool,
     queues: &[String],
-    minutes: i64,
+    first: DateTime<Utc>,
+    last: DateTime<Utc>,
 ) -> Result<Vec<MinuteCount>, sqlx::Error> {
     sqlx::query_as(
         "SELECT minute, queue, operation, outcome, deliveries
          FROM delivery_outcomes
-         WHERE queue = ANY($1)
-           AND minute >= date_trunc('minute', now()) - $2::bigint * interval '1 minute'
+         WHERE queue = ANY($1) AND minute BETWEEN $2 AND $3
          ORDER BY minute, queue, operation, outcome",
     )
     .bind(queues)
-    .bind(minutes)
+    .bind(first)
+    .bind(last)
     .fetch_all(pool)
     .await
 }

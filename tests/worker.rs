@@ -302,7 +302,9 @@ async fn start_in_process<H: Handler>(
 
 /// The deliveries of `queue` by outcome, as the workers tallied them for the console.
 async fn outcomes(pool: &PgPool, queue: &str) -> HashMap<String, i64> {
-    idem::tally::per_minute(pool, &[queue.to_owned()], 60)
+    let now = chrono::Utc::now();
+    let hour = chrono::Duration::hours(1);
+    idem::tally::per_minute(pool, &[queue.to_owned()], now - hour, now + hour)
         .await
         .unwrap()
         .into_iter()

@@ -212,13 +212,22 @@ impl<H: Handler> Worker<H> {
             );
             background.push(tokio::spawn(gc));
         }
-        let tally = config.tally_every.map(|every| {
-            let tally = Arc::new(Tally::new(&config.queue, store.config().retention));
-            let flushes =
-                tally::flush_every(tally.clone(), store.pool().clone(), every, shutdown.clone());
-            background.push(tokio::spawn(flushes));
-            tally
-        });
+        // The tally's flushes stop on their own token, so that every way out of `run`
+        // (a refused topology too) ends them between two flushes, never in one.
+        let tally_stop = shutdown.child_token();
+        let (tally, flushes) = match config.tally_every {
+            Some(every) => {
+                let tally = Arc::new(Tally::new(&config.queue, store.config().retention));
+                let flushes = tally::flush_every(
+                    tally.clone(),
+                    store.pool().clone(),
+                    every,
+                    tally_stop.clone(),
+                );
+                (Some(tally), Some(tokio::spawn(flushes)))
+            }
+            None => (None, None),
+        };
         let relay_wake = Arc::new(Notify::new());
         if config.outbox.relay {
             let relay = Relay {
@@ -288,6 +297,7 @@ impl<H: Handler> Worker<H> {
                 for task in background {
                     task.abort();
                 }
+                last_flush(&shared, tally_stop, flushes).await;
                 return Err(error);
             }
             if connected {
@@ -308,14 +318,28 @@ impl<H: Handler> Worker<H> {
         for task in background {
             let _ = task.await;
         }
-        if let Some(tally) = &shared.tally {
-            // The deliveries decided since the last flush, now that none is in flight.
-            if let Err(error) = tally.flush(shared.store.pool()).await {
-                warn!(error = %crate::error_line(&error), "delivery outcomes of the last seconds not written");
-            }
-        }
+        last_flush(&shared, tally_stop, flushes).await;
         info!("worker stopped");
         Ok(())
+    }
+}
+
+/// Stops the tally's periodic flushes (after the one in progress, if any) and writes
+/// the outcomes decided since, now that no delivery is in flight (handlers abandoned by
+/// a shutdown timeout count nowhere).
+async fn last_flush<H>(
+    shared: &Shared<H>,
+    stop: CancellationToken,
+    flushes: Option<tokio::task::JoinHandle<()>>,
+) {
+    stop.cancel();
+    if let Some(flushes) = flushes {
+        let _ = flushes.await;
+    }
+    if let Some(tally) = &shared.tally
+        && let Err(error) = tally.flush(shared.store.pool()).await
+    {
+        warn!(error = %crate::error_line(&error), "delivery outcomes of the last seconds not written");
     }
 }
 

@@ -56,8 +56,9 @@ enum Command {
     /// generated and printed as a login link.
     #[cfg(feature = "console")]
     Console(console::ConsoleArgs),
-    /// Delete expired records and dispatched follow-up messages past their retention,
-    /// in short, paced batches (safe beside running workers).
+    /// Delete expired records, dispatched follow-up messages and the console's delivery
+    /// counts past their retention, in short, paced batches (safe beside running
+    /// workers).
     Gc(GcArgs),
 }
 

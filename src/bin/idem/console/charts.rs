@@ -271,17 +271,20 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
         Ok(minutes) => minutes,
         Err(error) => return failed("the store", &error.into()),
     };
-    let tallied = match idem::tally::per_minute(
-        console.store.pool(),
-        &console.queues,
-        WINDOW_MINUTES,
-    )
-    .await
-    {
-        Ok(rows) => rows,
-        Err(error) => return failed("the store", &error.into()),
-    };
     let times: Vec<_> = minutes.iter().map(|m| m.minute).collect();
+    // The same minutes as the records' chart, so that the lines, the sums and the
+    // table below count the same rows.
+    let tallied = match (times.first(), times.last()) {
+        (Some(first), Some(last)) => {
+            match idem::tally::per_minute(console.store.pool(), &console.queues, *first, *last)
+                .await
+            {
+                Ok(rows) => rows,
+                Err(error) => return failed("the store", &error.into()),
+            }
+        }
+        _ => Vec::new(),
+    };
     let (lines, totals) = delivery_lines(&times, &tallied);
     let mut body = format!("<p>Deliveries in the last {WINDOW_MINUTES} minutes:");
     for (line, values) in Line::ALL.iter().zip(&lines) {
