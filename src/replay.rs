@@ -296,6 +296,9 @@ pub async fn run(
     };
     let mut selected = 0;
     let mut held = Vec::new();
+    // A dry run's keys, looked up together once the DLQ is read (one statement, not one
+    // per message).
+    let mut dry_keys = Vec::new();
     let default_queue = dlq.strip_suffix(".dlq").unwrap_or(dlq);
     while options.filter.limit.is_none_or(|limit| selected < limit) {
         let Some(delivery) = get(&channel, dlq).await? else {
@@ -321,11 +324,10 @@ pub async fn run(
             continue;
         }
         if options.dry_run {
-            let done = match &key {
-                Some(key) => is_completed(store, key).await?,
-                None => false,
-            };
-            summary.count_dry_run(action, done);
+            match key {
+                Some(key) => dry_keys.push(key),
+                None => summary.count_dry_run(action, false),
+            }
             held.push(m);
             continue;
         }
@@ -357,6 +359,9 @@ pub async fn run(
         if let Some(pace) = options.pace {
             tokio::time::sleep(pace).await;
         }
+    }
+    for done in store.completed(&dry_keys).await? {
+        summary.count_dry_run(action, done);
     }
     // Requeue what was left alone, all at once, in its original order.
     drop(held);
@@ -420,18 +425,36 @@ pub enum Preview {
 
 /// What a replay would do with `m` (one read of its record when it has a key).
 pub async fn preview(store: &Store, m: &DlqMessage) -> Result<Preview, StoreError> {
-    if let Some(left) = left_alone(m) {
-        return Ok(left);
+    let previews = preview_all(store, std::slice::from_ref(m)).await?;
+    Ok(previews.first().copied().unwrap_or(Preview::Malformed))
+}
+
+/// What a replay would do with each of `messages`, in order, with one read of the
+/// records of all their keys ([`Store::completed`]): the same rule as [`preview`].
+pub async fn preview_all(
+    store: &Store,
+    messages: &[DlqMessage],
+) -> Result<Vec<Preview>, StoreError> {
+    let mut previews: Vec<Option<Preview>> = messages.iter().map(left_alone).collect();
+    // The keys of the messages a replay would republish, and where they stand.
+    let (at, keys): (Vec<usize>, Vec<Key>) = messages
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| previews[*i].is_none())
+        .filter_map(|(i, m)| Some((i, m.key()?)))
+        .unzip();
+    for (i, done) in at.into_iter().zip(store.completed(&keys).await?) {
+        previews[i] = Some(if done {
+            Preview::AlreadyDone
+        } else {
+            Preview::Runs
+        });
     }
-    let done = match m.key() {
-        Some(key) => is_completed(store, &key).await?,
-        None => false,
-    };
-    Ok(if done {
-        Preview::AlreadyDone
-    } else {
-        Preview::Runs
-    })
+    // A message left with neither has no key, which left_alone calls malformed.
+    Ok(previews
+        .into_iter()
+        .map(|p| p.unwrap_or(Preview::Malformed))
+        .collect())
 }
 
 /// What a replay leaves in the DLQ, known from the headers alone: a conflict, or a

@@ -826,3 +826,75 @@ async fn metrics_after_a_known_scenario_match_it(
     assert_eq!(scrape(&addr, "/healthz").await.0, 200);
     assert_eq!(scrape(&addr, "/nope").await.0, 404);
 }
+
+/// A dry run reads the records of all the selected dead letters in one statement
+/// (`Store::completed`) and still tells them apart: a completed key would only be
+/// acked; a failed or unknown one would run again; a conflict stays. Nothing changes.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_dry_run_tells_completed_keys_from_those_that_would_run(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("dry-run").await;
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let fingerprint = Fingerprint::of(&json!({"amount": 1}), &[]);
+    let key = |id: &str| Key::new("acme", "orders.create", id).unwrap();
+    for (id, completed) in [("evt-done", true), ("evt-failed", false)] {
+        let Claim::Claimed(lease) = store
+            .claim(&key(id), &fingerprint, &Origin::default())
+            .await
+            .unwrap()
+        else {
+            panic!("{id} not claimed");
+        };
+        if completed {
+            store.complete(&lease, &json!("ok")).await.unwrap();
+        } else {
+            store
+                .fail(&lease, false, &json!("no"), false)
+                .await
+                .unwrap();
+        }
+    }
+    idem::Topology {
+        queue: q.name.clone(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+    }
+    .declare(&q.channel)
+    .await
+    .unwrap();
+    let letter = |id: &str, reason: &str| {
+        let mut headers = lapin::types::FieldTable::default();
+        for (name, value) in [
+            (idem::dead_letter::REASON, reason),
+            (idem::dead_letter::SCOPE, "acme"),
+            (idem::dead_letter::OPERATION, "orders.create"),
+            (idem::dead_letter::KEY, id),
+        ] {
+            headers.insert(name.into(), header_text(value));
+        }
+        lapin::BasicProperties::default().with_headers(headers)
+    };
+    for (id, reason) in [
+        ("evt-done", "permanent_failure"),
+        ("evt-failed", "permanent_failure"),
+        ("evt-unknown", "permanent_failure"),
+        ("evt-done", "fingerprint_conflict"),
+        ("evt-done", "permanent_failure"),
+    ] {
+        q.publish_to(&q.dlq(), b"{}", letter(id, reason)).await;
+    }
+    let (code, out) = run_idem(
+        &database_url(&connect),
+        &["dlq", "replay", "--queue", &q.name, "--dry-run", "--json"],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    let summary: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(summary["already_done"], 2, "{summary}");
+    assert_eq!(summary["replayed"], 2, "{summary}");
+    assert_eq!(summary["conflicts_left"], 1, "{summary}");
+    assert_eq!(q.counts(&q.dlq()).await.0, 5, "a dry run changes nothing");
+}

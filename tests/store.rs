@@ -1213,3 +1213,33 @@ async fn racing_tallies_add_up_and_a_failed_flush_loses_nothing(
     );
     assert_eq!(tallies[0].flush(&pool).await.unwrap(), 0, "nothing left");
 }
+
+/// `Store::completed` answers for many keys in one statement, in the order asked, and
+/// only a completed record counts: not one in flight, failed or missing.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn completed_answers_for_many_keys_in_their_order(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let payload = json!({"amount": 1});
+    let done = claimed(&store, &key("evt-done"), &payload).await;
+    store.complete(&done, &json!("ok")).await.unwrap();
+    let _running = claimed(&store, &key("evt-running"), &payload).await;
+    let failed = claimed(&store, &key("evt-failed"), &payload).await;
+    store
+        .fail(&failed, false, &json!("no"), false)
+        .await
+        .unwrap();
+    let other_scope = Key::new("tenant-b", "orders.create", "evt-done").unwrap();
+    let asked = [
+        key("evt-missing"),
+        key("evt-done"),
+        key("evt-running"),
+        other_scope,
+        key("evt-failed"),
+        key("evt-done"),
+    ];
+    assert_eq!(
+        store.completed(&asked).await.unwrap(),
+        [false, true, false, false, false, true]
+    );
+    assert!(store.completed(&[]).await.unwrap().is_empty());
+}

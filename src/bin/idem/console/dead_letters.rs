@@ -37,6 +37,11 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
                 ""
             }
         ));
+        // What a replay would do with each letter: one read of all their records.
+        let previews = match replay::preview_all(&console.store, &messages).await {
+            Ok(previews) => previews,
+            Err(error) => return failed("the store", &error.into()),
+        };
         let mut rows = Vec::new();
         let mut listed = String::new();
         for group in replay::group(&messages) {
@@ -45,17 +50,17 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
                 group.operation.as_str(),
                 group.error.as_str(),
             );
-            let members: Vec<&DlqMessage> = messages
+            let members: Vec<(&DlqMessage, Preview)> = messages
                 .iter()
-                .filter(|m| replay::group_key(m) == key)
+                .zip(previews.iter().copied())
+                .filter(|(m, _)| replay::group_key(m) == key)
                 .collect();
             let (mut acked, mut runs, mut stays) = (0, 0, 0);
-            for m in &members {
-                match replay::preview(&console.store, m).await {
-                    Ok(Preview::AlreadyDone) => acked += 1,
-                    Ok(Preview::Runs) => runs += 1,
-                    Ok(Preview::Conflict | Preview::Malformed) => stays += 1,
-                    Err(error) => return failed("the store", &error.into()),
+            for (_, preview) in &members {
+                match preview {
+                    Preview::AlreadyDone => acked += 1,
+                    Preview::Runs => runs += 1,
+                    Preview::Conflict | Preview::Malformed => stays += 1,
                 }
             }
             let selector = [
@@ -97,7 +102,7 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
             let message_rows: Vec<Vec<String>> = members
                 .iter()
                 .take(MESSAGES_PER_GROUP)
-                .map(|m| message_row(queue, m))
+                .map(|(m, _)| message_row(queue, m))
                 .collect();
             listed.push_str(&table(
                 "messages",
