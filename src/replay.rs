@@ -324,9 +324,10 @@ pub async fn run(
             continue;
         }
         if options.dry_run {
-            match key {
-                Some(key) => dry_keys.push(key),
-                None => summary.count_dry_run(action, false),
+            // Only a replay depends on the record; a discard acks whatever it finds.
+            match (action, key) {
+                (Action::Replay, Some(key)) => dry_keys.push(key),
+                _ => summary.count_dry_run(action, false),
             }
             held.push(m);
             continue;

@@ -199,9 +199,12 @@ pub(crate) async fn flush_every(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
+        // Stop first: after a slow flush the next tick is ready at once too, and a
+        // worker stopping should not start another.
         tokio::select! {
-            _ = tick.tick() => {}
+            biased;
             _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
         }
         if let Err(error) = tally.flush(&pool).await {
             warn!(error = %crate::error_line(&error), "delivery outcomes not written; kept for the next flush");

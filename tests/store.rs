@@ -1153,11 +1153,12 @@ async fn racing_tallies_add_up_and_a_failed_flush_loses_nothing(
         now - chrono::Duration::hours(1),
         now + chrono::Duration::hours(1),
     );
-    // A count from before the minutes asked for is left out.
+    // Counts from before and after the minutes asked for are left out.
     sqlx::query(
         "INSERT INTO delivery_outcomes (minute, queue, operation, outcome, deliveries, expires_at)
-         VALUES (date_trunc('minute', now()) - interval '2 hours', 'q', 'jobs', 'executed', 7,
-                 now() + interval '1 day')",
+         SELECT date_trunc('minute', now()) + shift, 'q', 'jobs', 'executed', 7,
+                now() + interval '1 day'
+         FROM unnest(ARRAY[interval '-2 hours', interval '2 hours']) AS shift",
     )
     .execute(&pool)
     .await

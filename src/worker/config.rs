@@ -91,11 +91,12 @@ pub struct WorkerConfig {
     pub undecidable_after: u32,
     /// How handlers' follow-up messages are published (see [`crate::outbox`]).
     pub outbox: OutboxConfig,
-    /// Add the outcome counts of the deliveries to `delivery_outcomes` this often (at
-    /// least every 100 ms), for the console's charts (see [`crate::tally`]); `None`
-    /// counts nothing. Each flush is one statement per worker; a worker killed with
-    /// `SIGKILL` loses the counts not flushed yet (this interval's, unless the database
-    /// was unreachable for longer).
+    /// Add the outcome counts of the deliveries to `delivery_outcomes` this often (no
+    /// more often than every 100 ms), for the console's charts (see [`crate::tally`]);
+    /// `None` counts nothing. Each flush is one statement per worker; a worker killed
+    /// with `SIGKILL` loses the counts not flushed yet (this interval's, unless the
+    /// database was unreachable for longer), and a stopping worker gives its last flush
+    /// 5 s.
     pub tally_every: Option<Duration>,
 }
 

@@ -324,22 +324,38 @@ impl<H: Handler> Worker<H> {
     }
 }
 
+/// How long a stopping worker waits to write its last delivery counts: with the
+/// database gone, a flush would wait out the pool's acquire timeout, or longer for a
+/// connection that went silent.
+const LAST_FLUSH_WITHIN: Duration = Duration::from_secs(5);
+
 /// Stops the tally's periodic flushes (after the one in progress, if any) and writes
 /// the outcomes decided since, now that no delivery is in flight (handlers abandoned by
-/// a shutdown timeout count nowhere).
+/// a shutdown timeout count nowhere), giving up after [`LAST_FLUSH_WITHIN`].
 async fn last_flush<H>(
     shared: &Shared<H>,
     stop: CancellationToken,
     flushes: Option<tokio::task::JoinHandle<()>>,
 ) {
     stop.cancel();
-    if let Some(flushes) = flushes {
-        let _ = flushes.await;
-    }
-    if let Some(tally) = &shared.tally
-        && let Err(error) = tally.flush(shared.store.pool()).await
-    {
-        warn!(error = %crate::error_line(&error), "delivery outcomes of the last seconds not written");
+    let last = async {
+        if let Some(flushes) = flushes {
+            let _ = flushes.await;
+        }
+        match &shared.tally {
+            Some(tally) => tally.flush(shared.store.pool()).await.map(drop),
+            None => Ok(()),
+        }
+    };
+    match tokio::time::timeout(LAST_FLUSH_WITHIN, last).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => {
+            warn!(error = %crate::error_line(&error), "delivery outcomes of the last seconds not written");
+        }
+        Err(_) => warn!(
+            within_s = LAST_FLUSH_WITHIN.as_secs(),
+            "delivery outcomes of the last seconds not written: the database did not answer"
+        ),
     }
 }
 
