@@ -162,7 +162,11 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
         ("operation", "orders.create"),
         ("key", "evt-0"),
     ];
-    for (path, form) in [("/dlq/act", &replay[..]), ("/ops/release", &release[..])] {
+    for (path, form) in [
+        ("/dlq/act", &replay[..]),
+        ("/ops/release", &release[..]),
+        ("/ops/resolve", &release[..]),
+    ] {
         let (status, _) = console.post(path, form, false).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "POST {path}");
         let (status, _) = console.post(path, form, true).await;
@@ -177,6 +181,55 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
         );
     }
     assert_eq!(q.counts(&q.dlq()).await.0, dead, "nothing replayed");
+
+    // An uncertain operation's page offers "not applied"; the form, with its CSRF
+    // token, resolves it, keeping the operator's note.
+    let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
+    let unsure = idem::Key::new("acme", "orders.create", "evt-unsure").unwrap();
+    let fingerprint = idem::Fingerprint::of(&serde_json::json!({"amount": 1}), &[]);
+    let idem::Claim::Claimed(lease) = store
+        .claim(&unsure, &fingerprint, &idem::Origin::default())
+        .await
+        .unwrap()
+    else {
+        panic!("not claimed");
+    };
+    store
+        .mark_pending(&lease, Some("charge-3"), &serde_json::json!("timeout"))
+        .await
+        .unwrap();
+    let (status, shown) = console
+        .get(
+            "/ops/show?scope=acme&operation=orders.create&key=evt-unsure",
+            true,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(shown.contains("charge-3") && shown.contains("action=\"/ops/resolve\""));
+    let needle = "name=\"csrf\" value=\"";
+    let csrf_at = shown.find(needle).unwrap() + needle.len();
+    let csrf = &shown[csrf_at..csrf_at + shown[csrf_at..].find('"').unwrap()];
+    let (status, done) = console
+        .post(
+            "/ops/resolve",
+            &[
+                ("scope", "acme"),
+                ("operation", "orders.create"),
+                ("key", "evt-unsure"),
+                ("note", "TICKET-9"),
+                ("csrf", csrf),
+            ],
+            true,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(done.contains("Resolved as not applied"), "{done}");
+    let record = store.get(&unsure).await.unwrap().unwrap();
+    assert_eq!(
+        (record.status, record.retryable),
+        (idem::Status::Failed, true)
+    );
+    assert_eq!(record.error.unwrap()["note"], "TICKET-9");
 
     // The login link sets the token as a strict, HTTP-only cookie, which then works.
     let response = client()

@@ -18,7 +18,8 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use common::{
-    WorkerProcess, bearer_principal, database_url, idem_cli, signal, spawn_payments_api, wait_until,
+    WorkerProcess, bearer_principal, database_url, idem_cli, run_idem, signal, spawn_payments_api,
+    wait_until,
 };
 use idem::http::{Decided, IDEMPOTENCY_REPLAYED, Idempotency, IdempotentRequest, Tx};
 use idem::{HandlerError, Key, Reconciliation, Store, StoreConfig};
@@ -544,6 +545,10 @@ async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) 
             post(maybe).route_layer(keys.required().reconcile(reconcile_maybe)),
         )
         .route(
+            "/maybe-unreconciled",
+            post(maybe).route_layer(keys.required()),
+        )
+        .route(
             "/gated",
             post(gated).route_layer(
                 keys.required()
@@ -739,6 +744,79 @@ async fn a_route_may_answer_202_with_a_location_to_poll(pool: PgPool) {
     assert_eq!(polled.headers()[IDEMPOTENCY_REPLAYED], "true");
     assert_eq!(polled.bytes().await.unwrap().as_ref(), b"attempt 1");
     assert_eq!(effects(&pool, "gated").await, 1);
+}
+
+/// A route without a reconciler leaves an uncertain key pending, answering 409, until
+/// an operator who checked with the provider resolves it as not applied: the next
+/// request runs it again, once. What is not pending is refused with its status.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn an_operator_resolves_an_unreconciled_pending_key_and_it_runs_again(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url_db = database_url(&c);
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/maybe-unreconciled");
+    let body = br#"{"outcome":"charge-9"}"#;
+    let first = post_json(&client, &url, Some("ops"), Some("r-1"), body)
+        .await
+        .unwrap();
+    assert_eq!(first.status, 502);
+    let waiting = post_json(&client, &url, Some("ops"), Some("r-1"), body)
+        .await
+        .unwrap();
+    assert_eq!(waiting.status, 409);
+    assert_eq!(waiting.problem_type(), "urn:idem:problem:outcome-uncertain");
+    let key = [
+        "--scope",
+        "ops",
+        "--operation",
+        "POST /maybe-unreconciled",
+        "--key",
+        "r-1",
+    ];
+    let resolve = |extra: &'static [&'static str]| {
+        let url_db = url_db.clone();
+        async move { run_idem(&url_db, &[&["ops", "resolve"][..], &key, extra].concat()).await }
+    };
+    // The finding must be said.
+    let (code, _) = resolve(&[]).await;
+    assert_ne!(code, 0, "resolve without --not-applied");
+    let (code, out) = resolve(&["--not-applied", "--note", "TICKET-7: no charge-9"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("resolved"), "{out}");
+    let (status, attempts, retryable, external_ref, expires) =
+        record_of(&pool, "POST /maybe-unreconciled").await;
+    assert_eq!(
+        (
+            status.as_str(),
+            attempts,
+            retryable,
+            external_ref.as_deref()
+        ),
+        ("failed", 1, true, Some("charge-9"))
+    );
+    assert!(expires, "a resolved key expires if no request comes");
+    let shown = idem_cli(&url_db, &[&["ops", "show"][..], &key].concat()).await;
+    assert!(shown.contains("TICKET-7"), "the note is kept: {shown}");
+
+    let again = post_json(&client, &url, Some("ops"), Some("r-1"), body)
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.status, again.body.as_slice()),
+        (201, &b"ran again, attempt 2"[..])
+    );
+    assert_eq!(effects(&pool, "maybe").await, 1, "one run committed");
+    let replayed = post_json(&client, &url, Some("ops"), Some("r-1"), body)
+        .await
+        .unwrap();
+    assert!(replayed.replayed(), "then it is an ordinary completed key");
+    let (code, _) = resolve(&["--not-applied"]).await;
+    assert_ne!(code, 0, "a completed key is not resolved");
+    assert_eq!(effects(&pool, "maybe").await, 1);
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

@@ -1244,3 +1244,59 @@ async fn completed_answers_for_many_keys_in_their_order(pool: PgPool) {
     );
     assert!(store.completed(&[]).await.unwrap().is_empty());
 }
+
+/// An operator's "not applied" settles a pending record nobody is reconciling, and
+/// leaves alone one a worker is reconciling now (a live lease): that worker's fenced
+/// outcome stays the one that counts. After it, a claim runs the operation again.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn resolving_not_applied_waits_for_a_live_reconcile_and_then_reruns(pool: PgPool) {
+    let store = store(&pool, Duration::from_secs(30));
+    let k = key("evt-unsure");
+    let payload = json!({"amount": 5});
+    let first = claimed(&store, &k, &payload).await;
+    store
+        .mark_pending(&first, Some("charge-1"), &json!({"error": "timeout"}))
+        .await
+        .unwrap();
+    // A worker takes it to reconcile: its lease is live.
+    let Claim::Pending { lease, .. } = store.claim(&k, &fp(&payload), &origin()).await.unwrap()
+    else {
+        panic!("expected a reconcile");
+    };
+    assert!(
+        store
+            .resolve_not_applied(&k, "checked")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // Its worker died: released, the operator's finding applies.
+    store.release(&k).await.unwrap();
+    let resolved = store
+        .resolve_not_applied(&k, "checked")
+        .await
+        .unwrap()
+        .expect("resolved");
+    assert_eq!(
+        (resolved.status, resolved.retryable),
+        (Status::Failed, true)
+    );
+    assert!(!resolved.reconcile_first);
+    assert_eq!(resolved.error.as_ref().unwrap()["note"], "checked");
+    assert_eq!(
+        resolved.error.as_ref().unwrap()["before"]["error"],
+        "timeout"
+    );
+    // The dead reconciler cannot write any more; the next claim runs it again.
+    assert!(store.complete(&lease, &json!("late")).await.is_err());
+    let again = claimed(&store, &k, &payload).await;
+    assert!(again.token > lease.token);
+    store.complete(&again, &json!("ran")).await.unwrap();
+    assert!(
+        store
+            .resolve_not_applied(&k, "again")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}

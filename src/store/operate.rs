@@ -108,6 +108,43 @@ impl Store {
         .await?)
     }
 
+    /// Settles by hand an operation whose outcome was uncertain, once an operator has
+    /// checked with the provider that the effect did **not** happen: a `pending`
+    /// record, or a failed one waiting to be reconciled, becomes a retryable failure
+    /// that is no longer reconciled first, so the next delivery or request runs it
+    /// again. Its error keeps the operator's `note` and the error it had; it expires
+    /// after the retention if nothing comes (an HTTP client may never ask again).
+    ///
+    /// This is what a route or handler without a reconciler needs: its pending key
+    /// otherwise answers 409 forever. A record under a live lease (a worker is
+    /// reconciling it now) is left alone, as is any other status: `None` then.
+    pub async fn resolve_not_applied(
+        &self,
+        key: &Key,
+        note: &str,
+    ) -> Result<Option<Record>, StoreError> {
+        Ok(record_by_key(
+            "UPDATE processed_operations
+             SET status = 'failed', retryable = true, reconcile_first = false,
+                 error = jsonb_build_object(
+                     'error', 'resolved by an operator: not applied',
+                     'note', $4::text, 'before', error),
+                 lease_expires_at = NULL,
+                 expires_at = now() + $5::bigint * interval '1 millisecond',
+                 updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+               AND (status = 'pending'
+                    OR (status = 'failed' AND retryable AND reconcile_first))
+               AND (lease_expires_at IS NULL OR lease_expires_at <= now())
+             RETURNING *",
+            key,
+        )
+        .bind(note)
+        .bind(millis(self.config.retention))
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
     /// Records in `status` not updated for `older_than`, oldest first.
     pub async fn list(
         &self,

@@ -1,4 +1,5 @@
-//! `idem ops`: inspect operations by key, find stuck ones, release leases.
+//! `idem ops`: inspect operations by key, find stuck ones, release leases, settle an
+//! uncertain one that no reconciler can.
 
 use std::time::Duration;
 
@@ -36,6 +37,21 @@ pub(crate) enum Ops {
     Release {
         #[command(flatten)]
         key: KeyArgs,
+    },
+    /// Settle an uncertain (`pending`) operation by hand, once you have checked with the
+    /// provider that its effect did not happen: the next delivery or request runs it
+    /// again. For routes and handlers without a reconciler, whose pending keys
+    /// otherwise wait forever (an HTTP request gets 409).
+    Resolve {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// What you found: the effect did not happen (the only finding this command
+        /// takes; an applied effect needs its result, which a reconciler gives).
+        #[arg(long, required = true)]
+        not_applied: bool,
+        /// Why, kept in the record's error (a ticket, what the provider said).
+        #[arg(long, default_value = "")]
+        note: String,
     },
 }
 
@@ -166,6 +182,29 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
                     r.scope, r.operation, r.idempotency_key, r.status, r.lease_token
                 ),
                 None => bail!("no processing or pending record for {key}"),
+            }
+        }
+        Ops::Resolve { key, note, .. } => {
+            let key = key.resolve(&store).await?;
+            match store.resolve_not_applied(&key, note).await? {
+                Some(r) => println!(
+                    "resolved {} / {} / {} as not applied: now failed (retryable) after {} attempt(s); the next delivery or request runs it again",
+                    r.scope, r.operation, r.idempotency_key, r.attempts
+                ),
+                None => match store.get(&key).await? {
+                    None => bail!("no record for {key}"),
+                    Some(r) if r.status == Status::Pending => bail!(
+                        "{key} is pending under a live lease (a worker is reconciling it now, until {}): try again later, or `idem ops release` it if that worker is dead",
+                        r.lease_expires_at
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_else(|| "-".into())
+                    ),
+                    Some(r) => bail!(
+                        "{key} is {}{}: only an uncertain (pending) operation is resolved by hand",
+                        r.status,
+                        if r.retryable { " (retryable)" } else { "" }
+                    ),
+                },
             }
         }
     }

@@ -95,6 +95,17 @@ pub(super) fn num(n: impl std::fmt::Display) -> String {
 
 /// A POST form to `action` with hidden `fields`, the CSRF token and one button.
 pub(super) fn post_form(action: &str, fields: &[(&str, &str)], csrf: &str, button: &str) -> String {
+    post_form_with(action, fields, "", csrf, button)
+}
+
+/// [`post_form`] with `inputs` (HTML the operator fills in) before the button.
+pub(super) fn post_form_with(
+    action: &str,
+    fields: &[(&str, &str)],
+    inputs: &str,
+    csrf: &str,
+    button: &str,
+) -> String {
     let mut out = format!(
         "<form class=\"inline\" method=\"post\" action=\"{}\">",
         escape(action)
@@ -109,7 +120,7 @@ pub(super) fn post_form(action: &str, fields: &[(&str, &str)], csrf: &str, butto
     }
     let _ = write!(
         out,
-        "<input type=\"hidden\" name=\"csrf\" value=\"{}\"><button type=\"submit\">{}</button></form>",
+        "{inputs}<input type=\"hidden\" name=\"csrf\" value=\"{}\"><button type=\"submit\">{}</button></form>",
         escape(csrf),
         escape(button)
     );

@@ -124,6 +124,7 @@ fn router(console: Arc<Console>) -> Router {
         .route("/ops", get(operations::operations))
         .route("/ops/show", get(operations::operation))
         .route("/ops/release", post(operations::release))
+        .route("/ops/resolve", post(operations::resolve))
         .route("/outbox", get(pages::outbox))
         .route("/charts", get(charts::page))
         .route_layer(middleware::from_fn_with_state(console.clone(), authorized));

@@ -10,7 +10,7 @@ use idem::store::Record;
 use idem::{Key, Status};
 use serde::Deserialize;
 
-use super::html::{escape, num, page, post_form, query, table};
+use super::html::{escape, num, page, post_form, post_form_with, query, table};
 use super::pages::{ROWS, failed, given, when};
 use super::{Console, forbidden};
 
@@ -143,6 +143,9 @@ pub(super) struct KeyForm {
     key: String,
     #[serde(default)]
     csrf: Option<String>,
+    /// Why an uncertain operation is resolved (kept in its record).
+    #[serde(default)]
+    note: Option<String>,
 }
 
 impl KeyForm {
@@ -203,8 +206,75 @@ pub(super) async fn operation(
     } else {
         String::new()
     };
-    let body = format!("{}{release}", table("record", &["field", "value"], &fields));
+    let uncertain = record.status == Status::Pending
+        || (record.status == Status::Failed && record.retryable && record.reconcile_first);
+    let resolve = if uncertain {
+        let pairs = [
+            ("scope", form.scope.as_str()),
+            ("operation", form.operation.as_str()),
+            ("key", form.key.as_str()),
+        ];
+        format!(
+            "<div class=\"box\"><p class=\"warn\">Its outcome was uncertain. Only once you \
+             have checked with the provider (reference <code>{}</code>) that the effect did \
+             <strong>not</strong> happen: resolve it as not applied, and the next delivery \
+             or request runs it again. A worker reconciling it right now keeps it.</p>{}</div>",
+            escape(record.external_ref.as_deref().unwrap_or("-")),
+            post_form_with(
+                "/ops/resolve",
+                &pairs,
+                "<input type=\"text\" name=\"note\" size=\"40\" \
+                 placeholder=\"what the provider said (kept in the record)\">",
+                &console.csrf,
+                "Not applied: run it again"
+            )
+        )
+    } else {
+        String::new()
+    };
+    let body = format!(
+        "{}{release}{resolve}",
+        table("record", &["field", "value"], &fields)
+    );
     page("Operation", &body).into_response()
+}
+
+/// Resolves an uncertain operation as not applied (as `idem ops resolve --not-applied`).
+pub(super) async fn resolve(
+    State(console): State<Arc<Console>>,
+    Form(form): Form<KeyForm>,
+) -> Response {
+    if !console.csrf_ok(form.csrf.as_deref()) {
+        return forbidden();
+    }
+    let key = match form.key() {
+        Ok(key) => key,
+        Err(response) => return *response,
+    };
+    let note = match form.note.as_deref().map(str::trim) {
+        Some(note) if !note.is_empty() => note.to_owned(),
+        _ => "resolved from the console".to_owned(),
+    };
+    let said = match console.store.resolve_not_applied(&key, &note).await {
+        Ok(Some(record)) => format!(
+            "<p class=\"ok\">Resolved as not applied: failed (retryable) after {} \
+             attempt(s); the next delivery or request runs it again.</p>",
+            record.attempts
+        ),
+        Ok(None) => "<p class=\"warn\">Nothing resolved: the operation is not uncertain, \
+                     or a worker is reconciling it now.</p>"
+            .into(),
+        Err(error) => return failed("the store", &error.into()),
+    };
+    let back = format!(
+        "<p><a href=\"/ops/show?{}\">Back to the operation</a></p>",
+        escape(&query(&[
+            ("scope", form.scope.as_str()),
+            ("operation", form.operation.as_str()),
+            ("key", form.key.as_str()),
+        ]))
+    );
+    page("Resolve", &format!("{said}{back}")).into_response()
 }
 
 /// Ends an in-flight operation's lease (as `idem ops release`).
