@@ -167,10 +167,35 @@ pub enum PublishError {
     },
 }
 
+/// The longest [`publish_confirmed`] waits for the publish and its confirm. lapin can
+/// leave a publish waiting for ever when the broker closes the connection under it
+/// (amqp-rs/lapin#409, seen here when `rabbitmqctl close_all_connections` hit a
+/// publisher mid-publish): without a bound, a worker's delivery task would hang holding
+/// its slot. Past it the publish counts as unconfirmed: whoever called publishes again,
+/// a duplicate at worst.
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Publishes `body` persistently to `queue` through the default exchange and waits for
-/// the broker's confirm (the channel must be in confirm mode). Unroutable messages
-/// (no such queue) are refused, not silently dropped.
+/// the broker's confirm (the channel must be in confirm mode), at most
+/// [`CONFIRM_TIMEOUT`]. Unroutable messages (no such queue) are refused, not silently
+/// dropped.
 pub async fn publish_confirmed(
+    channel: &Channel,
+    queue: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), PublishError> {
+    let published = publish_and_confirm(channel, queue, body, properties);
+    match tokio::time::timeout(CONFIRM_TIMEOUT, published).await {
+        Ok(result) => result,
+        Err(_) => Err(PublishError::NotConfirmed {
+            queue: queue.into(),
+            why: format!("no confirm within {} s", CONFIRM_TIMEOUT.as_secs()),
+        }),
+    }
+}
+
+async fn publish_and_confirm(
     channel: &Channel,
     queue: &str,
     body: &[u8],
