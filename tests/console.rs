@@ -209,18 +209,26 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
     let needle = "name=\"csrf\" value=\"";
     let csrf_at = shown.find(needle).unwrap() + needle.len();
     let csrf = &shown[csrf_at..csrf_at + shown[csrf_at..].find('"').unwrap()];
+    let token = lease.token.to_string();
+    assert!(shown.contains(&format!("name=\"token\" value=\"{token}\"")));
+    fn form<'a>(csrf: &'a str, token: &'a str) -> [(&'static str, &'a str); 6] {
+        [
+            ("scope", "acme"),
+            ("operation", "orders.create"),
+            ("key", "evt-unsure"),
+            ("note", "TICKET-9"),
+            ("csrf", csrf),
+            ("token", token),
+        ]
+    }
+    let stale = (lease.token - 1).to_string();
+    let (status, refused) = console
+        .post("/ops/resolve", &form(csrf, &stale), true)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(refused.contains("Nothing resolved"), "{refused}");
     let (status, done) = console
-        .post(
-            "/ops/resolve",
-            &[
-                ("scope", "acme"),
-                ("operation", "orders.create"),
-                ("key", "evt-unsure"),
-                ("note", "TICKET-9"),
-                ("csrf", csrf),
-            ],
-            true,
-        )
+        .post("/ops/resolve", &form(csrf, &token), true)
         .await;
     assert_eq!(status, StatusCode::OK);
     assert!(done.contains("Resolved as not applied"), "{done}");

@@ -777,14 +777,37 @@ async fn an_operator_resolves_an_unreconciled_pending_key_and_it_runs_again(
         "--key",
         "r-1",
     ];
-    let resolve = |extra: &'static [&'static str]| {
+    let resolve = |extra: Vec<String>| {
         let url_db = url_db.clone();
-        async move { run_idem(&url_db, &[&["ops", "resolve"][..], &key, extra].concat()).await }
+        async move {
+            let mut args: Vec<&str> = vec!["ops", "resolve"];
+            args.extend_from_slice(&key);
+            args.extend(extra.iter().map(String::as_str));
+            run_idem(&url_db, &args).await
+        }
     };
-    // The finding must be said.
-    let (code, _) = resolve(&[]).await;
+    let token: i64 = sqlx::query_scalar("SELECT lease_token FROM processed_operations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let token_args = |token: i64| vec!["--token".to_owned(), token.to_string()];
+    // The finding must be said, and the state it was found in.
+    let (code, _) = resolve(token_args(token)).await;
     assert_ne!(code, 0, "resolve without --not-applied");
-    let (code, out) = resolve(&["--not-applied", "--note", "TICKET-7: no charge-9"]).await;
+    let (code, _) = resolve(vec!["--not-applied".into()]).await;
+    assert_ne!(code, 0, "resolve without --token");
+    let (code, _) = resolve([vec!["--not-applied".into()], token_args(token - 1)].concat()).await;
+    assert_ne!(code, 0, "resolve with a token the record no longer has");
+    assert_eq!(
+        record_of(&pool, "POST /maybe-unreconciled").await.0,
+        "pending"
+    );
+    let note = vec![
+        "--not-applied".to_owned(),
+        "--note".into(),
+        "TICKET-7: no charge-9".into(),
+    ];
+    let (code, out) = resolve([note, token_args(token)].concat()).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("resolved"), "{out}");
     let (status, attempts, retryable, external_ref, expires) =
@@ -796,11 +819,15 @@ async fn an_operator_resolves_an_unreconciled_pending_key_and_it_runs_again(
             retryable,
             external_ref.as_deref()
         ),
-        ("failed", 1, true, Some("charge-9"))
+        ("failed", 1, true, None),
+        "the checked reference moves into the error"
     );
     assert!(expires, "a resolved key expires if no request comes");
     let shown = idem_cli(&url_db, &[&["ops", "show"][..], &key].concat()).await;
-    assert!(shown.contains("TICKET-7"), "the note is kept: {shown}");
+    assert!(
+        shown.contains("TICKET-7") && shown.contains("charge-9"),
+        "the note and the reference are kept: {shown}"
+    );
 
     let again = post_json(&client, &url, Some("ops"), Some("r-1"), body)
         .await
@@ -814,7 +841,7 @@ async fn an_operator_resolves_an_unreconciled_pending_key_and_it_runs_again(
         .await
         .unwrap();
     assert!(replayed.replayed(), "then it is an ordinary completed key");
-    let (code, _) = resolve(&["--not-applied"]).await;
+    let (code, _) = resolve([vec!["--not-applied".into()], token_args(token)].concat()).await;
     assert_ne!(code, 0, "a completed key is not resolved");
     assert_eq!(effects(&pool, "maybe").await, 1);
 }

@@ -1245,11 +1245,14 @@ async fn completed_answers_for_many_keys_in_their_order(pool: PgPool) {
     assert!(store.completed(&[]).await.unwrap().is_empty());
 }
 
-/// An operator's "not applied" settles a pending record nobody is reconciling, and
-/// leaves alone one a worker is reconciling now (a live lease): that worker's fenced
-/// outcome stays the one that counts. After it, a claim runs the operation again.
+/// An operator's "not applied" settles only the state the operator checked: not a
+/// record a worker holds (even after its lease was released: it may still be
+/// reconciling), not one a worker took since (a new token: it may have acted), not a
+/// discarded one. A pending record left by an unknown reconcile, or a failed one
+/// waiting to be reconciled, is resolved; the dead reconciler's writes are fenced off
+/// and the next claim runs the operation again.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn resolving_not_applied_waits_for_a_live_reconcile_and_then_reruns(pool: PgPool) {
+async fn resolving_not_applied_takes_only_the_state_the_operator_checked(pool: PgPool) {
     let store = store(&pool, Duration::from_secs(30));
     let k = key("evt-unsure");
     let payload = json!({"amount": 5});
@@ -1258,43 +1261,76 @@ async fn resolving_not_applied_waits_for_a_live_reconcile_and_then_reruns(pool: 
         .mark_pending(&first, Some("charge-1"), &json!({"error": "timeout"}))
         .await
         .unwrap();
-    // A worker takes it to reconcile: its lease is live.
+    let checked = store.get(&k).await.unwrap().unwrap().lease_token;
+    // A worker takes it to reconcile: leased, and a new token.
     let Claim::Pending { lease, .. } = store.claim(&k, &fp(&payload), &origin()).await.unwrap()
     else {
         panic!("expected a reconcile");
     };
-    assert!(
-        store
-            .resolve_not_applied(&k, "checked")
-            .await
-            .unwrap()
-            .is_none()
-    );
-    // Its worker died: released, the operator's finding applies.
+    assert!(lease.token > checked);
+    let resolve = |token: i64| store.resolve_not_applied(&k, token, "checked");
+    assert!(resolve(lease.token).await.unwrap().is_none(), "leased");
     store.release(&k).await.unwrap();
-    let resolved = store
-        .resolve_not_applied(&k, "checked")
+    assert!(
+        resolve(lease.token).await.unwrap().is_none(),
+        "released, maybe alive"
+    );
+    // Its reconcile could not tell: pending again, unleased.
+    store
+        .mark_pending(&lease, None, &json!({"error": "still unknown"}))
         .await
-        .unwrap()
-        .expect("resolved");
+        .unwrap();
+    assert!(
+        resolve(checked).await.unwrap().is_none(),
+        "taken since the check"
+    );
+    let resolved = resolve(lease.token).await.unwrap().expect("resolved");
     assert_eq!(
         (resolved.status, resolved.retryable),
         (Status::Failed, true)
     );
     assert!(!resolved.reconcile_first);
-    assert_eq!(resolved.error.as_ref().unwrap()["note"], "checked");
-    assert_eq!(
-        resolved.error.as_ref().unwrap()["before"]["error"],
-        "timeout"
-    );
-    // The dead reconciler cannot write any more; the next claim runs it again.
+    assert_eq!(resolved.external_ref, None);
+    let error = resolved.error.unwrap();
+    assert_eq!(error["note"], "checked");
+    assert_eq!(error["external_ref"], "charge-1");
+    assert_eq!(error["before"]["error"], "still unknown");
+    // The reconciler cannot write any more; the next claim runs it again.
     assert!(store.complete(&lease, &json!("late")).await.is_err());
     let again = claimed(&store, &k, &payload).await;
     assert!(again.token > lease.token);
     store.complete(&again, &json!("ran")).await.unwrap();
+    assert!(resolve(again.token).await.unwrap().is_none(), "completed");
+
+    // A failure after an uncertain outcome waits to be reconciled: resolved alike.
+    let k2 = key("evt-unsure-2");
+    let lease = claimed(&store, &k2, &payload).await;
+    store
+        .fail(&lease, true, &json!("boom"), true)
+        .await
+        .unwrap();
+    let resolved = store
+        .resolve_not_applied(&k2, lease.token, "checked")
+        .await
+        .unwrap()
+        .expect("resolved");
+    assert!(!resolved.reconcile_first);
+    assert!(matches!(
+        store.claim(&k2, &fp(&payload), &origin()).await.unwrap(),
+        Claim::Claimed(_)
+    ));
+
+    // A discarded operation stays discarded.
+    let k3 = key("evt-unsure-3");
+    let lease = claimed(&store, &k3, &payload).await;
+    store
+        .mark_pending(&lease, None, &json!("timeout"))
+        .await
+        .unwrap();
+    store.discard(&k3).await.unwrap();
     assert!(
         store
-            .resolve_not_applied(&k, "again")
+            .resolve_not_applied(&k3, lease.token, "checked")
             .await
             .unwrap()
             .is_none()

@@ -10,7 +10,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
 
-use super::record::{Record, Status};
+use super::record::{Record, Status, storable};
 use super::{Store, StoreError, millis};
 use crate::gc::Garbage;
 use crate::key::Key;
@@ -112,15 +112,23 @@ impl Store {
     /// checked with the provider that the effect did **not** happen: a `pending`
     /// record, or a failed one waiting to be reconciled, becomes a retryable failure
     /// that is no longer reconciled first, so the next delivery or request runs it
-    /// again. Its error keeps the operator's `note` and the error it had; it expires
-    /// after the retention if nothing comes (an HTTP client may never ask again).
+    /// again. Its error keeps the operator's `note`, the error it had and the provider
+    /// reference that was checked (`external_ref` is cleared: a later uncertain run
+    /// must not be reconciled against it); it expires after the retention if nothing
+    /// comes (an HTTP client may never ask again).
     ///
     /// This is what a route or handler without a reconciler needs: its pending key
-    /// otherwise answers 409 forever. A record under a live lease (a worker is
-    /// reconciling it now) is left alone, as is any other status: `None` then.
+    /// otherwise answers 409 forever. Only the state the operator checked is resolved:
+    /// `lease_token` must still be `seen_token` (every claim draws a new one, so a
+    /// worker that took the record since, and may have acted, makes this refuse), and
+    /// no lease may have been taken on it since it was last settled (a lease, even a
+    /// lapsed or released one, means a worker may still be reconciling it: its next
+    /// delivery reconciles instead). A discarded operation stays discarded. `None`
+    /// when any of this does not hold.
     pub async fn resolve_not_applied(
         &self,
         key: &Key,
+        seen_token: i64,
         note: &str,
     ) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
@@ -128,18 +136,19 @@ impl Store {
              SET status = 'failed', retryable = true, reconcile_first = false,
                  error = jsonb_build_object(
                      'error', 'resolved by an operator: not applied',
-                     'note', $4::text, 'before', error),
-                 lease_expires_at = NULL,
-                 expires_at = now() + $5::bigint * interval '1 millisecond',
+                     'note', $5::text, 'external_ref', external_ref, 'before', error),
+                 external_ref = NULL,
+                 expires_at = now() + $6::bigint * interval '1 millisecond',
                  updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+               AND lease_token = $4 AND lease_expires_at IS NULL AND discarded_at IS NULL
                AND (status = 'pending'
                     OR (status = 'failed' AND retryable AND reconcile_first))
-               AND (lease_expires_at IS NULL OR lease_expires_at <= now())
              RETURNING *",
             key,
         )
-        .bind(note)
+        .bind(seen_token)
+        .bind(storable(note).as_ref())
         .bind(millis(self.config.retention))
         .fetch_optional(&self.pool)
         .await?)

@@ -49,6 +49,10 @@ pub(crate) enum Ops {
         /// takes; an applied effect needs its result, which a reconciler gives).
         #[arg(long, required = true)]
         not_applied: bool,
+        /// The lease_token `idem ops show` printed when you checked: if a worker took
+        /// the operation since (and may have acted), nothing is resolved.
+        #[arg(long)]
+        token: i64,
         /// Why, kept in the record's error (a ticket, what the provider said).
         #[arg(long, default_value = "")]
         note: String,
@@ -184,31 +188,51 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
                 None => bail!("no processing or pending record for {key}"),
             }
         }
-        Ops::Resolve { key, note, .. } => {
+        Ops::Resolve {
+            key, note, token, ..
+        } => {
             let key = key.resolve(&store).await?;
-            match store.resolve_not_applied(&key, note).await? {
+            match store.resolve_not_applied(&key, *token, note).await? {
                 Some(r) => println!(
                     "resolved {} / {} / {} as not applied: now failed (retryable) after {} attempt(s); the next delivery or request runs it again",
                     r.scope, r.operation, r.idempotency_key, r.attempts
                 ),
-                None => match store.get(&key).await? {
-                    None => bail!("no record for {key}"),
-                    Some(r) if r.status == Status::Pending => bail!(
-                        "{key} is pending under a live lease (a worker is reconciling it now, until {}): try again later, or `idem ops release` it if that worker is dead",
-                        r.lease_expires_at
-                            .map(|t| t.to_rfc3339())
-                            .unwrap_or_else(|| "-".into())
-                    ),
-                    Some(r) => bail!(
-                        "{key} is {}{}: only an uncertain (pending) operation is resolved by hand",
-                        r.status,
-                        if r.retryable { " (retryable)" } else { "" }
-                    ),
-                },
+                None => bail!(unresolved(&key, store.get(&key).await?.as_ref(), *token)),
             }
         }
     }
     Ok(())
+}
+
+/// Why `resolve --not-applied` left `key` as it is.
+fn unresolved(key: &Key, record: Option<&Record>, token: i64) -> String {
+    let Some(r) = record else {
+        return format!("no record for {key}");
+    };
+    let uncertain = r.status == Status::Pending
+        || (r.status == Status::Failed && r.retryable && r.reconcile_first);
+    if !uncertain {
+        return format!(
+            "{key} is {}{}: only an uncertain (pending) operation is resolved by hand",
+            r.status,
+            if r.retryable { " (retryable)" } else { "" }
+        );
+    }
+    if r.discarded_at.is_some() {
+        return format!("{key} was discarded: it stays discarded");
+    }
+    if r.lease_token != token {
+        return format!(
+            "{key} changed since you checked (lease_token {} now, not {token}): a worker took it and may have acted; check with the provider again",
+            r.lease_token
+        );
+    }
+    format!(
+        "{key} is leased (until {}): a worker took it to reconcile; its next delivery or request reconciles it, or it becomes pending again to resolve",
+        r.lease_expires_at
+            .map(|t| t.to_rfc3339())
+            .unwrap_or_else(|| "-".into())
+    )
 }
 
 fn print_record(r: &Record) {

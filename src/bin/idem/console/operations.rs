@@ -146,6 +146,9 @@ pub(super) struct KeyForm {
     /// Why an uncertain operation is resolved (kept in its record).
     #[serde(default)]
     note: Option<String>,
+    /// The lease token the page showed, which a resolve must still find.
+    #[serde(default)]
+    token: Option<i64>,
 }
 
 impl KeyForm {
@@ -208,11 +211,13 @@ pub(super) async fn operation(
     };
     let uncertain = record.status == Status::Pending
         || (record.status == Status::Failed && record.retryable && record.reconcile_first);
-    let resolve = if uncertain {
+    let resolve = if uncertain && record.lease_expires_at.is_none() {
+        let token = record.lease_token.to_string();
         let pairs = [
             ("scope", form.scope.as_str()),
             ("operation", form.operation.as_str()),
             ("key", form.key.as_str()),
+            ("token", token.as_str()),
         ];
         format!(
             "<div class=\"box\"><p class=\"warn\">Its outcome was uncertain. Only once you \
@@ -251,18 +256,27 @@ pub(super) async fn resolve(
         Ok(key) => key,
         Err(response) => return *response,
     };
+    let Some(token) = form.token else {
+        let answer = (
+            axum::http::StatusCode::BAD_REQUEST,
+            "the lease token the page showed is missing",
+        );
+        return answer.into_response();
+    };
     let note = match form.note.as_deref().map(str::trim) {
         Some(note) if !note.is_empty() => note.to_owned(),
         _ => "resolved from the console".to_owned(),
     };
-    let said = match console.store.resolve_not_applied(&key, &note).await {
+    let said = match console.store.resolve_not_applied(&key, token, &note).await {
         Ok(Some(record)) => format!(
             "<p class=\"ok\">Resolved as not applied: failed (retryable) after {} \
              attempt(s); the next delivery or request runs it again.</p>",
             record.attempts
         ),
-        Ok(None) => "<p class=\"warn\">Nothing resolved: the operation is not uncertain, \
-                     or a worker is reconciling it now.</p>"
+        Ok(None) => "<p class=\"warn\">Nothing resolved: the operation changed since the \
+                     page showed it (a worker took it, and may have acted: check with the \
+                     provider again), is leased to a worker reconciling it, was \
+                     discarded, or is not uncertain.</p>"
             .into(),
         Err(error) => return failed("the store", &error.into()),
     };
