@@ -152,6 +152,23 @@ pub(super) struct KeyForm {
 }
 
 impl KeyForm {
+    /// The key's fields, for a form or a link.
+    fn pairs(&self) -> [(&'static str, &str); 3] {
+        [
+            ("scope", self.scope.as_str()),
+            ("operation", self.operation.as_str()),
+            ("key", self.key.as_str()),
+        ]
+    }
+
+    /// The link back to the operation's page.
+    fn back(&self) -> String {
+        format!(
+            "<p><a href=\"/ops/show?{}\">Back to the operation</a></p>",
+            escape(&query(&self.pairs()))
+        )
+    }
+
     /// The key, or the 400 answer saying why it is not one.
     fn key(&self) -> Result<Key, Box<Response>> {
         Key::new(&self.scope, &self.operation, &self.key).map_err(|e| {
@@ -194,11 +211,7 @@ pub(super) async fn operation(
         }
     }
     let release = if matches!(record.status, Status::Processing | Status::Pending) {
-        let pairs = [
-            ("scope", form.scope.as_str()),
-            ("operation", form.operation.as_str()),
-            ("key", form.key.as_str()),
-        ];
+        let pairs = form.pairs();
         format!(
             "<div class=\"box\"><p class=\"warn\">Release only when its worker is dead: the \
              lease ends now, and the next delivery or replay takes the operation over \
@@ -213,12 +226,8 @@ pub(super) async fn operation(
         || (record.status == Status::Failed && record.retryable && record.reconcile_first);
     let resolve = if uncertain && record.lease_expires_at.is_none() {
         let token = record.lease_token.to_string();
-        let pairs = [
-            ("scope", form.scope.as_str()),
-            ("operation", form.operation.as_str()),
-            ("key", form.key.as_str()),
-            ("token", token.as_str()),
-        ];
+        let mut pairs = form.pairs().to_vec();
+        pairs.push(("token", token.as_str()));
         format!(
             "<div class=\"box\"><p class=\"warn\">Its outcome was uncertain. Only once you \
              have checked with the provider (reference <code>{}</code>) that the effect did \
@@ -280,15 +289,7 @@ pub(super) async fn resolve(
             .into(),
         Err(error) => return failed("the store", &error.into()),
     };
-    let back = format!(
-        "<p><a href=\"/ops/show?{}\">Back to the operation</a></p>",
-        escape(&query(&[
-            ("scope", form.scope.as_str()),
-            ("operation", form.operation.as_str()),
-            ("key", form.key.as_str()),
-        ]))
-    );
-    page("Resolve", &format!("{said}{back}")).into_response()
+    page("Resolve", &format!("{said}{}", form.back())).into_response()
 }
 
 /// Ends an in-flight operation's lease (as `idem ops release`).
@@ -314,13 +315,5 @@ pub(super) async fn release(
             .into(),
         Err(error) => return failed("the store", &error.into()),
     };
-    let back = format!(
-        "<p><a href=\"/ops/show?{}\">Back to the operation</a></p>",
-        escape(&query(&[
-            ("scope", form.scope.as_str()),
-            ("operation", form.operation.as_str()),
-            ("key", form.key.as_str()),
-        ]))
-    );
-    page("Release", &format!("{said}{back}")).into_response()
+    page("Release", &format!("{said}{}", form.back())).into_response()
 }
