@@ -130,6 +130,15 @@ pub struct Record {
 }
 
 impl Record {
+    /// Whether the operation's outcome is uncertain and waits to be reconciled:
+    /// `pending`, or failed retryably after having been uncertain. These are the
+    /// records [`Store::resolve_not_applied`](super::Store::resolve_not_applied) may
+    /// settle (its statement says the same in SQL).
+    pub fn awaits_reconcile(&self) -> bool {
+        self.status == Status::Pending
+            || (self.status == Status::Failed && self.retryable && self.reconcile_first)
+    }
+
     /// The stored error's text (`error.error`), if the record holds one.
     pub fn error_text(&self) -> Option<String> {
         self.error.as_ref().map(StoredError::text_of)

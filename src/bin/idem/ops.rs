@@ -209,9 +209,7 @@ fn unresolved(key: &Key, record: Option<&Record>, token: i64) -> String {
     let Some(r) = record else {
         return format!("no record for {key}");
     };
-    let uncertain = r.status == Status::Pending
-        || (r.status == Status::Failed && r.retryable && r.reconcile_first);
-    if !uncertain {
+    if !r.awaits_reconcile() {
         return format!(
             "{key} is {}{}: only an uncertain (pending) operation is resolved by hand",
             r.status,

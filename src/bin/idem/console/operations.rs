@@ -169,6 +169,15 @@ impl KeyForm {
         )
     }
 
+    /// For an action: the key, once the form's CSRF token is right (403 otherwise, 400
+    /// for a key that is not one).
+    fn action_key(&self, console: &Console) -> Result<Key, Box<Response>> {
+        if !console.csrf_ok(self.csrf.as_deref()) {
+            return Err(Box::new(forbidden()));
+        }
+        self.key()
+    }
+
     /// The key, or the 400 answer saying why it is not one.
     fn key(&self) -> Result<Key, Box<Response>> {
         Key::new(&self.scope, &self.operation, &self.key).map_err(|e| {
@@ -222,9 +231,7 @@ pub(super) async fn operation(
     } else {
         String::new()
     };
-    let uncertain = record.status == Status::Pending
-        || (record.status == Status::Failed && record.retryable && record.reconcile_first);
-    let resolve = if uncertain && record.lease_expires_at.is_none() {
+    let resolve = if record.awaits_reconcile() && record.lease_expires_at.is_none() {
         let token = record.lease_token.to_string();
         let mut pairs = form.pairs().to_vec();
         pairs.push(("token", token.as_str()));
@@ -258,10 +265,7 @@ pub(super) async fn resolve(
     State(console): State<Arc<Console>>,
     Form(form): Form<KeyForm>,
 ) -> Response {
-    if !console.csrf_ok(form.csrf.as_deref()) {
-        return forbidden();
-    }
-    let key = match form.key() {
+    let key = match form.action_key(&console) {
         Ok(key) => key,
         Err(response) => return *response,
     };
@@ -297,10 +301,7 @@ pub(super) async fn release(
     State(console): State<Arc<Console>>,
     Form(form): Form<KeyForm>,
 ) -> Response {
-    if !console.csrf_ok(form.csrf.as_deref()) {
-        return forbidden();
-    }
-    let key = match form.key() {
+    let key = match form.action_key(&console) {
         Ok(key) => key,
         Err(response) => return *response,
     };
