@@ -213,7 +213,7 @@ async fn main() -> ExitCode {
     match run(args, outcomes).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("bench: error: {}", idem::error_line(error.as_ref()));
+            eprintln!("bench: error: {}", idem::text::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -131,7 +131,7 @@ async fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(error) => {
-            eprintln!("chaos: error: {}", idem::error_line(error.as_ref()));
+            eprintln!("chaos: error: {}", idem::text::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }

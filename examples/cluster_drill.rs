@@ -100,7 +100,10 @@ async fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(error) => {
-            eprintln!("cluster_drill: error: {}", idem::error_line(error.as_ref()));
+            eprintln!(
+                "cluster_drill: error: {}",
+                idem::text::error_line(error.as_ref())
+            );
             ExitCode::FAILURE
         }
     }

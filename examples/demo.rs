@@ -52,7 +52,7 @@ async fn main() -> ExitCode {
     match run(&outcomes).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("demo: error: {}", idem::error_line(error.as_ref()));
+            eprintln!("demo: error: {}", idem::text::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -63,7 +63,10 @@ async fn main() -> ExitCode {
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("http_bench: error: {}", idem::error_line(error.as_ref()));
+            eprintln!(
+                "http_bench: error: {}",
+                idem::text::error_line(error.as_ref())
+            );
             ExitCode::FAILURE
         }
     }

@@ -93,7 +93,7 @@ async fn main() -> ExitCode {
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("latency: error: {}", idem::error_line(error.as_ref()));
+            eprintln!("latency: error: {}", idem::text::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }

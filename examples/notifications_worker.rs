@@ -125,7 +125,10 @@ async fn main() -> ExitCode {
     let _telemetry = match idem::telemetry::init("notifications_worker") {
         Ok(telemetry) => telemetry,
         Err(error) => {
-            eprintln!("notifications_worker: error: {}", idem::error_line(&error));
+            eprintln!(
+                "notifications_worker: error: {}",
+                idem::text::error_line(&error)
+            );
             return ExitCode::FAILURE;
         }
     };
@@ -134,7 +137,7 @@ async fn main() -> ExitCode {
         Err(error) => {
             eprintln!(
                 "notifications_worker: error: {}",
-                idem::error_line(error.as_ref())
+                idem::text::error_line(error.as_ref())
             );
             ExitCode::FAILURE
         }

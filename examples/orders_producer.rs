@@ -224,7 +224,7 @@ async fn main() -> ExitCode {
         Err(error) => {
             eprintln!(
                 "orders_producer: error: {}",
-                idem::error_line(error.as_ref())
+                idem::text::error_line(error.as_ref())
             );
             ExitCode::FAILURE
         }

@@ -236,14 +236,17 @@ async fn main() -> ExitCode {
     let _telemetry = match idem::telemetry::init("orders_worker") {
         Ok(telemetry) => telemetry,
         Err(error) => {
-            eprintln!("orders_worker: error: {}", idem::error_line(&error));
+            eprintln!("orders_worker: error: {}", idem::text::error_line(&error));
             return ExitCode::FAILURE;
         }
     };
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("orders_worker: error: {}", idem::error_line(error.as_ref()));
+            eprintln!(
+                "orders_worker: error: {}",
+                idem::text::error_line(error.as_ref())
+            );
             ExitCode::FAILURE
         }
     }

@@ -180,7 +180,7 @@ fn path_segment(text: &str) -> String {
 }
 
 fn internal(error: sqlx::Error) -> Response {
-    HandlerError::transient(idem::error_line(&error)).into_response()
+    HandlerError::transient(idem::text::error_line(&error)).into_response()
 }
 
 /// The example's table, without a unique constraint: a double payment must be visible.
@@ -238,14 +238,17 @@ async fn main() -> ExitCode {
     let _telemetry = match idem::telemetry::init("payments_api") {
         Ok(telemetry) => telemetry,
         Err(error) => {
-            eprintln!("payments_api: error: {}", idem::error_line(&error));
+            eprintln!("payments_api: error: {}", idem::text::error_line(&error));
             return ExitCode::FAILURE;
         }
     };
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("payments_api: error: {}", idem::error_line(error.as_ref()));
+            eprintln!(
+                "payments_api: error: {}",
+                idem::text::error_line(error.as_ref())
+            );
             ExitCode::FAILURE
         }
     }

@@ -89,15 +89,83 @@ pub struct DeadLetter<'a> {
     pub original_queue: &'a str,
 }
 
-/// The original properties with the dead letter's `idem-*` headers set and broker `x-`
-/// headers removed.
-pub fn dead_letter_properties(original: &BasicProperties, dl: &DeadLetter<'_>) -> BasicProperties {
-    let mut headers = carried_headers(original);
+/// The longest `idem-error` a dead letter carries, in bytes: the error of a message
+/// can be as long as the message (serde quotes the value it refused), and a header
+/// frame larger than the connection's `frame_max` makes the broker close the
+/// connection, so the dead letter would never leave.
+pub const ERROR_MAX: usize = 1024;
+
+/// How many of the producer's headers a dead letter or retry left behind because,
+/// with them, its header frame would not fit the connection's `frame_max`
+/// (`idem-dropped-headers`).
+pub const DROPPED_HEADERS: &str = "idem-dropped-headers";
+
+/// The `idem-*` headers a republished copy keeps: counters idem carries from hop to
+/// hop, and what a follow-up message says about its source. Every other `idem-*`
+/// header is a verdict only idem may give (a reason, a key, a queue), and an incoming
+/// one is a producer's forgery: it is dropped, so that a dead letter's headers are
+/// only ever idem's own.
+const CARRIED_IDEM: [&str; 4] = [
+    RETRIES,
+    REPLAYS,
+    crate::outbox::SOURCE_KEY_HEADER,
+    crate::outbox::CORRELATION_HEADER,
+];
+
+/// What idem publishes on a delivery's behalf (a retry or a dead letter): the original
+/// properties, the producer's headers they carry, and idem's own headers. A copy that
+/// would not fit the connection's frame is sent without the producer's headers
+/// ([`Outgoing::without_carried`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Outgoing {
+    original: BasicProperties,
+    carried: FieldTable,
+    own: FieldTable,
+}
+
+impl Outgoing {
+    /// The properties with the producer's headers and idem's.
+    pub(crate) fn properties(&self) -> BasicProperties {
+        let mut headers = self.carried.clone();
+        for (name, value) in self.own.inner() {
+            headers.insert(name.clone(), value.clone());
+        }
+        self.original.clone().with_headers(headers)
+    }
+
+    /// The properties with idem's headers only, saying how many of the producer's
+    /// were left behind; `error_max` bounds `idem-error` again (for a connection whose
+    /// `frame_max` is near the protocol's minimum of 4,096 bytes).
+    pub(crate) fn without_carried(&self, error_max: usize) -> BasicProperties {
+        let mut own = self.own.clone();
+        let dropped = i64::try_from(self.carried.inner().len()).unwrap_or(i64::MAX);
+        own.insert(
+            ShortString::from(DROPPED_HEADERS),
+            AMQPValue::LongLongInt(dropped),
+        );
+        if let Some(AMQPValue::LongString(error)) = own.inner().get(ERROR).cloned() {
+            let error = String::from_utf8_lossy(error.as_bytes()).into_owned();
+            own.insert(ERROR.into(), text(&crate::text::cut(&error, error_max)));
+        }
+        self.original.clone().with_headers(own)
+    }
+
+    /// How many of the producer's headers travel with the copy.
+    pub(crate) fn carried(&self) -> usize {
+        self.carried.inner().len()
+    }
+}
+
+/// A dead letter of `original`: its properties, the producer's headers (not the
+/// broker's `x-` ones, nor forged `idem-*` verdicts), and the dead letter's `idem-*`
+/// headers, `idem-error` cut to [`ERROR_MAX`] bytes.
+pub(crate) fn dead_letter(original: &BasicProperties, dl: &DeadLetter<'_>) -> Outgoing {
+    let mut own = FieldTable::default();
     let mut set = |name: &str, value: AMQPValue| {
-        headers.insert(ShortString::from(name), value);
+        own.insert(ShortString::from(name), value);
     };
     set(REASON, text(dl.reason.as_str()));
-    set(ERROR, text(dl.error));
+    set(ERROR, text(&crate::text::cut(dl.error, ERROR_MAX)));
     if let Some(key) = dl.key {
         set(KEY, text(key.idempotency_key()));
         set(SCOPE, text(key.scope()));
@@ -107,19 +175,98 @@ pub fn dead_letter_properties(original: &BasicProperties, dl: &DeadLetter<'_>) -
     set(ATTEMPTS, AMQPValue::LongLongInt(dl.attempts));
     set(ORIGINAL_QUEUE, text(dl.original_queue));
     set(FAILED_AT, text(&chrono::Utc::now().to_rfc3339()));
-    original.clone().with_headers(headers)
+    outgoing(original, own)
+}
+
+/// Delayed retry number `retries` (1-based) of `original`: its properties and headers
+/// (as [`dead_letter`] carries them) and `idem-retries`.
+pub(crate) fn retry(original: &BasicProperties, retries: i64) -> Outgoing {
+    let mut own = FieldTable::default();
+    own.insert(ShortString::from(RETRIES), AMQPValue::LongLongInt(retries));
+    outgoing(original, own)
+}
+
+fn outgoing(original: &BasicProperties, own: FieldTable) -> Outgoing {
+    Outgoing {
+        original: original.clone().with_headers(FieldTable::default()),
+        carried: carried_headers(original),
+        own,
+    }
+}
+
+/// The properties of a dead letter with its `idem-*` headers set (see [`dead_letter`]).
+pub fn dead_letter_properties(original: &BasicProperties, dl: &DeadLetter<'_>) -> BasicProperties {
+    dead_letter(original, dl).properties()
 }
 
 /// The original properties for delayed retry number `retries` (1-based).
 pub fn retry_properties(original: &BasicProperties, retries: i64) -> BasicProperties {
-    let mut headers = carried_headers(original);
-    headers.insert(ShortString::from(RETRIES), AMQPValue::LongLongInt(retries));
-    original.clone().with_headers(headers)
+    retry(original, retries).properties()
 }
 
-/// The headers a republished copy keeps: all but the broker's `x-` headers.
+/// The headers a republished copy keeps: all but the broker's `x-` headers and the
+/// `idem-*` verdicts only idem may set.
 pub fn carried_headers(original: &BasicProperties) -> FieldTable {
-    headers_without(original, &["x-"])
+    let mut kept = FieldTable::default();
+    for (name, value) in original.headers().iter().flat_map(|h| h.inner()) {
+        let name_text = name.as_str();
+        let forged = name_text.starts_with("idem-") && !CARRIED_IDEM.contains(&name_text);
+        if !name_text.starts_with("x-") && !forged {
+            kept.insert(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
+/// The size in bytes of the content header frame that carries `properties`: the
+/// frame's own 8 bytes, class, weight, body size and flags, and every property as AMQP
+/// encodes it. The broker refuses a frame larger than the connection's `frame_max` by
+/// closing the connection, so whatever idem publishes is measured first.
+pub fn header_frame_len(properties: &BasicProperties) -> usize {
+    const FIXED: usize = 8 + 2 + 2 + 8 + 2;
+    let short = |s: &Option<ShortString>| s.as_ref().map_or(0, |s| 1 + s.as_str().len());
+    let p = properties;
+    FIXED
+        + short(p.content_type())
+        + short(p.content_encoding())
+        + p.headers().as_ref().map_or(0, table_len)
+        + p.delivery_mode().map_or(0, |_| 1)
+        + p.priority().map_or(0, |_| 1)
+        + short(p.correlation_id())
+        + short(p.reply_to())
+        + short(p.expiration())
+        + short(p.message_id())
+        + p.timestamp().map_or(0, |_| 8)
+        + short(p.kind())
+        + short(p.user_id())
+        + short(p.app_id())
+        + short(p.cluster_id())
+}
+
+fn table_len(table: &FieldTable) -> usize {
+    4 + table
+        .inner()
+        .iter()
+        .map(|(name, value)| 1 + name.as_str().len() + 1 + value_len(value))
+        .sum::<usize>()
+}
+
+fn value_len(value: &AMQPValue) -> usize {
+    match value {
+        AMQPValue::Boolean(_) | AMQPValue::ShortShortInt(_) | AMQPValue::ShortShortUInt(_) => 1,
+        AMQPValue::ShortInt(_) | AMQPValue::ShortUInt(_) => 2,
+        AMQPValue::LongInt(_) | AMQPValue::LongUInt(_) | AMQPValue::Float(_) => 4,
+        AMQPValue::LongLongInt(_) | AMQPValue::Double(_) | AMQPValue::Timestamp(_) => 8,
+        AMQPValue::DecimalValue(_) => 5,
+        AMQPValue::ShortString(s) => 1 + s.as_str().len(),
+        AMQPValue::LongString(s) => 4 + s.len(),
+        AMQPValue::ByteArray(b) => 4 + b.len(),
+        AMQPValue::FieldArray(a) => {
+            4 + a.as_slice().iter().map(|v| 1 + value_len(v)).sum::<usize>()
+        }
+        AMQPValue::FieldTable(t) => table_len(t),
+        AMQPValue::Void => 0,
+    }
 }
 
 /// The properties of a replayed dead letter: the original ones, without the broker's
@@ -231,6 +378,128 @@ mod tests {
         assert!(header_str(&replayed, REASON).is_none());
         assert!(header_i64(&replayed, RETRIES).is_none());
         assert_eq!(replayed.message_id(), props.message_id());
+    }
+
+    #[test]
+    fn forged_verdicts_are_not_carried_but_idem_counters_are() {
+        let mut headers = FieldTable::default();
+        for forged in [
+            KEY,
+            SCOPE,
+            KEY_HASH,
+            REASON,
+            ERROR,
+            ORIGINAL_QUEUE,
+            "idem-anything",
+        ] {
+            headers.insert(forged.into(), text("victim"));
+        }
+        headers.insert(RETRIES.into(), AMQPValue::LongLongInt(1));
+        headers.insert(REPLAYS.into(), AMQPValue::LongLongInt(2));
+        headers.insert("app".into(), text("kept"));
+        let original = BasicProperties::default().with_headers(headers);
+        let carried = carried_headers(&original);
+        let names: Vec<&str> = carried.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["app", REPLAYS, RETRIES]);
+        // A malformed message (no valid key) keeps no forged key or scope.
+        let props = dead_letter_properties(
+            &original,
+            &DeadLetter {
+                reason: Reason::Malformed,
+                error: "body is not JSON",
+                key: None,
+                operation: "orders.create",
+                attempts: 0,
+                original_queue: "orders",
+            },
+        );
+        assert_eq!(header_str(&props, KEY), None);
+        assert_eq!(header_str(&props, SCOPE), None);
+        assert_eq!(
+            header_str(&props, ORIGINAL_QUEUE).as_deref(),
+            Some("orders")
+        );
+        assert_eq!(header_str(&props, REASON).as_deref(), Some("malformed"));
+    }
+
+    #[test]
+    fn an_error_is_cut_and_a_copy_too_large_leaves_the_producers_headers_behind() {
+        let mut headers = FieldTable::default();
+        headers.insert("big".into(), text(&"h".repeat(130_000)));
+        headers.insert("small".into(), text("s"));
+        let original = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_headers(headers);
+        let error = format!("invalid type: string \"{}\"", "x".repeat(140_000));
+        let copy = dead_letter(
+            &original,
+            &DeadLetter {
+                reason: Reason::Malformed,
+                error: &error,
+                key: None,
+                operation: "orders.create",
+                attempts: 0,
+                original_queue: "orders",
+            },
+        );
+        let full = copy.properties();
+        let said = header_str(&full, ERROR).unwrap();
+        assert!(
+            said.len() <= ERROR_MAX && said.ends_with(" bytes cut)"),
+            "{}",
+            said.len()
+        );
+        assert!(
+            header_frame_len(&full) > 131_072,
+            "the full copy is over the frame"
+        );
+        let without = copy.without_carried(ERROR_MAX);
+        assert!(header_frame_len(&without) < 4_096);
+        assert_eq!(header_i64(&without, DROPPED_HEADERS), Some(2));
+        assert_eq!(header_str(&without, "big"), None);
+        assert_eq!(header_str(&without, REASON).as_deref(), Some("malformed"));
+        assert_eq!(without.message_id(), original.message_id());
+        let smaller = copy.without_carried(128);
+        assert!(header_str(&smaller, ERROR).unwrap().len() <= 128);
+    }
+
+    #[test]
+    fn the_header_frame_is_measured_as_amqp_encodes_it() {
+        let mut nested = FieldTable::default();
+        nested.insert("n".into(), AMQPValue::Boolean(true));
+        let mut headers = FieldTable::default();
+        headers.insert("s".into(), text("value"));
+        headers.insert("i".into(), AMQPValue::LongLongInt(7));
+        headers.insert("short".into(), AMQPValue::ShortString("x".into()));
+        headers.insert("t".into(), AMQPValue::FieldTable(nested));
+        headers.insert(
+            "a".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::LongInt(1), text("two")].into()),
+        );
+        headers.insert("b".into(), AMQPValue::ByteArray(vec![1, 2, 3].into()));
+        headers.insert("d".into(), AMQPValue::Double(1.5));
+        headers.insert("u".into(), AMQPValue::ShortUInt(2));
+        headers.insert("v".into(), AMQPValue::Void);
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_message_id("m-1".into())
+            .with_correlation_id("c-1".into())
+            .with_delivery_mode(2)
+            .with_timestamp(1)
+            .with_type("order.created".into())
+            .with_headers(headers);
+        let encoded = lapin::protocol::basic::gen_properties(&properties)(Vec::new().into())
+            .unwrap()
+            .write
+            .len();
+        // The frame (8), class and weight (4) and body size (8) around what gen writes.
+        assert_eq!(header_frame_len(&properties), 8 + 4 + 8 + encoded);
+        let empty = BasicProperties::default();
+        let encoded = lapin::protocol::basic::gen_properties(&empty)(Vec::new().into())
+            .unwrap()
+            .write
+            .len();
+        assert_eq!(header_frame_len(&empty), 8 + 4 + 8 + encoded);
     }
 
     #[test]

@@ -77,6 +77,7 @@ pub mod shutdown;
 pub mod store;
 pub mod tally;
 pub mod telemetry;
+pub mod text;
 pub mod topology;
 pub mod trace;
 pub mod worker;
@@ -91,26 +92,6 @@ pub use shutdown::CancellationToken;
 pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
 pub use worker::{Mode, Worker, WorkerConfig, WorkerError};
-
-/// An error and its causes on one line (`a: b: c`), for the one line a binary prints
-/// when it fails and for logs. idem's own errors never repeat their source in their
-/// message; a cause whose text the previous message already contains is skipped anyway,
-/// because drivers (sqlx, lapin, std::io wrappers) often do.
-pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = error.to_string();
-    let mut last = line.clone();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !last.contains(&text) {
-            line.push_str(": ");
-            line.push_str(&text);
-        }
-        last = text;
-        source = cause.source();
-    }
-    line
-}
 
 /// The README's code blocks compile as doc tests, so the first screen stays true (with
 /// the feature `http`, which one of them uses: `cargo test --all-features`).

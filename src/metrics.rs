@@ -264,7 +264,7 @@ async fn database_health(pool: &PgPool) -> Result<(), String> {
     let query = sqlx::query("SELECT 1").execute(pool);
     match tokio::time::timeout(Duration::from_secs(2), query).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(error)) => Err(crate::error_line(&error)),
+        Ok(Err(error)) => Err(crate::text::error_line(&error)),
         Err(_) => Err("no answer within 2 s".into()),
     }
 }
@@ -297,7 +297,7 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
         let ages: Result<Ages, String> =
             match tokio::time::timeout(Duration::from_secs(2), query).await {
                 Ok(Ok(ages)) => Ok(ages),
-                Ok(Err(error)) => Err(crate::error_line(&error)),
+                Ok(Err(error)) => Err(crate::text::error_line(&error)),
                 Err(_) => Err("no answer within 2 s".into()),
             };
         match ages {

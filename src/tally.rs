@@ -207,7 +207,7 @@ pub(crate) async fn flush_every(
             _ = tick.tick() => {}
         }
         if let Err(error) = tally.flush(&pool).await {
-            warn!(error = %crate::error_line(&error), "delivery outcomes not written; kept for the next flush");
+            warn!(error = %crate::text::error_line(&error), "delivery outcomes not written; kept for the next flush");
         }
     }
 }

@@ -20,7 +20,7 @@
 //!     let _telemetry = match idem::telemetry::init("my_worker") {
 //!         Ok(telemetry) => telemetry,
 //!         Err(error) => {
-//!             eprintln!("my_worker: error: {}", idem::error_line(&error));
+//!             eprintln!("my_worker: error: {}", idem::text::error_line(&error));
 //!             return std::process::ExitCode::FAILURE;
 //!         }
 //!     };

@@ -182,6 +182,107 @@ async fn hostile_inputs_end_in_the_ledger_once_or_in_the_dlq_within_seconds(
     );
 }
 
+/// A header of `bytes` bytes, near the broker's `frame_max` (131,072) when large.
+fn with_header(bytes: usize) -> lapin::BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert("note".into(), header_text(&"h".repeat(bytes)));
+    headers.insert("tag".into(), header_text("t"));
+    lapin::BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_headers(headers)
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn values_and_headers_near_the_brokers_frame_are_dead_lettered_once_and_the_worker_stays_connected(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("frame").await;
+    let worker = spawn_orders_worker(&database_url(&connect), &q.name, &[]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+
+    // A 140 KB string where a number belongs: serde's error quotes it whole.
+    let huge = serde_json::to_vec(&json!({
+        "event_id": "evt-huge", "tenant": "acme", "order_id": "o",
+        "amount_cents": "x".repeat(140_000),
+    }))
+    .unwrap();
+    q.publish(&huge).await;
+    // A producer header near frame_max on a malformed body, and on an order that fails
+    // for good: what idem adds would push either over the frame.
+    q.publish_to(&q.name, b"not json", with_header(130_900))
+        .await;
+    q.publish_to(
+        &q.name,
+        &order("evt-refused", "acme", -1),
+        with_header(130_900),
+    )
+    .await;
+    let good: Vec<String> = (0..20).map(|i| format!("evt-good-{i}")).collect();
+    for event in &good {
+        q.publish(&order(event, "acme", 1)).await;
+    }
+    wait_until(FEW_SECONDS, "every message settled", || async {
+        q.counts(&q.dlq()).await.0 == 3
+            && ledger(&pool).await.len() == good.len()
+            && q.counts(&q.name).await.0 == 0
+            && unacked(&q.name).await == 0
+    })
+    .await;
+
+    let dead = q.drain(&q.dlq()).await;
+    assert_eq!(dead.len(), 3, "each dead-lettered once");
+    let huge_letter = dead.iter().find(|d| *d.delivery.data == *huge).unwrap();
+    assert_eq!(huge_letter.reason.as_deref(), Some("malformed"));
+    let said = huge_letter.error.as_deref().unwrap_or_default();
+    assert!(
+        said.len() <= idem::dead_letter::ERROR_MAX && said.contains("invalid type: string"),
+        "idem-error of {} bytes: {}",
+        said.len(),
+        &said[..said.len().min(200)]
+    );
+    for letter in dead.iter().filter(|d| *d.delivery.data != *huge) {
+        let p = &letter.delivery.properties;
+        let note = idem::dead_letter::header_str(p, "note");
+        assert!(
+            note.is_none(),
+            "{:?}: the big header was carried",
+            letter.reason
+        );
+        assert_eq!(
+            idem::dead_letter::header_i64(p, idem::dead_letter::DROPPED_HEADERS),
+            Some(2)
+        );
+        assert!(p.message_id().is_some(), "the properties are kept");
+    }
+    let reasons: BTreeMap<String, usize> = dead.iter().fold(BTreeMap::new(), |mut m, d| {
+        *m.entry(d.reason.clone().unwrap_or_default()).or_default() += 1;
+        m
+    });
+    assert_eq!(
+        reasons,
+        BTreeMap::from([("malformed".into(), 2), ("permanent_failure".into(), 1)])
+    );
+    let booked = ledger(&pool).await;
+    assert!(good.iter().all(|e| booked.get(e) == Some(&1)), "{booked:?}");
+    assert_eq!(
+        worker.log_count("dead-lettering"),
+        3,
+        "each dead-lettered once"
+    );
+    assert!(
+        !worker.log_contains("broker connection lost"),
+        "the worker stayed connected"
+    );
+    assert_eq!(
+        worker.log_count(" consuming "),
+        1,
+        "one connection throughout"
+    );
+}
+
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn a_queue_declared_with_other_arguments_stops_the_worker_with_one_line(
     pool_options: PgPoolOptions,

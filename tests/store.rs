@@ -1133,7 +1133,7 @@ async fn workers_starting_together_create_and_migrate_one_database() {
         .await
         .unwrap();
     for result in results {
-        let pool = result.unwrap().map_err(|e| idem::error_line(&e));
+        let pool = result.unwrap().map_err(|e| idem::text::error_line(&e));
         assert!(pool.is_ok(), "{pool:?}");
     }
 }

@@ -195,7 +195,7 @@ where
 
 pub(super) async fn rollback(tx: sqlx::Transaction<'static, sqlx::Postgres>) {
     if let Err(error) = tx.rollback().await {
-        debug!(error = %crate::error_line(&error), "rollback failed (the connection is gone)");
+        debug!(error = %crate::text::error_line(&error), "rollback failed (the connection is gone)");
     }
 }
 

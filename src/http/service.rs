@@ -379,7 +379,7 @@ where
             Err(error) => Problem::StoreUnavailable.retry_after(
                 format!(
                     "cannot commit the request's writes: {}",
-                    crate::error_line(&error)
+                    crate::text::error_line(&error)
                 ),
                 Duration::from_secs(1),
             ),

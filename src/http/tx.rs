@@ -113,7 +113,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
                 Err(Problem::StoreUnavailable.retry_after(
                     format!(
                         "cannot begin the request's transaction: {}",
-                        crate::error_line(&error)
+                        crate::text::error_line(&error)
                     ),
                     std::time::Duration::from_secs(1),
                 ))

@@ -46,6 +46,12 @@ pub const CORRELATION_HEADER: &str = "idem-correlation-id";
 /// `content_type`, `type`, `correlation_id`.
 pub const SHORT_STRING_MAX: usize = 255;
 
+/// The most a follow-up's headers may hold (names and values, as JSON): its header
+/// frame must fit the relay's connection (`frame_max`, 128 KiB on RabbitMQ's default;
+/// a larger frame makes the broker close the connection, and the message would never
+/// leave), with room for the trace context and idem's own headers.
+pub const HEADERS_MAX: usize = 64 * 1024;
+
 /// Why [`crate::Context::publish`] did not stage a message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -165,9 +171,20 @@ impl FollowUp {
     }
 
     /// Whether it can be published: every AMQP short string within
-    /// [`SHORT_STRING_MAX`] bytes and without a NUL.
+    /// [`SHORT_STRING_MAX`] bytes and without a NUL, and its headers within
+    /// [`HEADERS_MAX`] bytes (as JSON).
     pub fn check(&self) -> Result<(), FollowUpError> {
         let p = &self.properties;
+        let headers: usize = p
+            .headers
+            .iter()
+            .map(|(name, value)| name.len() + value.to_string().len())
+            .sum();
+        if headers > HEADERS_MAX {
+            return Err(FollowUpError::Invalid(format!(
+                "its headers are {headers} bytes; at most {HEADERS_MAX}"
+            )));
+        }
         let fields = [
             ("exchange", Some(self.exchange.as_str())),
             ("routing key", Some(self.routing_key.as_str())),
@@ -304,6 +321,13 @@ mod tests {
         }
         let nul = FollowUp::to_queue("q\0", "body").check().unwrap_err();
         assert!(nul.to_string().contains("routing key holds a NUL"), "{nul}");
+        // Headers that would not fit the relay's frame.
+        let big = ok.clone().header("big", "x".repeat(HEADERS_MAX));
+        let refused = big.check().unwrap_err().to_string();
+        assert!(
+            refused.contains("headers are") && refused.contains("at most 65536"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -54,7 +54,7 @@ pub(crate) async fn publish(
     let (ready, mut waiting) = match in_order(pool, rows, check).await {
         Ok(sorted) => sorted,
         Err(error) => {
-            warn!(error = %crate::error_line(&error), "follow-ups: cannot check their order; left for later");
+            warn!(error = %crate::text::error_line(&error), "follow-ups: cannot check their order; left for later");
             return done;
         }
     };
@@ -90,7 +90,7 @@ pub(crate) async fn publish(
     done.waiting = waiting.len();
     for (row, why) in &failed {
         if let Err(error) = table::mark_failed(pool, row, why).await {
-            warn!(error = %crate::error_line(&error), "follow-ups: cannot record a failed publish");
+            warn!(error = %crate::text::error_line(&error), "follow-ups: cannot record a failed publish");
         }
     }
     let mut by_delay: BTreeMap<Duration, Vec<Deferral>> = BTreeMap::new();
@@ -99,7 +99,7 @@ pub(crate) async fn publish(
     }
     for (after, rows) in by_delay {
         if let Err(error) = table::defer(pool, &rows, after).await {
-            warn!(error = %crate::error_line(&error), "follow-ups: cannot give rows back");
+            warn!(error = %crate::text::error_line(&error), "follow-ups: cannot give rows back");
         }
     }
     done
@@ -259,7 +259,7 @@ async fn publish_one(
     };
     let confirm = match tokio::time::timeout_at(deadline, publishing).await {
         Ok(Ok(confirm)) => confirm,
-        Ok(Err(error)) => return Err(crate::error_line(&error)),
+        Ok(Err(error)) => return Err(crate::text::error_line(&error)),
         Err(_) => return Err("not confirmed in time (half the lease)".into()),
     };
     match confirm {

@@ -75,7 +75,7 @@ impl Relay {
                 match Self::confirming(connection).await {
                     Ok(fresh) => *channel = fresh,
                     Err(error) => {
-                        warn!(error = %crate::error_line(&error), "outbox relay: cannot reopen its channel");
+                        warn!(error = %crate::text::error_line(&error), "outbox relay: cannot reopen its channel");
                         if let Some((connection, _)) = broker.take() {
                             let _ = connection.close(200, "reconnecting".into()).await;
                         }
@@ -98,7 +98,7 @@ impl Relay {
                         broker_backoff = Duration::from_millis(200);
                     }
                     Err(error) => {
-                        warn!(error = %crate::error_line(&error), retry_in_ms = broker_backoff.as_millis() as u64, "outbox relay: broker unreachable");
+                        warn!(error = %crate::text::error_line(&error), retry_in_ms = broker_backoff.as_millis() as u64, "outbox relay: broker unreachable");
                         if let Some((connection, _)) = broker.take() {
                             let _ = connection.close(200, "reconnecting".into()).await;
                         }
@@ -116,7 +116,7 @@ impl Relay {
                 stats_at = Instant::now();
                 match table::stats(&self.pool).await {
                     Ok(stats) => metrics::outbox_backlog(&stats),
-                    Err(error) => debug!(error = %crate::error_line(&error), "outbox stats"),
+                    Err(error) => debug!(error = %crate::text::error_line(&error), "outbox stats"),
                 }
             }
             self.wait(&mut listener, &shutdown).await;
@@ -136,7 +136,7 @@ impl Relay {
         match listening.await {
             Ok(listener) => Some(listener),
             Err(error) => {
-                warn!(error = %crate::error_line(&error), "outbox relay: cannot LISTEN; polling every {} ms", self.config.poll.as_millis());
+                warn!(error = %crate::text::error_line(&error), "outbox relay: cannot LISTEN; polling every {} ms", self.config.poll.as_millis());
                 None
             }
         }
@@ -166,7 +166,7 @@ impl Relay {
             {
                 Ok(rows) => rows,
                 Err(error) => {
-                    warn!(error = %crate::error_line(&error), "outbox relay: cannot take due messages");
+                    warn!(error = %crate::text::error_line(&error), "outbox relay: cannot take due messages");
                     return;
                 }
             };
@@ -176,7 +176,7 @@ impl Relay {
             }
             let published = publish(&self.pool, channel, rows, false, &self.config).await;
             if let Err(error) = mark_dispatched(&self.pool, &published.ids, self.retention).await {
-                warn!(error = %crate::error_line(&error), "outbox relay: cannot mark what it published");
+                warn!(error = %crate::text::error_line(&error), "outbox relay: cannot mark what it published");
                 return;
             }
             if !published.ids.is_empty() || published.failed > 0 {
@@ -207,7 +207,7 @@ impl Relay {
         tokio::select! {
             received = notified => {
                 if let Err(error) = received {
-                    warn!(error = %crate::error_line(&error), "outbox relay: listener lost; polling until it is back");
+                    warn!(error = %crate::text::error_line(&error), "outbox relay: listener lost; polling until it is back");
                     *listener = None;
                     return;
                 }

@@ -144,7 +144,7 @@ impl Store {
                     return std::future::pending().await;
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::error_line(&error), "heartbeat failed; retrying")
+                    tracing::warn!(error = %crate::text::error_line(&error), "heartbeat failed; retrying")
                 }
             }
         }

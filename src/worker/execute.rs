@@ -6,18 +6,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::Channel;
 use lapin::message::Delivery;
 use serde::Deserialize;
 use serde_json::Value;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
-use super::acks::Acks;
 use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
-use super::follow_ups::FollowUpChannel;
 use super::guard::guarded;
-use super::settle::Settler;
+use super::settle::{Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
 use crate::dead_letter;
@@ -32,13 +29,7 @@ use crate::trace::{self, TraceContext};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
 /// [`undecided`].
-pub(super) async fn process<H: Handler>(
-    shared: &Shared<H>,
-    publish: &Channel,
-    follow_ups: &FollowUpChannel,
-    acks: &Acks,
-    delivery: Delivery,
-) {
+pub(super) async fn process<H: Handler>(shared: &Shared<H>, links: &Links, delivery: Delivery) {
     let span = info_span!(
         "delivery",
         queue = %shared.config.queue,
@@ -59,11 +50,9 @@ pub(super) async fn process<H: Handler>(
         trace: incoming,
         replays: dead_letter::header_i64(&delivery.properties, dead_letter::REPLAYS).unwrap_or(0),
         dead_lettered: AtomicBool::new(false),
-        acks,
+        links,
         operation: H::OPERATION,
         store: &shared.store,
-        channel: publish,
-        follow_ups,
         delivery: &delivery,
         queue: &shared.config.queue,
         tally: shared.tally.as_deref(),
@@ -103,7 +92,7 @@ async fn undecided<H: Handler>(
     error: WorkerError,
 ) -> Outcome {
     let fault = error.fault();
-    let line = crate::error_line(&error);
+    let line = crate::text::error_line(&error);
     let verdict = match &error {
         WorkerError::Store(store) if fault == Fault::Message => Some(refused(store)),
         _ if fault == Fault::Message => Some(decision::malformed(line.clone())),
@@ -117,7 +106,7 @@ async fn undecided<H: Handler>(
     if let Some(verdict) = verdict {
         match settle(settler, verdict, None).await {
             Ok(outcome) => return outcome,
-            Err(e) => error!(error = %crate::error_line(&e), "dead letter not published"),
+            Err(e) => error!(error = %crate::text::error_line(&e), "dead letter not published"),
         }
     }
     error!(error = %line, %fault, "delivery not decided; requeueing it");
@@ -287,7 +276,10 @@ async fn in_transaction<H: Handler>(
         let step = match answer {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
             Ok(TxAnswer::Ran(ran, follow_ups)) => {
-                shared.follow_ups.send(settler.follow_ups, follow_ups).await;
+                shared
+                    .follow_ups
+                    .send(&settler.links.follow_ups, follow_ups)
+                    .await;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Ok(TxAnswer::Refused(why)) => Step::Settle(decision::malformed(why)),
@@ -483,7 +475,7 @@ async fn record<H: Handler>(
         failpoint::hit("after-complete");
         shared
             .follow_ups
-            .send(settler.follow_ups, ctx.take_staged())
+            .send(&settler.links.follow_ups, ctx.take_staged())
             .await;
     }
     Ok(ran)

@@ -83,7 +83,7 @@ impl FollowUps {
                 self.wake.notify_one();
             }
             Err(error) => {
-                warn!(error = %crate::error_line(&error), "follow-ups left to the relay");
+                warn!(error = %crate::text::error_line(&error), "follow-ups left to the relay");
                 self.wake.notify_one();
             }
         }

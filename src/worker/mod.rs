@@ -304,7 +304,7 @@ impl<H: Handler> Worker<H> {
                 backoff = session.reconnect_backoff();
             }
             let delay = backoff.next().unwrap_or(shared.config.max_reconnect_delay);
-            warn!(error = %crate::error_line(&error), retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
+            warn!(error = %crate::text::error_line(&error), retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
                 _ = shutdown.cancelled() => {}
@@ -350,7 +350,7 @@ async fn last_flush<H>(
     match tokio::time::timeout(LAST_FLUSH_WITHIN, last).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => {
-            warn!(error = %crate::error_line(&error), "delivery outcomes of the last seconds not written");
+            warn!(error = %crate::text::error_line(&error), "delivery outcomes of the last seconds not written");
         }
         Err(_) => warn!(
             within_s = LAST_FLUSH_WITHIN.as_secs(),
@@ -402,7 +402,7 @@ async fn collect_garbage(store: Store, every: Duration, pace: Pace, shutdown: Ca
                 continue;
             }
             Err(error) => {
-                warn!(error = %crate::error_line(&error), "garbage collection failed");
+                warn!(error = %crate::text::error_line(&error), "garbage collection failed");
                 continue;
             }
         };
@@ -410,7 +410,7 @@ async fn collect_garbage(store: Store, every: Duration, pace: Pace, shutdown: Ca
             collect_one(&store, garbage, &pace, &shutdown).await;
         }
         if let Err(error) = leader.release().await {
-            warn!(error = %crate::error_line(&error), "garbage collection: unlock failed");
+            warn!(error = %crate::text::error_line(&error), "garbage collection: unlock failed");
         }
     }
 }
@@ -438,10 +438,14 @@ async fn collect_one(store: &Store, garbage: Garbage, pace: &Pace, shutdown: &Ca
                     "vacuumed (autovacuum is off)"
                 ),
                 Ok(None) => {}
-                Err(error) => warn!(what, error = %crate::error_line(&error), "vacuum failed"),
+                Err(error) => {
+                    warn!(what, error = %crate::text::error_line(&error), "vacuum failed")
+                }
             }
         }
-        Err(error) => warn!(what, error = %crate::error_line(&error), "garbage collection failed"),
+        Err(error) => {
+            warn!(what, error = %crate::text::error_line(&error), "garbage collection failed")
+        }
     }
     if let Ok((rows, oldest)) = store.expired(garbage).await {
         crate::metrics::gc_expired(garbage, rows, oldest);

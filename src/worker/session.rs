@@ -17,6 +17,7 @@ use tracing::info;
 
 use super::acks::Acks;
 use super::follow_ups::FollowUpChannel;
+use super::settle::Links;
 use super::{Shared, WorkerError, drain, execute};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
@@ -91,9 +92,15 @@ impl<H: Handler> Session<H> {
             connected: false,
             error,
         })?;
+        let frame_max = connection.configuration().frame_max();
         let connection = Arc::new(connection);
-        let follow_ups = Arc::new(FollowUpChannel::new(connection.clone()));
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
+        let links = Links {
+            publish: publish.clone(),
+            follow_ups: Arc::new(FollowUpChannel::new(connection.clone())),
+            acks: acks.clone(),
+            frame_max,
+        };
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
         self.broker.set(true);
 
@@ -117,10 +124,9 @@ impl<H: Handler> Session<H> {
                 Some(Ok(delivery)) => {
                     acks.delivered(delivery.delivery_tag);
                     let shared = self.shared.clone();
-                    let (publish, acks) = (publish.clone(), acks.clone());
-                    let follow_ups = follow_ups.clone();
+                    let links = links.clone();
                     tasks.spawn(async move {
-                        execute::process(&shared, &publish, &follow_ups, &acks, delivery).await;
+                        execute::process(&shared, &links, delivery).await;
                         drop(permit);
                     });
                 }

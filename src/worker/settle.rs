@@ -2,25 +2,44 @@
 //! queue, requeue it, or dead-letter it. Every publish is confirmed before the ack
 //! (docs/DESIGN.md, "Broker topology").
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use lapin::Channel;
 use lapin::message::Delivery;
+use lapin::{BasicProperties, Channel};
 use tracing::{Span, warn};
 
 use super::WorkerError;
 use super::acks::Acks;
 use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
-use crate::dead_letter::{self, DeadLetter};
+use crate::dead_letter::{self, DeadLetter, Outgoing};
 use crate::failpoint;
 use crate::key::Key;
 use crate::metrics;
 use crate::retry::retry_queue_name;
 use crate::store::Store;
 use crate::tally::Tally;
-use crate::topology;
+use crate::topology::{self, PublishError};
 use crate::trace::{self, TraceContext};
+
+/// What one broker connection gives every delivery it brings.
+#[derive(Clone)]
+pub(super) struct Links {
+    /// The publishing channel (in confirm mode) of retries and dead letters.
+    pub(super) publish: Channel,
+    /// Where follow-up messages are published.
+    pub(super) follow_ups: Arc<FollowUpChannel>,
+    /// Acks and nacks, coalesced.
+    pub(super) acks: Acks,
+    /// The connection's negotiated `frame_max`: no header frame idem sends may be
+    /// larger, or the broker closes the connection.
+    pub(super) frame_max: u32,
+}
+
+/// How long `idem-error` may stay on a copy sent without the producer's headers that
+/// still does not fit (a `frame_max` near the protocol's minimum, 4,096 bytes).
+const ERROR_MAX_IN_A_SMALL_FRAME: usize = 128;
 
 /// The broker side of one delivery.
 pub(super) struct Settler<'a> {
@@ -30,13 +49,10 @@ pub(super) struct Settler<'a> {
     pub(super) replays: i64,
     /// Set once the delivery's dead letter is published.
     pub(super) dead_lettered: AtomicBool,
-    pub(super) acks: &'a Acks,
+    /// The session's channels.
+    pub(super) links: &'a Links,
     pub(super) operation: &'static str,
     pub(super) store: &'a Store,
-    /// The publishing channel (in confirm mode) of retries and dead letters.
-    pub(super) channel: &'a Channel,
-    /// Where the delivery's follow-up messages are published.
-    pub(super) follow_ups: &'a FollowUpChannel,
     pub(super) delivery: &'a Delivery,
     pub(super) queue: &'a str,
     /// Where the outcome is counted for the console, if anywhere.
@@ -66,8 +82,8 @@ impl Settler<'_> {
         match action {
             Settle::Ack => self.ack(),
             Settle::Retry { delay, retries } => {
-                let properties = dead_letter::retry_properties(&self.delivery.properties, retries);
-                self.publish(&retry_queue_name(self.queue, delay), properties)
+                let copy = dead_letter::retry(&self.delivery.properties, retries);
+                self.publish(&retry_queue_name(self.queue, delay), &copy, false)
                     .await?;
                 failpoint::hit("after-publish");
                 self.ack();
@@ -84,25 +100,59 @@ impl Settler<'_> {
     /// Acks the delivery (coalesced with its neighbours). If the channel is gone by
     /// then, the broker redelivers and the store decides again.
     fn ack(&self) {
-        self.acks.ack(self.delivery.delivery_tag);
+        self.links.acks.ack(self.delivery.delivery_tag);
     }
 
     /// Gives the delivery back to its queue, to be decided again.
     pub(super) fn requeue(&self) {
-        self.acks.nack(self.delivery.delivery_tag, true);
+        self.links.acks.nack(self.delivery.delivery_tag, true);
     }
 
+    /// Publishes `copy` to `queue`, confirmed, with the producer's headers unless
+    /// `without_carried` or they would not fit the connection's frame.
     async fn publish(
         &self,
         queue: &str,
-        properties: lapin::BasicProperties,
+        copy: &Outgoing,
+        without_carried: bool,
     ) -> Result<(), WorkerError> {
-        // Whatever idem publishes for a delivery carries its trace on (the settle span's
-        // context with OpenTelemetry on: the next hop is its child).
-        let context = trace::outgoing(&Span::current(), self.trace.as_ref());
-        let properties = trace::with_context(properties, context.as_ref());
-        topology::publish_confirmed(self.channel, queue, &self.delivery.data, properties).await?;
+        let properties = self.fitted(copy, without_carried);
+        topology::publish_confirmed(&self.links.publish, queue, &self.delivery.data, properties)
+            .await?;
         Ok(())
+    }
+
+    /// `copy`'s properties with the delivery's trace carried on (the settle span's
+    /// context with OpenTelemetry on: the next hop is its child), measured against the
+    /// connection's `frame_max`: the broker answers a larger header frame by closing the
+    /// connection, and the delivery would come back and fail the same way for ever. So
+    /// a copy that would not fit leaves the producer's headers behind, and one that
+    /// still would not (a `frame_max` near the protocol's minimum) most of its error
+    /// text and its trace too.
+    fn fitted(&self, copy: &Outgoing, without_carried: bool) -> BasicProperties {
+        let context = trace::outgoing(&Span::current(), self.trace.as_ref());
+        let frame_max = usize::try_from(self.links.frame_max).unwrap_or(usize::MAX);
+        let fits = |p: &BasicProperties| dead_letter::header_frame_len(p) <= frame_max;
+        if !without_carried {
+            let full = trace::with_context(copy.properties(), context.as_ref());
+            if fits(&full) {
+                return full;
+            }
+            warn!(
+                headers = copy.carried(),
+                frame_bytes = dead_letter::header_frame_len(&full),
+                frame_max,
+                "the producer's headers are left behind: with them the copy would not fit the broker's frame"
+            );
+        }
+        let without = trace::with_context(
+            copy.without_carried(dead_letter::ERROR_MAX),
+            context.as_ref(),
+        );
+        if fits(&without) {
+            return without;
+        }
+        copy.without_carried(ERROR_MAX_IN_A_SMALL_FRAME)
     }
 
     /// Publishes the dead letter (confirmed), pins the record it belongs to, and only
@@ -113,7 +163,7 @@ impl Settler<'_> {
         order: &DeadLetterOrder,
         key: Option<&Key>,
     ) -> Result<(), WorkerError> {
-        let properties = dead_letter::dead_letter_properties(
+        let copy = dead_letter::dead_letter(
             &self.delivery.properties,
             &DeadLetter {
                 reason: order.reason,
@@ -124,9 +174,20 @@ impl Settler<'_> {
                 original_queue: self.queue,
             },
         );
-        warn!(reason = order.reason.as_str(), error = %order.error, "dead-lettering");
-        self.publish(&topology::dlq_name(self.queue), properties)
-            .await?;
+        let error = crate::text::cut(&order.error, dead_letter::ERROR_MAX);
+        warn!(reason = order.reason.as_str(), error = %error, "dead-lettering");
+        let dlq = topology::dlq_name(self.queue);
+        match self.publish(&dlq, &copy, false).await {
+            // The broker answered and did not take it: the same letter without the
+            // producer's headers, which are the one part of it idem did not make.
+            Err(WorkerError::Publish(PublishError::NotConfirmed { why, .. }))
+                if copy.carried() > 0 =>
+            {
+                warn!(why = %why, "dead letter refused; publishing it without the producer's headers");
+                self.publish(&dlq, &copy, true).await?;
+            }
+            other => other?,
+        }
         failpoint::hit("after-publish");
         if let Some(id) = order.pin {
             self.store.mark_dead_lettered(id).await?;

@@ -86,7 +86,7 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // One readable line with the whole cause chain.
-            eprintln!("idem: error: {}", idem::error_line(error.as_ref()));
+            eprintln!("idem: error: {}", idem::text::error_line(error.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -82,7 +82,7 @@ pub(super) async fn run<H: Handler>(
             Ok(Pass::HandlerFailed) => careful = true,
             Ok(Pass::Raced) => debug!(pass, "a new key was inserted meanwhile; starting again"),
             Err(error) if is_victim(&error) && pass + 1 < PASSES => {
-                debug!(pass, error = %crate::error_line(&error), "batch rolled back; starting again");
+                debug!(pass, error = %crate::text::error_line(&error), "batch rolled back; starting again");
                 last = Some(error);
                 // Long enough for the winner to commit (it still holds its locks), and
                 // jittered, so that two victims of each other do not meet again at once:
