@@ -748,3 +748,54 @@ async fn a_node_list_with_a_dead_first_node_connects_to_the_next(
     assert_eq!(ledger(&pool).await.get("evt-node"), Some(&1));
     assert!(worker.log_contains("broker node did not answer; trying the next"));
 }
+
+/// A broker that closes every connection soon after it opened (a refusal it repeats, a
+/// node that keeps failing): the worker's pauses between connections grow, instead of
+/// starting again from 100 ms after each one that got as far as consuming.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn connections_the_broker_keeps_closing_are_retried_less_and_less_often(pool: PgPool) {
+    let q = TestQueue::new("dying-young").await;
+    let uri: lapin::uri::AMQPUri = amqp_url().parse().unwrap();
+    let broker = tokio::net::lookup_host((uri.authority.host.as_str(), uri.authority.port))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = common::proxy::Proxy::closing_after(broker, Duration::from_millis(300)).await;
+    let mut through_proxy = uri.clone();
+    through_proxy.authority.host = "127.0.0.1".into();
+    through_proxy.authority.port = proxy.port;
+    let config = WorkerConfig {
+        amqp_url: through_proxy.to_string(),
+        queue: q.name.clone(),
+        max_reconnect_delay: Duration::from_secs(5),
+        outbox: idem::outbox::OutboxConfig {
+            relay: false,
+            ..idem::outbox::OutboxConfig::default()
+        },
+        ..WorkerConfig::default()
+    };
+    let handler = Flaky {
+        failures: 0,
+        seen: Arc::default(),
+    };
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(Worker::new(handler, store, config).run(shutdown.clone()));
+    wait_until(SETTLE, "three connections", || async {
+        proxy.accepted() >= 3
+    })
+    .await;
+    // What the next ten seconds cost: a pause from 100 ms after every connection would
+    // be one every ~0.4 s (25); growing pauses make it a handful.
+    let before = proxy.accepted();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let in_ten_seconds = proxy.accepted() - before;
+    println!("connections in 10 s: {in_ten_seconds}");
+    assert!(
+        (1..=8).contains(&in_ten_seconds),
+        "{in_ten_seconds} connections in 10 s"
+    );
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}

@@ -279,13 +279,13 @@ impl<H: Handler> Worker<H> {
         };
         let tasks = TaskTracker::new();
         let permits = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
-        let mut backoff = session.reconnect_backoff();
+        let mut reconnects = session::Reconnects::new(shared.config.max_reconnect_delay);
         // Whether a session already waited for the handlers in flight on shutdown.
         let mut drained = false;
         while !shutdown.is_cancelled() {
             let result = session.run(&shutdown, &tasks, &permits).await;
             session.broker.set(false);
-            let SessionError { connected, error } = match result {
+            let SessionError { lived, error } = match result {
                 Ok(()) => {
                     drained = true;
                     break;
@@ -300,10 +300,7 @@ impl<H: Handler> Worker<H> {
                 last_flush(&shared, tally_stop, flushes).await;
                 return Err(error);
             }
-            if connected {
-                backoff = session.reconnect_backoff();
-            }
-            let delay = backoff.next().unwrap_or(shared.config.max_reconnect_delay);
+            let delay = reconnects.after(lived);
             warn!(error = %crate::text::error_line(&error), retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}

@@ -2,7 +2,7 @@
 //! each delivery to its own task, and on shutdown stop consuming and drain.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures_util::StreamExt;
@@ -30,16 +30,47 @@ pub(super) struct Session<H> {
     pub(super) broker: BrokerHealth,
 }
 
-impl<H: Handler> Session<H> {
-    pub(super) fn reconnect_backoff(&self) -> impl Iterator<Item = Duration> + use<H> {
+/// How long a connection must have consumed for the reconnect backoff to start afresh
+/// after it is lost: one that the broker closes sooner (a refusal it repeats, a node
+/// that keeps failing) dies young, and the pauses keep growing.
+const LIVED_LONG: Duration = Duration::from_secs(30);
+
+/// The pauses between broker connections: from 100 ms, doubling (with jitter) up to
+/// the worker's `max_reconnect_delay`, and from the start again only after a
+/// connection that lived long ([`LIVED_LONG`]).
+pub(super) struct Reconnects {
+    max: Duration,
+    backoff: backon::ExponentialBackoff,
+}
+
+impl Reconnects {
+    pub(super) fn new(max: Duration) -> Self {
+        Self {
+            max,
+            backoff: Self::fresh(max),
+        }
+    }
+
+    fn fresh(max: Duration) -> backon::ExponentialBackoff {
         ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(self.shared.config.max_reconnect_delay)
+            .with_max_delay(max)
             .with_jitter()
             .without_max_times()
             .build()
     }
 
+    /// The pause before the next connection, after one that consumed for `lived`
+    /// (`None`: it never got as far as consuming).
+    pub(super) fn after(&mut self, lived: Option<Duration>) -> Duration {
+        if lived.is_some_and(|lived| lived >= LIVED_LONG) {
+            self.backoff = Self::fresh(self.max);
+        }
+        self.backoff.next().unwrap_or(self.max)
+    }
+}
+
+impl<H: Handler> Session<H> {
     /// Connects, declares the topology and starts consuming.
     async fn open(&self) -> Result<Open, WorkerError> {
         self.try_open()
@@ -88,10 +119,10 @@ impl<H: Handler> Session<H> {
             consume,
             publish,
             mut consumer,
-        } = self.open().await.map_err(|error| SessionError {
-            connected: false,
-            error,
-        })?;
+        } = self
+            .open()
+            .await
+            .map_err(|error| SessionError { lived: None, error })?;
         let frame_max = connection.configuration().frame_max();
         let connection = Arc::new(connection);
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
@@ -104,8 +135,9 @@ impl<H: Handler> Session<H> {
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
         self.broker.set(true);
 
+        let consuming = Instant::now();
         let lost = |error: WorkerError| SessionError {
-            connected: true,
+            lived: Some(consuming.elapsed()),
             error,
         };
         loop {
@@ -161,7 +193,30 @@ struct Open {
 
 /// Why a session ended other than by shutdown.
 pub(super) struct SessionError {
-    /// Whether the session got as far as consuming (then the backoff starts afresh).
-    pub(super) connected: bool,
+    /// How long the session consumed, if it got that far (see [`Reconnects`]).
+    pub(super) lived: Option<Duration>,
     pub(super) error: WorkerError,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_that_die_young_make_the_pauses_grow_and_a_long_one_resets_them() {
+        let max = Duration::from_secs(5);
+        let mut reconnects = Reconnects::new(max);
+        let young = Some(Duration::from_millis(300));
+        let pauses: Vec<Duration> = (0..10).map(|_| reconnects.after(young)).collect();
+        // 100 ms, then doubling, each with up to as much again of jitter.
+        assert!(pauses[0] < Duration::from_millis(200), "{pauses:?}");
+        for (i, pause) in pauses.iter().enumerate() {
+            let base = Duration::from_millis(100 << i.min(6)).min(max);
+            assert!(*pause >= base && *pause < base * 2, "pause {i}: {pauses:?}");
+        }
+        // Never consumed at all: still growing.
+        assert!(reconnects.after(None) >= max);
+        // A connection that lived long starts the pauses afresh.
+        assert!(reconnects.after(Some(LIVED_LONG)) < Duration::from_millis(200));
+    }
 }

@@ -1,9 +1,12 @@
-//! A TCP proxy in front of Postgres that a test can cut and restore: the worker behind
-//! it sees what a stopped server looks like (open connections broken, new ones
-//! refused), while the real server keeps serving every other test.
+//! A TCP proxy in front of Postgres (or RabbitMQ) that a test can cut and restore: the
+//! worker behind it sees what a stopped server looks like (open connections broken, new
+//! ones refused), while the real server keeps serving every other test. It can also
+//! end every connection a while after it opened, as a server that keeps closing them.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
@@ -14,6 +17,10 @@ pub struct Proxy {
     pub port: u16,
     target: SocketAddr,
     running: Mutex<Option<Running>>,
+    /// Each connection is ended this long after it was accepted, if set.
+    lifetime: Option<Duration>,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicUsize>,
 }
 
 struct Running {
@@ -24,15 +31,31 @@ struct Running {
 impl Proxy {
     /// Listens on a free local port and forwards every connection to `target`.
     pub async fn start(target: SocketAddr) -> Self {
+        Self::start_with(target, None).await
+    }
+
+    /// Like [`Proxy::start`], but each connection is ended `lifetime` after it opened.
+    pub async fn closing_after(target: SocketAddr, lifetime: Duration) -> Self {
+        Self::start_with(target, Some(lifetime)).await
+    }
+
+    async fn start_with(target: SocketAddr, lifetime: Option<Duration>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let proxy = Self {
             port,
             target,
             running: Mutex::new(None),
+            lifetime,
+            accepted: Arc::new(AtomicUsize::new(0)),
         };
-        *proxy.running.lock().await = Some(serve(listener, target));
+        *proxy.running.lock().await = Some(proxy.serve(listener));
         proxy
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// Breaks every open connection and refuses new ones, as a stopped server does.
@@ -49,28 +72,37 @@ impl Proxy {
         let mut running = self.running.lock().await;
         if running.is_none() {
             let listener = TcpListener::bind(("127.0.0.1", self.port)).await.unwrap();
-            *running = Some(serve(listener, self.target));
+            *running = Some(self.serve(listener));
         }
     }
 }
 
-fn serve(listener: TcpListener, target: SocketAddr) -> Running {
-    let connections = Arc::new(Mutex::new(JoinSet::new()));
-    let tracked = connections.clone();
-    let accept = tokio::spawn(async move {
-        loop {
-            let Ok((mut client, _)) = listener.accept().await else {
-                continue;
-            };
-            tracked.lock().await.spawn(async move {
-                if let Ok(mut server) = TcpStream::connect(target).await {
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                }
-            });
+impl Proxy {
+    fn serve(&self, listener: TcpListener) -> Running {
+        let (target, lifetime) = (self.target, self.lifetime);
+        let accepted = self.accepted.clone();
+        let connections = Arc::new(Mutex::new(JoinSet::new()));
+        let tracked = connections.clone();
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    continue;
+                };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                tracked.lock().await.spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(target).await {
+                        let copy = tokio::io::copy_bidirectional(&mut client, &mut server);
+                        match lifetime {
+                            Some(lifetime) => drop(tokio::time::timeout(lifetime, copy).await),
+                            None => drop(copy.await),
+                        }
+                    }
+                });
+            }
+        });
+        Running {
+            accept,
+            connections,
         }
-    });
-    Running {
-        accept,
-        connections,
     }
 }
