@@ -289,7 +289,7 @@ async fn refresh_gauges(pool: PgPool, handle: PrometheusHandle, shutdown: Cancel
                    AND (expires_at IS NULL OR lease_expires_at > now())),
                (SELECT extract(epoch FROM now() - min(expires_at))::float8
                   FROM processed_operations
-                 WHERE expires_at <= now() AND dead_lettered_at IS NULL)",
+                 WHERE expires_at <= now() AND dead_letters = 0)",
         )
         .fetch_one(&pool);
         // A database that hangs rather than refuses must read as down too (as /healthz

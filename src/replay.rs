@@ -17,6 +17,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection};
 use serde::Serialize;
+use tracing::warn;
 
 use crate::dead_letter::{self, Reason};
 use crate::failpoint;
@@ -339,13 +340,25 @@ pub async fn run(
                 // A crash between the two leaves the record pinned, which is safe.
                 m.delivery.ack(BasicAckOptions::default()).await?;
                 failpoint::hit("discard-acked");
-                if let Some(key) = &key {
+                // Only a letter that pinned its record settles it: a conflict's key is
+                // another payload's record, and a malformed or undecidable letter's
+                // record (if any) is not what failed.
+                if let Some(key) = key.as_ref().filter(|_| pins(&m)) {
                     store.discard(key).await?;
                 }
                 summary.discarded += 1;
             }
             (Action::Replay, Some(key)) => {
-                let queue = m.original_queue.as_deref().unwrap_or(default_queue);
+                // Where the operator asked, never where a header says: `idem-original-
+                // queue` is only idem's note of it.
+                let queue = default_queue;
+                if m.original_queue.as_deref().is_some_and(|q| q != queue) {
+                    warn!(
+                        queue,
+                        original_queue = m.original_queue.as_deref().unwrap_or_default(),
+                        "a dead letter names another original queue; replayed to this DLQ's queue"
+                    );
+                }
                 match replay_one(store, &channel, &m, &key, queue).await? {
                     Replayed::AlreadyDone => summary.already_done += 1,
                     Replayed::Republished => summary.replayed += 1,
@@ -387,11 +400,13 @@ async fn replay_one(
     key: &Key,
     queue: &str,
 ) -> Result<Replayed, ReplayError> {
-    let prepared = store.prepare_replay(key).await?;
+    let prepared = store.prepare_replay(key, pins(m)).await?;
     if prepared.is_none() && is_completed(store, key).await? {
         // Done already: nothing to run. Unpin only once the ack is sent.
         m.delivery.ack(BasicAckOptions::default()).await?;
-        store.unpin(key).await?;
+        if pins(m) {
+            store.unpin(key).await?;
+        }
         return Ok(Replayed::AlreadyDone);
     }
     let properties = dead_letter::replay_properties(&m.delivery.properties);
@@ -409,6 +424,15 @@ pub fn group_key(m: &DlqMessage) -> (&str, &str, &str) {
         m.operation.as_deref().unwrap_or("unknown"),
         m.error.as_deref().unwrap_or_default(),
     )
+}
+
+/// Whether `m` is a letter that pinned its record when it was published: a permanent
+/// failure or exhausted retries of the operation its key names. Conflicts, malformed
+/// and undecidable letters pin nothing.
+fn pins(m: &DlqMessage) -> bool {
+    [Reason::PermanentFailure, Reason::RetriesExhausted]
+        .iter()
+        .any(|reason| m.reason.as_deref() == Some(reason.as_str()))
 }
 
 /// What a replay would do with a dead letter.

@@ -157,12 +157,21 @@ pub enum PublishError {
     /// The channel or connection failed.
     #[error(transparent)]
     Broker(#[from] lapin::Error),
-    /// The broker did not take the message.
+    /// The broker answered that it did not take the message (a nack, or returned as
+    /// unroutable): no queue holds it.
+    #[error("publish to {queue} refused: {why}")]
+    Refused {
+        /// Target queue.
+        queue: String,
+        /// What the broker said.
+        why: String,
+    },
+    /// No confirm came in time (or confirms are off): the message may have landed.
     #[error("publish to {queue} not confirmed: {why}")]
     NotConfirmed {
         /// Target queue.
         queue: String,
-        /// What the broker said (nack, unroutable).
+        /// Why not.
         why: String,
     },
 }
@@ -214,14 +223,20 @@ async fn publish_and_confirm(
         )
         .await?
         .await?;
-    let why = match confirm {
-        Confirmation::Ack(None) => return Ok(()),
-        Confirmation::Ack(Some(returned)) => format!("unroutable: {}", returned.reply_text),
-        Confirmation::Nack(_) => "nacked by the broker".into(),
-        Confirmation::NotRequested => "publisher confirms are off".into(),
-    };
-    Err(PublishError::NotConfirmed {
-        queue: queue.into(),
-        why,
-    })
+    let queue = queue.to_owned();
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(returned)) => Err(PublishError::Refused {
+            queue,
+            why: format!("unroutable: {}", returned.reply_text),
+        }),
+        Confirmation::Nack(_) => Err(PublishError::Refused {
+            queue,
+            why: "nacked by the broker".into(),
+        }),
+        Confirmation::NotRequested => Err(PublishError::NotConfirmed {
+            queue,
+            why: "publisher confirms are off".into(),
+        }),
+    }
 }

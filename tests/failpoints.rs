@@ -153,6 +153,15 @@ async fn crash_after_the_dead_letter_publish_before_the_ack(o: PgPoolOptions, c:
         dead.iter()
             .all(|d| d.reason.as_deref() == Some("permanent_failure"))
     );
+    // Each letter pinned the record before it was published, the one the crash left
+    // too: a replay of one cannot unpin the record while the other waits.
+    let pinned: i32 = sqlx::query_scalar(
+        "SELECT dead_letters FROM processed_operations WHERE idempotency_key = 'evt-f'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(pinned as usize, dead.len());
 }
 
 /// Transactional mode: a crash anywhere before the batch commits leaves nothing (no

@@ -614,11 +614,11 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
         format!(
             "INSERT INTO processed_operations
                (scope, operation, idempotency_key, payload_sha256, status, lease_token,
-                completed_at, expires_at, dead_lettered_at)
+                completed_at, expires_at, dead_lettered_at, dead_letters)
              SELECT 'bulk', 'orders.create', '{prefix}-' || i, repeat('a', 64), 'completed',
                     nextval('processed_operations_lease_token_seq'), now(), {expires}, {}
              FROM generate_series(1, {n}) AS i",
-            if pinned { "now()" } else { "NULL" }
+            if pinned { "now(), 1" } else { "NULL, 0" }
         )
     };
     for sql in [

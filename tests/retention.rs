@@ -30,14 +30,14 @@ async fn background_gc_runs_in_one_process_at_a_time_and_spares_pinned_and_fresh
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     let url = database_url(&connect);
     for (n, prefix, expires, pinned) in [
-        (20_000, "expired", "now() - interval '1 day'", "NULL"),
-        (50, "pinned", "now() - interval '1 day'", "now()"),
-        (50, "fresh", "now() + interval '1 day'", "NULL"),
+        (20_000, "expired", "now() - interval '1 day'", "NULL, 0"),
+        (50, "pinned", "now() - interval '1 day'", "now(), 1"),
+        (50, "fresh", "now() + interval '1 day'", "NULL, 0"),
     ] {
         sqlx::query(&format!(
             "INSERT INTO processed_operations
                (scope, operation, idempotency_key, payload_sha256, status, lease_token,
-                completed_at, expires_at, dead_lettered_at)
+                completed_at, expires_at, dead_lettered_at, dead_letters)
              SELECT 'bulk', 'orders.create', '{prefix}-' || i, repeat('a', 64), 'completed',
                     1, now(), {expires}, {pinned}
              FROM generate_series(1, {n}) AS i"

@@ -473,6 +473,7 @@ async fn retryable_failures_reclaim_permanent_ones_do_not_and_pending_is_reconci
         .fail(&lease, false, &json!({"error": "invalid amount"}), false)
         .await
         .unwrap();
+    store.pin(lease.id).await.unwrap();
     store.mark_dead_lettered(lease.id).await.unwrap();
     for _ in 0..3 {
         assert_eq!(
@@ -570,7 +571,7 @@ async fn an_operation_ever_uncertain_is_only_ever_handed_out_to_reconcile(pool: 
         .await
         .unwrap();
     assert!(store.get(&k).await.unwrap().unwrap().reconcile_first);
-    store.prepare_replay(&k).await.unwrap().unwrap();
+    store.prepare_replay(&k, true).await.unwrap().unwrap();
     let lease = reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
 
     // Reconcile said "not applied" and the run failed transiently: still reconciled
@@ -588,7 +589,7 @@ async fn an_operation_ever_uncertain_is_only_ever_handed_out_to_reconcile(pool: 
         .fail(&lease, false, &json!("result refused"), true)
         .await
         .unwrap();
-    store.prepare_replay(&k).await.unwrap().unwrap();
+    store.prepare_replay(&k, true).await.unwrap().unwrap();
     reconcile(store.claim(&k, &fp(&payload), &origin()).await.unwrap());
 
     // Its reconciler is known dead: an operator releases the lease.
@@ -630,6 +631,7 @@ async fn a_discarded_failure_is_settled_until_replayed(pool: PgPool) {
         .fail(&lease, false, &json!("invalid amount"), false)
         .await
         .unwrap();
+    store.pin(lease.id).await.unwrap();
     store.mark_dead_lettered(lease.id).await.unwrap();
     store.discard(&k).await.unwrap().unwrap();
     assert!(matches!(
@@ -639,7 +641,7 @@ async fn a_discarded_failure_is_settled_until_replayed(pool: PgPool) {
             ..
         }
     ));
-    let replayed = store.prepare_replay(&k).await.unwrap().unwrap();
+    let replayed = store.prepare_replay(&k, true).await.unwrap().unwrap();
     assert!(replayed.discarded_at.is_none());
     let again = claimed(&store, &k, &payload).await;
     store
@@ -1081,6 +1083,7 @@ async fn a_discard_keeps_exhausted_and_pending_operations_from_running_again(poo
         .fail(&lease, true, &json!("timeout"), false)
         .await
         .unwrap();
+    store.pin(lease.id).await.unwrap();
     store.mark_dead_lettered(lease.id).await.unwrap();
     store.discard(&exhausted).await.unwrap().unwrap();
     assert!(matches!(
@@ -1100,6 +1103,7 @@ async fn a_discard_keeps_exhausted_and_pending_operations_from_running_again(poo
         .mark_pending(&lease, Some("psp-7"), &json!("timeout"))
         .await
         .unwrap();
+    store.pin(lease.id).await.unwrap();
     store.mark_dead_lettered(lease.id).await.unwrap();
     let record = store.discard(&pending).await.unwrap().unwrap();
     assert!(
@@ -1327,6 +1331,7 @@ async fn resolving_not_applied_takes_only_the_state_the_operator_checked(pool: P
         .mark_pending(&lease, None, &json!("timeout"))
         .await
         .unwrap();
+    store.pin(lease.id).await.unwrap();
     store.discard(&k3).await.unwrap();
     assert!(
         store

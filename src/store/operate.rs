@@ -16,9 +16,47 @@ use crate::gc::Garbage;
 use crate::key::Key;
 use crate::metrics;
 
+/// One dead letter fewer may wait: the record stays pinned while any is left, and
+/// `dead_lettered_at` goes with the last.
+const ONE_LETTER_FEWER: &str = "dead_letters = greatest(dead_letters - 1, 0),
+     dead_lettered_at = CASE WHEN dead_letters > 1 THEN dead_lettered_at END";
+
+/// [`ONE_LETTER_FEWER`] when `$4` (a letter that pinned the record is replayed), nothing
+/// fewer otherwise (a letter that pins nothing: an `undecidable` one).
+const LETTERS_FEWER_BY_4: &str = "dead_letters = greatest(dead_letters - $4::int, 0),
+     dead_lettered_at = CASE WHEN dead_letters > $4::int THEN dead_lettered_at END";
+
 impl Store {
-    /// Notes that the operation's message now waits in the DLQ (published with a
-    /// confirm). Not fenced: it records where the message is, not an outcome.
+    /// Pins the record for a dead letter about to be published: one more letter may
+    /// wait in the DLQ. Counted before the publish, so a crash between the two leaves a
+    /// pin too many (the record is kept), never a letter whose record gc may delete.
+    /// Not fenced: it records where a message is, not an outcome.
+    #[doc(hidden)]
+    pub async fn pin(&self, id: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE processed_operations SET dead_letters = dead_letters + 1, updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Takes back the pin of a dead letter the broker refused (no queue holds it).
+    pub(crate) async fn unpin_refused(&self, id: i64) -> Result<(), StoreError> {
+        sqlx::query(&format!(
+            "UPDATE processed_operations SET {ONE_LETTER_FEWER}, updated_at = now()
+             WHERE id = $1 AND dead_letters > 0"
+        ))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Notes that the operation's dead letter now waits in the DLQ (published with a
+    /// confirm): a later duplicate of a failure is then acked, not dead-lettered again.
     #[doc(hidden)]
     pub async fn mark_dead_lettered(&self, id: i64) -> Result<(), StoreError> {
         sqlx::query(
@@ -33,34 +71,43 @@ impl Store {
 
     /// Takes a dead-lettered operation that is not completed back for a replay: a
     /// `failed` record becomes retryable (one that was ever uncertain is reconciled
-    /// before it runs), the replay is counted on the record, and the record is unpinned (an unfinished record has no expiry, so this cannot let
-    /// retention delete it). Returns the record as it is now, or `None` if there is
-    /// none or it is completed.
-    pub async fn prepare_replay(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+    /// before it runs), the replay is counted on the record, and, when the replayed
+    /// letter is one that pinned the record (`letter_pins`), its pin is taken away (an
+    /// unfinished record has no expiry, so this cannot let retention delete it; another
+    /// letter of the key keeps its own pin). Returns the record as it is now, or `None`
+    /// if there is none or it is completed.
+    pub async fn prepare_replay(
+        &self,
+        key: &Key,
+        letter_pins: bool,
+    ) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
-            "UPDATE processed_operations
-             SET retryable = (status = 'failed') OR retryable, dead_lettered_at = NULL,
-                 discarded_at = NULL,
-                 replay_count = replay_count + 1, last_replayed_at = now(), updated_at = now()
-             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
-               AND status <> 'completed'
-             RETURNING *",
+            &format!(
+                "UPDATE processed_operations
+                 SET retryable = (status = 'failed') OR retryable, {LETTERS_FEWER_BY_4},
+                     discarded_at = NULL, replay_count = replay_count + 1,
+                     last_replayed_at = now(), updated_at = now()
+                 WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+                   AND status <> 'completed'
+                 RETURNING *"
+            ),
             key,
         )
+        .bind(i32::from(letter_pins))
         .fetch_optional(&self.pool)
         .await?)
     }
 
-    /// Notes that the operation's dead letter left the DLQ, so retention may expire the
-    /// record again. Call it only after the dead letter is acked: a completed record
-    /// unpinned while its dead letter still waits could expire before a replay, and the
-    /// replay would then run the effect again.
+    /// Notes that one of the operation's dead letters left the DLQ, so that retention
+    /// may expire the record again once none is left. Call it only after the dead
+    /// letter is acked: a completed record unpinned while its dead letter still waits
+    /// could expire before a replay, and the replay would then run the effect again.
     pub async fn unpin(&self, key: &Key) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE processed_operations SET dead_lettered_at = NULL, updated_at = now()
+        sqlx::query(&format!(
+            "UPDATE processed_operations SET {ONE_LETTER_FEWER}, updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
-               AND dead_lettered_at IS NOT NULL",
-        )
+               AND dead_letters > 0"
+        ))
         .bind(key.scope())
         .bind(key.operation())
         .bind(key.idempotency_key())
@@ -69,22 +116,28 @@ impl Store {
         Ok(())
     }
 
-    /// Records an operator's decision to discard the operation's dead letter: the
-    /// record is unpinned and expires after the retention like a completed one, and a
-    /// later duplicate of a failed operation is acked, not run or dead-lettered again
-    /// (a retryable failure stops being retryable). A `pending` record never expires:
-    /// once deleted, a duplicate would run without being reconciled. Like
-    /// [`Store::unpin`], call it only after the dead letter is acked.
+    /// Records an operator's decision to discard one of the operation's dead letters:
+    /// its pin is taken away, the record expires after the retention like a completed
+    /// one (gc keeps it while another letter pins it), and a later duplicate of a failed
+    /// operation is acked, not run or dead-lettered again (a retryable failure stops
+    /// being retryable). A `pending` record never expires: once deleted, a duplicate
+    /// would run without being reconciled. Only a pinned record is touched: a letter
+    /// its record does not count (one a producer published into the DLQ itself,
+    /// naming someone else's key) changes nothing. Like [`Store::unpin`], call it only
+    /// after the dead letter is acked.
     pub async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
-            "UPDATE processed_operations
-             SET discarded_at = now(), dead_lettered_at = NULL, updated_at = now(),
-                 retryable = CASE WHEN status = 'failed' THEN false ELSE retryable END,
-                 expires_at = CASE WHEN status = 'pending' THEN expires_at
-                     ELSE COALESCE(expires_at, now() + $4::bigint * interval '1 millisecond')
-                 END
-             WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
-             RETURNING *",
+            &format!(
+                "UPDATE processed_operations
+                 SET discarded_at = now(), {ONE_LETTER_FEWER}, updated_at = now(),
+                     retryable = CASE WHEN status = 'failed' THEN false ELSE retryable END,
+                     expires_at = CASE WHEN status = 'pending' THEN expires_at
+                         ELSE COALESCE(expires_at, now() + $4::bigint * interval '1 millisecond')
+                     END
+                 WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+                   AND dead_letters > 0
+                 RETURNING *"
+            ),
             key,
         )
         .bind(millis(self.config.retention))

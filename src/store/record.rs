@@ -120,6 +120,10 @@ pub struct Record {
     /// took it over (a claim without a trace keeps the one there).
     pub trace_id: Option<String>,
     pub dead_lettered_at: Option<DateTime<Utc>>,
+    /// Dead letters of the operation that may wait in a DLQ: counted before each is
+    /// published, one taken away by each replay or discard. While any is left, the
+    /// record is pinned: gc keeps it.
+    pub dead_letters: i32,
     pub replay_count: i32,
     pub last_replayed_at: Option<DateTime<Utc>>,
     pub discarded_at: Option<DateTime<Utc>>,

@@ -155,9 +155,12 @@ impl Settler<'_> {
         copy.without_carried(ERROR_MAX_IN_A_SMALL_FRAME)
     }
 
-    /// Publishes the dead letter (confirmed), pins the record it belongs to, and only
-    /// then acks. A crash after the publish leaves the record unpinned, so the
-    /// redelivery publishes again: a DLQ may hold a key twice, never lose it.
+    /// Pins the record the dead letter belongs to, publishes the letter (confirmed),
+    /// notes that it waits in the DLQ, and only then acks. The pin comes first, so a
+    /// crash between the two leaves a pin too many (the record is kept), never a letter
+    /// whose record gc may delete; a crash after the publish leaves the record not yet
+    /// marked, so the redelivery publishes again: a DLQ may hold a key twice, each
+    /// letter with its pin, and never loses one.
     async fn dead_letter(
         &self,
         order: &DeadLetterOrder,
@@ -176,17 +179,28 @@ impl Settler<'_> {
         );
         let error = crate::text::cut(&order.error, dead_letter::ERROR_MAX);
         warn!(reason = order.reason.as_str(), error = %error, "dead-lettering");
+        if let Some(id) = order.pin {
+            self.store.pin(id).await?;
+        }
         let dlq = topology::dlq_name(self.queue);
-        match self.publish(&dlq, &copy, false).await {
+        let published = match self.publish(&dlq, &copy, false).await {
             // The broker answered and did not take it: the same letter without the
             // producer's headers, which are the one part of it idem did not make.
-            Err(WorkerError::Publish(PublishError::NotConfirmed { why, .. }))
-                if copy.carried() > 0 =>
-            {
+            Err(WorkerError::Publish(PublishError::Refused { why, .. })) if copy.carried() > 0 => {
                 warn!(why = %why, "dead letter refused; publishing it without the producer's headers");
-                self.publish(&dlq, &copy, true).await?;
+                self.publish(&dlq, &copy, true).await
             }
-            other => other?,
+            other => other,
+        };
+        if let Err(error) = published {
+            // A letter no queue holds needs no pin; one that may have landed keeps it.
+            if let (Some(id), WorkerError::Publish(PublishError::Refused { .. })) =
+                (order.pin, &error)
+                && let Err(e) = self.store.unpin_refused(id).await
+            {
+                warn!(error = %crate::text::error_line(&e), "the refused dead letter's pin stays");
+            }
+            return Err(error);
         }
         failpoint::hit("after-publish");
         if let Some(id) = order.pin {

@@ -284,6 +284,10 @@ fn print_record(r: &Record) {
     println!("trace_id          {}", r.trace_id.as_deref().unwrap_or("-"));
     println!("dead_lettered_at  {}", t(r.dead_lettered_at));
     println!(
+        "dead_letters      {}  (pinned while above 0: gc keeps the record)",
+        r.dead_letters
+    );
+    println!(
         "replay_count      {}  (last {})",
         r.replay_count,
         t(r.last_replayed_at)

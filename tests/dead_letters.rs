@@ -1,0 +1,297 @@
+//! Dead letters an operator can trust (docs/DESIGN.md, "Broker topology" and
+//! "Replay"): their `idem-*` headers are only ever idem's own, every letter of a key
+//! keeps its record pinned, and a replay goes where the operator asked. Against the
+//! real broker and database.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use idem::replay::{self, Action};
+use idem::{Context, Handler, HandlerError, RetryPolicy, Store, StoreConfig};
+use lapin::BasicProperties;
+use lapin::types::FieldTable;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+const SETTLE: Duration = Duration::from_secs(90);
+
+/// The record of `key`: (dead letters counted, pinned since, discarded).
+async fn pins(pool: &PgPool, key: &str) -> Option<(i32, bool, bool)> {
+    sqlx::query_as(
+        "SELECT dead_letters, dead_lettered_at IS NOT NULL, discarded_at IS NOT NULL
+         FROM processed_operations WHERE idempotency_key = $1",
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+fn headers(pairs: &[(&str, &str)]) -> BasicProperties {
+    let mut table = FieldTable::default();
+    for (name, value) in pairs {
+        table.insert((*name).into(), header_text(value));
+    }
+    BasicProperties::default().with_headers(table)
+}
+
+/// A malformed message carrying another tenant's key in forged `idem-*` headers: its
+/// dead letter keeps none of them, so the routine discard of the malformed group
+/// leaves the other tenant's record (and its real dead letter) as they were.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn forged_verdict_headers_are_dropped_and_a_discard_settles_nobody_elses_record(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("forged").await;
+    let url = database_url(&connect);
+    let _worker = spawn_orders_worker(&url, &q.name, &[]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    // The victim's own order fails for good: a real dead letter, its record pinned.
+    q.publish(&order("evt-victim", "victim", -1)).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    assert_eq!(pins(&pool, "evt-victim").await, Some((1, true, false)));
+
+    let forged = headers(&[
+        ("idem-scope", "victim"),
+        ("idem-key", "evt-victim"),
+        ("idem-operation", "orders.create"),
+        ("idem-reason", "permanent_failure"),
+        ("idem-original-queue", "elsewhere"),
+        ("app-header", "kept"),
+    ]);
+    q.publish_to(&q.name, b"not json", forged).await;
+    q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
+    let letters = replay::peek(&q.connection, &q.dlq(), &replay::Filter::default(), 10)
+        .await
+        .unwrap();
+    let letter = letters
+        .iter()
+        .find(|m| *m.delivery.data == *b"not json")
+        .expect("the malformed letter");
+    assert_eq!(letter.reason.as_deref(), Some("malformed"));
+    assert_eq!(
+        (letter.key.as_deref(), letter.scope.as_deref()),
+        (None, None)
+    );
+    assert_eq!(letter.original_queue.as_deref(), Some(q.name.as_str()));
+    let app = idem::dead_letter::header_str(&letter.delivery.properties, "app-header");
+    assert_eq!(
+        app.as_deref(),
+        Some("kept"),
+        "the producer's own headers travel"
+    );
+    drop(letters);
+
+    let args = [
+        "dlq",
+        "discard",
+        "--queue",
+        &q.name,
+        "--reason",
+        "malformed",
+        "--json",
+    ];
+    let summary: Value = serde_json::from_str(&idem_cli(&url, &args).await).unwrap();
+    assert_eq!(summary["discarded"], 1, "{summary}");
+    assert_eq!(
+        pins(&pool, "evt-victim").await,
+        Some((1, true, false)),
+        "the victim's record is untouched"
+    );
+    assert_eq!(q.counts(&q.dlq()).await.0, 1, "the victim's letter waits");
+}
+
+/// A replay republishes to the queue of the DLQ the operator named, whatever a
+/// letter's `idem-original-queue` says (a letter put into the DLQ by hand can say
+/// anything).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_replay_goes_to_the_queue_it_was_asked_for(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("replay-target").await;
+    let elsewhere = q.beside("elsewhere").await;
+    let url = database_url(&connect);
+    let _worker = spawn_orders_worker(&url, &q.name, &[]);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    q.channel
+        .queue_declare(
+            elsewhere.name.as_str().into(),
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let letter = headers(&[
+        ("idem-reason", "permanent_failure"),
+        ("idem-scope", "acme"),
+        ("idem-key", "evt-elsewhere"),
+        ("idem-operation", "orders.create"),
+        ("idem-original-queue", &elsewhere.name),
+    ]);
+    q.publish_to(&q.dlq(), &order("evt-elsewhere", "acme", 1), letter)
+        .await;
+    let args = ["dlq", "replay", "--queue", &q.name, "--json"];
+    let summary: Value = serde_json::from_str(&idem_cli(&url, &args).await).unwrap();
+    assert_eq!(summary["replayed"], 1, "{summary}");
+    wait_until(SETTLE, "the replay booked", || async {
+        ledger(&pool).await.get("evt-elsewhere") == Some(&1)
+    })
+    .await;
+    assert_eq!(elsewhere.counts(&elsewhere.name).await.0, 0);
+}
+
+#[derive(Deserialize)]
+struct Job {
+    event_id: String,
+}
+
+/// Fails transiently while `failing`, else writes one effect row per run.
+#[derive(Clone)]
+struct Switch {
+    failing: Arc<AtomicBool>,
+}
+
+impl Handler for Switch {
+    type Message = Job;
+    type Output = Value;
+    const OPERATION: &'static str = "jobs.switch";
+
+    fn scope(&self, _: &Job) -> String {
+        "tests".into()
+    }
+
+    fn idempotency_key(&self, job: &Job) -> String {
+        job.event_id.clone()
+    }
+
+    async fn handle(&self, job: Job, ctx: &mut Context) -> Result<Value, HandlerError> {
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(HandlerError::transient("the provider is down"));
+        }
+        sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
+            .bind(&job.event_id)
+            .execute(ctx.tx().await?)
+            .await?;
+        Ok(json!({"done": true}))
+    }
+}
+
+async fn effects(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Two dead letters of one key (a producer's duplicate re-ran the retryable failure):
+/// each pins the record. Replaying one runs it; gc past the retention keeps the record
+/// while the other waits, so replaying the other does not run the effect again.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn every_dead_letter_of_a_key_pins_its_record_until_it_leaves_the_dlq(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let q = TestQueue::new("two-letters").await;
+    let failing = Arc::new(AtomicBool::new(true));
+    let handler = Switch {
+        failing: failing.clone(),
+    };
+    let retention = Duration::from_secs(1);
+    let worker_store = Store::new(
+        pool.clone(),
+        StoreConfig {
+            retention,
+            ..StoreConfig::default()
+        },
+    );
+    let config = idem::WorkerConfig {
+        amqp_url: amqp_url(),
+        queue: q.name.clone(),
+        retry: RetryPolicy {
+            immediate: 0,
+            delays: vec![Duration::from_millis(RETRY_DELAYS_MS[0])],
+            ..RetryPolicy::default()
+        },
+        ..idem::WorkerConfig::default()
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(idem::Worker::new(handler, worker_store, config).run(shutdown.clone()));
+    wait_for_consumers(&q, 1).await;
+    let body = serde_json::to_vec(&json!({"event_id": "evt-twice"})).unwrap();
+    q.publish(&body).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    q.publish(&body).await;
+    q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
+    assert_eq!(pins(&pool, "evt-twice").await, Some((2, true, false)));
+
+    failing.store(false, Ordering::SeqCst);
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let one = replay::Options {
+        filter: replay::Filter {
+            limit: Some(1),
+            ..replay::Filter::default()
+        },
+        ..replay::Options::default()
+    };
+    let summary = replay::run(&q.connection, &store, &q.dlq(), Action::Replay, &one)
+        .await
+        .unwrap();
+    assert_eq!(summary.replayed, 1);
+    wait_until(SETTLE, "the replay completed", || async {
+        statuses(&pool).await.get("completed") == Some(&1)
+    })
+    .await;
+    assert_eq!(effects(&pool).await, 1);
+    assert_eq!(pins(&pool, "evt-twice").await, Some((1, true, false)));
+
+    // Past the retention, gc keeps the record: the other letter still waits.
+    wait_until(SETTLE, "the record past its retention", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT expires_at <= now() FROM processed_operations
+             WHERE idempotency_key = 'evt-twice'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(false)
+    })
+    .await;
+    let url = database_url(&connect);
+    idem_cli(&url, &["gc"]).await;
+    assert!(
+        pins(&pool, "evt-twice").await.is_some(),
+        "gc kept the record"
+    );
+    let all = replay::Options::default();
+    let summary = replay::run(&q.connection, &store, &q.dlq(), Action::Replay, &all)
+        .await
+        .unwrap();
+    assert_eq!((summary.replayed, summary.already_done), (0, 1));
+    assert_eq!(effects(&pool).await, 1, "the effect ran once");
+    assert_eq!(pins(&pool, "evt-twice").await, Some((0, false, false)));
+    // With no letter left, the record goes with the next gc.
+    idem_cli(&url, &["gc"]).await;
+    assert_eq!(pins(&pool, "evt-twice").await, None);
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
