@@ -677,3 +677,68 @@ async fn postgres_gone_for_30_s_under_load_is_waited_out_and_everything_done_onc
     assert_eq!(healthz(metrics_port).await.0, 200);
     assert!(worker.child.try_wait().unwrap().is_none());
 }
+
+/// Ignores the error of a statement it ran through `ctx.tx()`, leaving the transaction
+/// aborted, and returns as if all went well.
+#[derive(Clone, Default)]
+struct IgnoresItsError {
+    runs: Arc<Mutex<usize>>,
+}
+
+impl Handler for IgnoresItsError {
+    type Message = Job;
+    type Output = serde_json::Value;
+    const OPERATION: &'static str = "jobs.ignores-its-error";
+
+    fn scope(&self, _: &Job) -> String {
+        "tests".into()
+    }
+
+    fn idempotency_key(&self, job: &Job) -> String {
+        job.event_id.clone()
+    }
+
+    async fn handle(&self, _: Job, ctx: &mut Context) -> Result<serde_json::Value, HandlerError> {
+        *self.runs.lock().unwrap() += 1;
+        let failed = sqlx::query("SELECT 1 / 0").execute(ctx.tx().await?).await;
+        assert!(failed.is_err());
+        Ok(json!({"fine": true}))
+    }
+}
+
+/// A handler that leaves its transaction aborted (SQLSTATE 25P02 at completion) goes
+/// through the retry tiers and ends as `retries_exhausted`, in both modes: it neither
+/// loops for ever between its own lease and a takeover, nor is retried as an outage.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_handler_that_leaves_its_transaction_aborted_ends_in_the_dlq(pool: PgPool) {
+    for mode in [idem::Mode::Leased, idem::Mode::Transactional] {
+        let q = TestQueue::new(&format!("aborted-{}", mode.as_str())).await;
+        let handler = IgnoresItsError::default();
+        let (shutdown, task) = start_in_process(&pool, &q, handler.clone(), |config| {
+            config.mode = mode;
+        })
+        .await;
+        q.publish(&serde_json::to_vec(&json!({"event_id": "evt-aborted"})).unwrap())
+            .await;
+        q.wait_for_messages(&q.dlq(), 1, FEW_SECONDS).await;
+        let dead = q.drain(&q.dlq()).await;
+        assert_eq!(
+            dead[0].reason.as_deref(),
+            Some("retries_exhausted"),
+            "{mode:?}"
+        );
+        let said = dead[0].error.as_deref().unwrap_or_default();
+        assert!(said.contains("25P02"), "{mode:?}: {said}");
+        // One run per claim: the first and its immediate retry, then the same after
+        // each of the two delayed retries.
+        let runs = *handler.runs.lock().unwrap();
+        println!("{mode:?}: {runs} runs, then dead-lettered: {said}");
+        assert!((2..=12).contains(&runs), "{mode:?}: {runs} runs");
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
+        sqlx::query("DELETE FROM processed_operations")
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+}

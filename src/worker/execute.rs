@@ -469,6 +469,15 @@ async fn record<H: Handler>(
             let why = format!("the result could not be stored: {}", error.describe());
             return unstorable(store, lease, why).await;
         }
+        // Neither the message nor an outage (a handler that left its transaction
+        // aborted: SQLSTATE 25P02): a failure of this run, through the retry tiers to
+        // `retries_exhausted`. Requeued as undecided, its redelivery would meet its own
+        // live lease, wait for it, and take it over to run again, for ever.
+        Err(error) if error.fault() == Fault::Unknown => {
+            let why = format!("the outcome could not be recorded: {}", error.describe());
+            warn!(error = %why, "completion failed");
+            return record_failure(store, lease, HandlerError::Transient(why), false).await;
+        }
         Err(error) => return Err(error.into()),
     };
     if matches!(ran, Ran::Completed { .. }) {

@@ -80,6 +80,13 @@ pub(super) async fn run<H: Handler>(
         match once(handler, store, requests, careful, handoff).await {
             Ok(Pass::Committed(answers)) => return Ok(answers),
             Ok(Pass::HandlerFailed) => careful = true,
+            // Neither the data nor an outage (a handler that ignored a failed statement
+            // and left the transaction aborted: SQLSTATE 25P02): the careful pass finds
+            // out whose run it was, and records that run as failed.
+            Err(error) if !careful && error.fault() == Fault::Unknown => {
+                debug!(error = %crate::text::error_line(&error), "batch failed; running it again with a savepoint per handler");
+                careful = true;
+            }
             Ok(Pass::Raced) => debug!(pass, "a new key was inserted meanwhile; starting again"),
             Err(error) if is_victim(&error) && pass + 1 < PASSES => {
                 debug!(pass, error = %crate::text::error_line(&error), "batch rolled back; starting again");
@@ -218,18 +225,13 @@ async fn once<H: Handler>(
             takeover,
             careful,
         };
-        let result = ctx.run(handler, store, &mut tx, reconcile).await;
+        let mut result = ctx.run(handler, store, &mut tx, reconcile).await;
         let failed = !matches!(result, RunResult::Done { .. });
         if failed && !careful {
             return Ok(Pass::HandlerFailed);
         }
         if careful {
-            let end = if failed {
-                "ROLLBACK TO SAVEPOINT idem_run"
-            } else {
-                "RELEASE SAVEPOINT idem_run"
-            };
-            sqlx::query(end).execute(open(&mut tx)?).await?;
+            result = end_savepoint(open(&mut tx)?, result).await?;
         }
         runs.push((i, owner, result));
     }
@@ -284,6 +286,38 @@ async fn once<H: Handler>(
         })
         .collect();
     Ok(Pass::Committed(answers))
+}
+
+/// Ends the savepoint of a run in the careful pass: released after a success, rolled
+/// back to after a failure. A success whose savepoint cannot be released left its
+/// subtransaction aborted (it ignored a failed statement: SQLSTATE 25P02): its writes
+/// are rolled back and the run is a transient failure, so that the retry tiers bound
+/// it, as in leased mode.
+async fn end_savepoint(
+    conn: &mut sqlx::PgConnection,
+    result: RunResult,
+) -> Result<RunResult, StoreError> {
+    const UNDO: &str = "ROLLBACK TO SAVEPOINT idem_run";
+    if !matches!(result, RunResult::Done { .. }) {
+        sqlx::query(UNDO).execute(&mut *conn).await?;
+        return Ok(result);
+    }
+    match sqlx::query("RELEASE SAVEPOINT idem_run")
+        .execute(&mut *conn)
+        .await
+    {
+        Ok(_) => Ok(result),
+        Err(error) if crate::fault::classify(&error) == Fault::Unknown => {
+            sqlx::query(UNDO).execute(&mut *conn).await?;
+            let why = format!(
+                "the outcome could not be recorded: {}",
+                crate::fault::describe(&error)
+            );
+            tracing::warn!(error = %why, "completion failed");
+            Ok(RunResult::Failed(HandlerError::Transient(why)))
+        }
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// The batch's transaction, which is only ever out of its slot while a handler holds it.
