@@ -509,6 +509,56 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
     )
     .await;
     assert_eq!(code, 1, "a missing key is an error");
+
+    // A pending key is not released (its lease is a reconciler's): released, it could
+    // never be resolved as not applied, and a route without a reconciler would answer
+    // 409 for it for ever. It stays resolvable.
+    let pending = Key::new("acme", "orders.create", "evt-pending").unwrap();
+    let Claim::Claimed(lease) = store
+        .claim(&pending, &fingerprint, &Origin::default())
+        .await
+        .unwrap()
+    else {
+        panic!("first claim");
+    };
+    store
+        .mark_pending(&lease, Some("psp-9"), &json!("timeout"))
+        .await
+        .unwrap();
+    let pending_args = [
+        "--scope",
+        "acme",
+        "--operation",
+        "orders.create",
+        "--key",
+        "evt-pending",
+    ];
+    let out = idem_command(&url, &[&["ops", "release"][..], &pending_args].concat())
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("is pending, not released"),
+        "{said}"
+    );
+    let token = lease.token.to_string();
+    let resolve = [
+        &[
+            "ops",
+            "resolve",
+            "--not-applied",
+            "--token",
+            &token,
+            "--note",
+            "checked",
+        ][..],
+        &pending_args,
+    ]
+    .concat();
+    let (code, out) = run_idem(&url, &resolve).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("resolved"), "{out}");
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

@@ -145,15 +145,19 @@ impl Store {
         .await?)
     }
 
-    /// Expires the lease of a `processing` or `pending` record by hand (its worker is
-    /// known to be dead): the next delivery takes it over with a new fencing token, so
-    /// the dead worker could not write an outcome even if it came back.
+    /// Expires the lease of a `processing` record by hand (its worker is known to be
+    /// dead): the next delivery takes it over with a new fencing token, so the dead
+    /// worker could not write an outcome even if it came back. A `pending` record is
+    /// not released: a lease on it is a reconciler's, which lapses on its own, and one
+    /// released by hand would keep [`Store::resolve_not_applied`] from ever settling
+    /// it (no request of a route without a reconciler takes it back). `None` when
+    /// there is no `processing` record.
     pub async fn release(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
             "UPDATE processed_operations
              SET lease_expires_at = now(), updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
-               AND status IN ('processing', 'pending')
+               AND status = 'processing'
              RETURNING *",
             key,
         )

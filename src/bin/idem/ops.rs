@@ -185,7 +185,17 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
                     "released {} / {} / {}: status {}, lease token {} expired now; the next delivery takes it over",
                     r.scope, r.operation, r.idempotency_key, r.status, r.lease_token
                 ),
-                None => bail!("no processing or pending record for {key}"),
+                None => bail!(match store.get(&key).await? {
+                    Some(r) if r.status == idem::Status::Pending => format!(
+                        "{key} is pending, not released: a lease on it is a reconciler's and \
+                         lapses on its own; once the provider says the effect did not happen, \
+                         settle it with `idem ops resolve --not-applied --token {}`",
+                        r.lease_token
+                    ),
+                    Some(r) =>
+                        format!("{key} is {}, not processing: no lease to release", r.status),
+                    None => format!("no record for {key}"),
+                }),
             }
         }
         Ops::Resolve {

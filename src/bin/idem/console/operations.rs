@@ -219,13 +219,14 @@ pub(super) async fn operation(
             ]);
         }
     }
-    let release = if matches!(record.status, Status::Processing | Status::Pending) {
+    // A pending record's lease is a reconciler's and lapses on its own; released by
+    // hand it could no longer be resolved (Store::release).
+    let release = if record.status == Status::Processing {
         let pairs = form.pairs();
         format!(
             "<div class=\"box\"><p class=\"warn\">Release only when its worker is dead: the \
-             lease ends now, and the next delivery or replay takes the operation over \
-             (a pending one is reconciled first). The old owner's late writes are fenced \
-             off.</p>{}</div>",
+             lease ends now, and the next delivery or replay takes the operation over. The \
+             old owner's late writes are fenced off.</p>{}</div>",
             post_form("/ops/release", &pairs, &console.csrf, "Release the lease")
         )
     } else {
