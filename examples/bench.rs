@@ -533,7 +533,7 @@ async fn publish(
         queue_type: idem::QueueType::Classic,
         retry_delays: vec![Duration::from_secs(5)],
     };
-    topology.declare(&channel).await?;
+    topology.declare(connection).await?;
     let mut pending = Vec::with_capacity(1000);
     for i in 0..n {
         let body = orders_worker_body(&format!("{queue}-{run}-{i}"), i);

@@ -331,13 +331,12 @@ async fn declare_follow_up_queue(
     queue_type: QueueType,
 ) -> Result<(), lapin::Error> {
     let connection = idem::topology::connect(amqp_url, "orders_worker-declare").await?;
-    let channel = connection.create_channel().await?;
     let topology = Topology {
         queue: queue.into(),
         queue_type,
         retry_delays: Vec::new(),
     };
-    topology.declare(&channel).await?;
+    topology.declare(&connection).await?;
     connection.close(200, "declared".into()).await?;
     Ok(())
 }

@@ -3,8 +3,8 @@
 //! Every message is taken with `basic.get` and stays unacked until it is dealt with, so
 //! a second replay running at the same time never sees it, and a replay killed midway
 //! loses nothing: the broker requeues whatever it held. Messages left alone (filtered
-//! out, conflicts, malformed) are held until the end and then requeued together, so one
-//! pass visits each message once. A replay republishes with publisher confirms before it
+//! out, conflicts, malformed) stay unacked until the end and are then requeued together,
+//! so one pass visits each message once; a pass leaves at most [`HOLD_MAX`] of them so. A replay republishes with publisher confirms before it
 //! acks in the DLQ; a key that is already `completed` is acked without republishing, and
 //! the worker's claim makes any republished duplicate a no-op: replaying twice never
 //! runs an effect twice.
@@ -151,8 +151,20 @@ pub fn dlq_of(queue: &str) -> String {
     }
 }
 
+/// Most dead letters one pass over a DLQ leaves unacked without acting on them (not
+/// selected, left alone, or a dry run's), unless [`Options::hold`] says otherwise. They
+/// wait on the broker, unacked, until the pass ends, and a DLQ can hold millions: a
+/// pass that reaches the bound stops there ([`Summary::incomplete`]).
+pub const HOLD_MAX: usize = 10_000;
+
+/// Most bytes of bodies [`peek`] returns: a DLQ's letters can be as large as any
+/// message (128 MiB on RabbitMQ's default).
+pub const PEEK_BYTES_MAX: usize = 64 << 20;
+
 /// Reads up to `limit` dead letters that pass `filter` without removing any: they are
-/// held unacked while read and requeued when the channel closes.
+/// held unacked while read and requeued when the channel closes. At most [`HOLD_MAX`]
+/// letters that do not pass are read past, and at most [`PEEK_BYTES_MAX`] bytes of
+/// bodies are returned.
 pub async fn peek(
     connection: &Connection,
     dlq: &str,
@@ -161,16 +173,19 @@ pub async fn peek(
 ) -> Result<Vec<DlqMessage>, ReplayError> {
     let channel = connection.create_channel().await?;
     let mut out = Vec::new();
-    let mut held = Vec::new();
-    while out.len() < filter.limit.unwrap_or(limit).min(limit) {
+    let (mut passed_over, mut bytes) = (0, 0);
+    let limit = filter.limit.unwrap_or(limit).min(limit);
+    while out.len() < limit && passed_over < HOLD_MAX && bytes < PEEK_BYTES_MAX {
         let Some(message) = get(&channel, dlq).await? else {
             break;
         };
         let m = DlqMessage::new(message);
         if filter.matches(&m) {
+            bytes += m.delivery.data.len();
             out.push(m);
         } else {
-            held.push(m);
+            // Unacked on this channel until it closes; nothing to keep here.
+            passed_over += 1;
         }
     }
     // Closing the channel requeues everything read.
@@ -246,6 +261,10 @@ pub struct Summary {
     pub skipped: usize,
     /// Whether nothing was changed.
     pub dry_run: bool,
+    /// Whether the pass stopped at its bound on letters left unacked without being
+    /// acted on ([`HOLD_MAX`], or [`Options::hold`]): letters past them were not looked
+    /// at. A filter that selects letters deeper than that needs a larger bound.
+    pub incomplete: bool,
 }
 
 impl Summary {
@@ -277,6 +296,9 @@ pub struct Options {
     pub dry_run: bool,
     /// Pause between two messages acted on (throttles a large replay).
     pub pace: Option<Duration>,
+    /// Most letters left unacked without being acted on, before the pass stops
+    /// (default [`HOLD_MAX`]).
+    pub hold: Option<usize>,
 }
 
 /// Replays or discards the dead letters of `dlq` that pass the filter.
@@ -296,19 +318,25 @@ pub async fn run(
         ..Summary::default()
     };
     let mut selected = 0;
-    let mut held = Vec::new();
+    // Letters read and left unacked (requeued when the channel closes), not acted on.
+    let mut held = 0;
+    let hold = options.hold.unwrap_or(HOLD_MAX);
     // A dry run's keys, looked up together once the DLQ is read (one statement, not one
     // per message).
     let mut dry_keys = Vec::new();
     let default_queue = dlq.strip_suffix(".dlq").unwrap_or(dlq);
     while options.filter.limit.is_none_or(|limit| selected < limit) {
+        if held >= hold {
+            summary.incomplete = true;
+            break;
+        }
         let Some(delivery) = get(&channel, dlq).await? else {
             break;
         };
         let m = DlqMessage::new(delivery);
         if !options.filter.matches(&m) {
             summary.skipped += 1;
-            held.push(m);
+            held += 1;
             continue;
         }
         selected += 1;
@@ -321,7 +349,7 @@ pub async fn run(
             } else {
                 summary.malformed_left += 1;
             }
-            held.push(m);
+            held += 1;
             continue;
         }
         if options.dry_run {
@@ -330,7 +358,7 @@ pub async fn run(
                 (Action::Replay, Some(key)) => dry_keys.push(key),
                 _ => summary.count_dry_run(action, false),
             }
-            held.push(m);
+            held += 1;
             continue;
         }
         match (action, key) {
@@ -366,7 +394,7 @@ pub async fn run(
             }
             // Counted as malformed above.
             (Action::Replay, None) => {
-                held.push(m);
+                held += 1;
                 continue;
             }
         }
@@ -378,7 +406,6 @@ pub async fn run(
         summary.count_dry_run(action, done);
     }
     // Requeue what was left alone, all at once, in its original order.
-    drop(held);
     let _ = channel.close(200, "replay done".into()).await;
     Ok(summary)
 }

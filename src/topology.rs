@@ -64,38 +64,117 @@ impl Topology {
             .collect()
     }
 
-    /// Declares every queue, durable. Idempotent: declaring again with the same
-    /// settings changes nothing (other settings fail with 406 PRECONDITION_FAILED).
-    pub async fn declare(&self, channel: &Channel) -> Result<(), lapin::Error> {
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        channel
-            .queue_declare(self.queue.as_str().into(), durable, self.args())
-            .await?;
-        for delay in &self.retry_delays {
-            let mut args = self.args();
-            let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
-            args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
-            args.insert("x-dead-letter-exchange".into(), long_string(""));
-            args.insert("x-dead-letter-routing-key".into(), long_string(&self.queue));
-            let name = retry_queue_name(&self.queue, *delay);
+    /// Declares every queue, durable, on channels of `connection`. Idempotent:
+    /// declaring again with the same settings changes nothing; a queue that exists with
+    /// other settings fails with 406 PRECONDITION_FAILED, unless it is one an older idem
+    /// declared (without the quorum arguments below), which is kept as it is and named
+    /// in [`Declared::older`].
+    ///
+    /// Quorum queues get what makes them keep messages: the work queue and the DLQ an
+    /// `x-delivery-limit` no delivery count reaches ([`DELIVERY_LIMIT`]; RabbitMQ 4
+    /// otherwise drops a message after 20 requeues, and the worker requeues while
+    /// Postgres is down, while a replay's `basic.get`s and the console's reads requeue
+    /// dead letters), and the retry queues at-least-once dead-lettering back to the work
+    /// queue (`x-dead-letter-strategy`, which needs `x-overflow: reject-publish`):
+    /// RabbitMQ dead-letters at most once otherwise, and drops the copy when the work
+    /// queue's leader is unavailable at that moment.
+    pub async fn declare(&self, connection: &Connection) -> Result<Declared, lapin::Error> {
+        let mut channel = connection.create_channel().await?;
+        let mut declared = Declared::default();
+        let queues = std::iter::once((self.queue.clone(), Role::Work))
+            .chain(
+                self.retry_delays
+                    .iter()
+                    .map(|d| (retry_queue_name(&self.queue, *d), Role::Retry(*d))),
+            )
+            .chain(std::iter::once((self.dlq(), Role::DeadLetters)));
+        for (name, role) in queues {
+            let args = self.args(role, true);
+            let durable = QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            };
+            let Err(error) = channel
+                .queue_declare(name.as_str().into(), durable, args.clone())
+                .await
+            else {
+                continue;
+            };
+            let older = self.args(role, false);
+            if older == args || !refused(&error) {
+                return Err(error);
+            }
+            // The refusal closed the channel. A queue an older idem declared takes its
+            // old arguments; one that refuses those too says what really differs.
+            channel = connection.create_channel().await?;
             channel
-                .queue_declare(name.as_str().into(), durable, args)
+                .queue_declare(name.as_str().into(), durable, older)
                 .await?;
+            declared.older.push(name);
         }
-        channel
-            .queue_declare(self.dlq().as_str().into(), durable, self.args())
-            .await?;
-        Ok(())
+        let _ = channel.close(200, "declared".into()).await;
+        Ok(declared)
     }
 
-    fn args(&self) -> FieldTable {
+    /// The arguments of one of the queues; `current` false: as idem declared them
+    /// before the quorum arguments of [`Topology::declare`].
+    fn args(&self, role: Role, current: bool) -> FieldTable {
         let mut args = FieldTable::default();
         args.insert("x-queue-type".into(), long_string(self.queue_type.as_str()));
+        let quorum = current && self.queue_type == QueueType::Quorum;
+        match role {
+            Role::Work | Role::DeadLetters if quorum => {
+                args.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongInt(DELIVERY_LIMIT),
+                );
+            }
+            Role::Work | Role::DeadLetters => {}
+            Role::Retry(delay) => {
+                let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+                args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+                args.insert("x-dead-letter-exchange".into(), long_string(""));
+                args.insert("x-dead-letter-routing-key".into(), long_string(&self.queue));
+                if quorum {
+                    args.insert(
+                        "x-dead-letter-strategy".into(),
+                        long_string("at-least-once"),
+                    );
+                    args.insert("x-overflow".into(), long_string("reject-publish"));
+                }
+            }
+        }
         args
     }
+}
+
+/// What [`Topology::declare`] found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Declared {
+    /// Quorum queues an older idem declared without the arguments that keep their
+    /// messages: kept as they are (a queue's arguments cannot change), working as
+    /// before (a retry hop at most once, RabbitMQ's default delivery limit). To
+    /// upgrade one, stop its workers, let it empty, delete it, and start them again.
+    pub older: Vec<String>,
+}
+
+/// The `x-delivery-limit` of quorum work queues and DLQs: as many deliveries as the
+/// broker can count, so that none is ever dropped for being delivered too often (a
+/// positive number: RabbitMQ 3 drops a message at once under -1, which only RabbitMQ
+/// 4 reads as "no limit").
+pub const DELIVERY_LIMIT: i32 = i32::MAX;
+
+/// Which of a topology's queues.
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    Work,
+    Retry(Duration),
+    DeadLetters,
+}
+
+/// 406 PRECONDITION_FAILED: the queue exists with other arguments.
+fn refused(error: &lapin::Error) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406)
 }
 
 /// The dead-letter queue of `queue`.

@@ -295,3 +295,167 @@ async fn every_dead_letter_of_a_key_pins_its_record_until_it_leaves_the_dlq(
     shutdown.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// A pass over a DLQ leaves at most its bound of letters unacked without acting on
+/// them, then stops and says so; every letter stays in the DLQ.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_pass_over_a_large_dlq_holds_at_most_its_bound(pool: PgPool) {
+    let q = TestQueue::new("hold").await;
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    q.channel
+        .queue_declare(q.dlq().as_str().into(), durable, FieldTable::default())
+        .await
+        .unwrap();
+    for i in 0..30 {
+        let letter = headers(&[("idem-reason", "permanent_failure")]);
+        q.publish_to(&q.dlq(), format!("letter {i}").as_bytes(), letter)
+            .await;
+    }
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let none = replay::Options {
+        filter: replay::Filter {
+            reason: Some("retries_exhausted".into()),
+            ..replay::Filter::default()
+        },
+        hold: Some(10),
+        ..replay::Options::default()
+    };
+    for action in [Action::Replay, Action::Discard] {
+        let summary = replay::run(&q.connection, &store, &q.dlq(), action, &none)
+            .await
+            .unwrap();
+        assert_eq!(
+            (summary.skipped, summary.incomplete),
+            (10, true),
+            "{action:?}"
+        );
+    }
+    let dry = replay::Options {
+        dry_run: true,
+        hold: Some(10),
+        ..replay::Options::default()
+    };
+    let summary = replay::run(&q.connection, &store, &q.dlq(), Action::Discard, &dry)
+        .await
+        .unwrap();
+    assert_eq!((summary.discarded, summary.incomplete), (10, true));
+    q.wait_for_messages(&q.dlq(), 30, SETTLE).await;
+}
+
+/// The `arguments` rabbitmqctl lists for `queue`.
+async fn arguments(queue: &str) -> String {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_queues", "name", "arguments"])
+        .output()
+        .await
+        .expect("rabbitmqctl");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .map(|(_, args)| args.to_owned())
+        .unwrap_or_default()
+}
+
+/// Quorum queues are declared to keep their messages: the work queue and the DLQ with
+/// a delivery limit no count reaches (RabbitMQ 4 drops a message after 20 requeues
+/// otherwise, and reading a DLQ requeues), the retry queues dead-lettering back at
+/// least once. Queues an older idem declared without those arguments keep working.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn quorum_queues_are_declared_to_keep_their_messages(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    let q = TestQueue::new("quorum-keeps").await;
+    let quorum = ["--queue-type", "quorum"];
+    let _worker = spawn_orders_worker(&url, &q.name, &quorum);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    let limit = format!(
+        "{{\"x-delivery-limit\",{}}}",
+        idem::topology::DELIVERY_LIMIT
+    );
+    for queue in [q.name.clone(), q.dlq()] {
+        let args = arguments(&queue).await;
+        assert!(args.contains(&limit), "{queue}: {args}");
+    }
+    for delay in RETRY_DELAYS_MS {
+        let queue = format!("{}.retry.{delay}ms", q.name);
+        let args = arguments(&queue).await;
+        assert!(
+            args.contains("{\"x-dead-letter-strategy\",\"at-least-once\"}")
+                && args.contains("{\"x-overflow\",\"reject-publish\"}"),
+            "{queue}: {args}"
+        );
+    }
+    // A dead letter read (and so requeued) 25 times is still there.
+    q.publish(&order("evt-refused", "acme", -1)).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    for _ in 0..25 {
+        let read = replay::peek(&q.connection, &q.dlq(), &replay::Filter::default(), 10)
+            .await
+            .unwrap();
+        assert_eq!(read.len(), 1);
+    }
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+
+    // Quorum queues as an older idem declared them: the worker uses them as they are.
+    let old = TestQueue::new("quorum-older").await;
+    let older = idem::Topology {
+        queue: old.name.clone(),
+        queue_type: idem::QueueType::Quorum,
+        retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+    };
+    declare_as_before(&old, &older).await;
+    let worker = spawn_orders_worker(&url, &old.name, &quorum);
+    wait_for_consumers(&old, 1).await;
+    old.publish(&order("evt-older", "acme", 1)).await;
+    wait_until(SETTLE, "the order booked", || async {
+        ledger(&pool).await.get("evt-older") == Some(&1)
+    })
+    .await;
+    let warning = "an older idem declared this quorum queue";
+    assert_eq!(worker.log_count(warning), 2 + RETRY_DELAYS_MS.len());
+}
+
+/// Declares `topology`'s queues with the arguments idem gave quorum queues before
+/// their delivery limit and at-least-once dead-lettering.
+async fn declare_as_before(q: &TestQueue, topology: &idem::Topology) {
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let quorum = || {
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), header_text("quorum"));
+        args
+    };
+    for queue in [topology.queue.clone(), topology.dlq()] {
+        q.channel
+            .queue_declare(queue.as_str().into(), durable, quorum())
+            .await
+            .unwrap();
+    }
+    for (queue, delay) in topology.retry_queues().iter().zip(&topology.retry_delays) {
+        let mut args = quorum();
+        let ttl = delay.as_millis() as i64;
+        args.insert(
+            "x-message-ttl".into(),
+            lapin::types::AMQPValue::LongLongInt(ttl),
+        );
+        args.insert("x-dead-letter-exchange".into(), header_text(""));
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            header_text(&topology.queue),
+        );
+        q.channel
+            .queue_declare(queue.as_str().into(), durable, args)
+            .await
+            .unwrap();
+    }
+}

@@ -912,7 +912,7 @@ async fn a_dry_run_tells_completed_keys_from_those_that_would_run(
         queue_type: idem::QueueType::Classic,
         retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
     }
-    .declare(&q.channel)
+    .declare(&q.connection)
     .await
     .unwrap();
     let letter = |id: &str, reason: &str| {

@@ -188,7 +188,7 @@ async fn downstream_of(q: &TestQueue) -> TestQueue {
         queue_type: idem::QueueType::Classic,
         retry_delays: Vec::new(),
     }
-    .declare(&q.channel)
+    .declare(&q.connection)
     .await
     .unwrap();
     downstream

@@ -13,7 +13,7 @@ use lapin::types::FieldTable;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::acks::Acks;
 use super::follow_ups::FollowUpChannel;
@@ -81,11 +81,19 @@ impl<H: Handler> Session<H> {
     async fn try_open(&self) -> Result<Open, lapin::Error> {
         let config = &self.shared.config;
         let connection = topology::connect(&config.amqp_url, &config.name).await?;
+        let declared = self.topology.declare(&connection).await?;
+        for queue in &declared.older {
+            warn!(
+                queue = %queue,
+                "an older idem declared this quorum queue without the arguments that keep its messages \
+                 (x-delivery-limit; at-least-once dead-lettering for a retry queue): it keeps working as \
+                 before; to upgrade it, stop its workers, let it empty, delete it and start them again"
+            );
+        }
         let consume = connection.create_channel().await?;
         consume
             .basic_qos(config.prefetch, BasicQosOptions::default())
             .await?;
-        self.topology.declare(&consume).await?;
         let publish = connection.create_channel().await?;
         publish
             .confirm_select(ConfirmSelectOptions::default())

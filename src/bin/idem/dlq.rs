@@ -82,6 +82,10 @@ pub(crate) struct FilterArgs {
     /// At most this many messages.
     #[arg(long)]
     limit: Option<usize>,
+    /// Stop after leaving this many letters unacked without acting on them (not
+    /// selected, left alone, a dry run's): each waits on the broker until the pass ends.
+    #[arg(long, default_value_t = replay::HOLD_MAX)]
+    hold: usize,
 }
 
 impl FilterArgs {
@@ -139,6 +143,7 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 filter: filter.filter(),
                 dry_run: *dry_run,
                 pace,
+                hold: Some(filter.hold),
             };
             act(
                 cli,
@@ -160,6 +165,7 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 filter: filter.filter(),
                 dry_run: *dry_run,
                 pace: None,
+                hold: Some(filter.hold),
             };
             act(
                 cli,
@@ -281,5 +287,11 @@ async fn act(
     );
     line("malformed left".into(), summary.malformed_left, "");
     line("not selected".into(), summary.skipped, "");
+    if summary.incomplete {
+        println!(
+            "  stopped after leaving {} letters unacked unselected: letters past them were not looked at (--hold)",
+            options.hold.unwrap_or(replay::HOLD_MAX)
+        );
+    }
     Ok(())
 }

@@ -293,6 +293,7 @@ async fn summarize(
         },
         dry_run,
         pace: None,
+        hold: None,
     };
     let dlq = replay::dlq_of(&selection.queue);
     let summary = replay::run(&connection, &console.store, &dlq, action, &options).await;
