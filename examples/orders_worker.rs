@@ -204,6 +204,10 @@ struct Args {
     /// Delays of the retry queues in milliseconds, comma separated.
     #[arg(long, value_delimiter = ',', default_values_t = [5_000u64, 30_000, 300_000])]
     retry_delays_ms: Vec<u64>,
+    /// After how many seconds a retryable or pending record whose next delivery has not
+    /// come counts as overdue (default: the longest retry delay, the lease and a minute).
+    #[arg(long)]
+    retry_overdue_secs: Option<u64>,
     /// Immediate in-process retries of a transient failure.
     #[arg(long, default_value_t = 2)]
     immediate_retries: usize,
@@ -296,6 +300,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
         gc_every: (args.gc_every_secs > 0).then(|| Duration::from_secs(args.gc_every_secs)),
+        retry_overdue_after: args.retry_overdue_secs.map(Duration::from_secs),
         name,
         outbox: OutboxConfig {
             lease: Duration::from_secs(args.outbox_lease_secs),

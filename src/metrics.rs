@@ -13,6 +13,7 @@
 //! | `idem_store_round_trip_seconds` | histogram | `call` |
 //! | `idem_oldest_pending_age_seconds` | gauge | |
 //! | `idem_oldest_processing_age_seconds` | gauge | |
+//! | `idem_retries_overdue` | gauge | `operation` |
 //! | `idem_gc_deleted_total` | counter | `table` (`records`, `follow-ups`, `outcomes`) |
 //! | `idem_gc_batch_seconds` | histogram | |
 //! | `idem_gc_expired_rows`, `idem_gc_oldest_expired_age_seconds` | gauge | `table` |
@@ -59,6 +60,12 @@ pub enum MetricsError {
 pub(crate) fn delivery(operation: &'static str, outcome: &'static str) {
     ::metrics::counter!("idem_deliveries_total", "operation" => operation, "outcome" => outcome)
         .increment(1);
+}
+
+/// Sets how many records of `operation` wait past their due time for the delivery that
+/// brings them back (see `Store::overdue`).
+pub(crate) fn retries_overdue(operation: &'static str, records: i64) {
+    ::metrics::gauge!("idem_retries_overdue", "operation" => operation).set(records as f64);
 }
 
 /// Counts the outcome of a delivery replayed from a dead-letter queue (`idem-replays`

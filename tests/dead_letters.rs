@@ -459,3 +459,64 @@ async fn declare_as_before(q: &TestQueue, topology: &idem::Topology) {
             .unwrap();
     }
 }
+
+/// The value of `idem_retries_overdue` for `operation` on the worker's `/metrics`.
+async fn overdue_gauge(addr: &str, operation: &str) -> Option<f64> {
+    let (_, body) = scrape(addr, "/metrics").await;
+    let series = format!("idem_retries_overdue{{operation=\"{operation}\"}} ");
+    body.lines()
+        .find_map(|line| line.strip_prefix(&series)?.trim().parse().ok())
+}
+
+/// A classic retry queue dead-letters its copies back at most once: a record whose
+/// copy was lost waits for a delivery that never comes. The worker reports it as
+/// overdue (gauge, warning) until a delivery of it arrives.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_retryable_record_whose_delivery_does_not_come_is_reported_overdue(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    let q = TestQueue::new("overdue").await;
+    let addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let args = ["--metrics-addr", &addr, "--retry-overdue-secs", "1"];
+    let worker = spawn_orders_worker(&url, &q.name, &args);
+    wait_for_worker_tables(&pool).await;
+    wait_for_consumers(&q, 1).await;
+    // A delivery that failed transiently, its retry copy since lost.
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let body = order("evt-lost", "acme", 1);
+    let key = idem::Key::new("acme", "orders.create", "evt-lost").unwrap();
+    let payload: Value = serde_json::from_slice(&body).unwrap();
+    let fingerprint = idem::Fingerprint::of(&payload, &["sent_at"]);
+    let claim = store
+        .claim(&key, &fingerprint, &idem::Origin::default())
+        .await
+        .unwrap();
+    let idem::Claim::Claimed(lease) = claim else {
+        panic!("a new key: {claim:?}");
+    };
+    store
+        .fail(&lease, true, &json!({"error": "provider down"}), false)
+        .await
+        .unwrap();
+    wait_until(SETTLE, "the record reported overdue", || async {
+        overdue_gauge(&addr, "orders.create").await == Some(1.0)
+    })
+    .await;
+    assert!(worker.log_contains("retries overdue"));
+    // The delivery comes after all: booked, and nothing is overdue any more.
+    q.publish(&body).await;
+    wait_until(SETTLE, "the order booked", || async {
+        ledger(&pool).await.get("evt-lost") == Some(&1)
+    })
+    .await;
+    wait_until(SETTLE, "nothing overdue", || async {
+        overdue_gauge(&addr, "orders.create").await == Some(0.0)
+    })
+    .await;
+}

@@ -211,6 +211,26 @@ impl Store {
         .await?)
     }
 
+    /// Records of `operation` whose next delivery is overdue: a retryable failure or a
+    /// pending operation of a message (no expiry), without a dead letter, not
+    /// discarded, with no live lease, not updated for `older_than`. Its retry copy
+    /// should have brought it back by then; a classic retry queue dead-letters at most
+    /// once, so the copy may be lost, and nothing else brings the intent back.
+    pub async fn overdue(&self, operation: &str, older_than: Duration) -> Result<i64, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM processed_operations
+             WHERE operation = $1 AND expires_at IS NULL AND dead_letters = 0
+               AND discarded_at IS NULL
+               AND (status = 'pending' OR (status = 'failed' AND retryable))
+               AND updated_at <= now() - $2::bigint * interval '1 millisecond'
+               AND (lease_expires_at IS NULL OR lease_expires_at <= now())",
+        )
+        .bind(operation)
+        .bind(millis(older_than))
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
     /// Records in `status` not updated for `older_than`, oldest first.
     pub async fn list(
         &self,

@@ -98,6 +98,23 @@ pub struct WorkerConfig {
     /// database was unreachable for longer), and a stopping worker gives its last flush
     /// 5 s.
     pub tally_every: Option<Duration>,
+    /// How long a retryable failure or pending operation of this worker's may wait for
+    /// the delivery that brings it back before it counts as overdue
+    /// (`idem_retries_overdue`, the alert `IdemRetriesOverdue`, a warning): its retry
+    /// copy was probably lost (a classic retry queue dead-letters at most once). `None`:
+    /// the longest retry delay, plus the lease, plus a minute.
+    pub retry_overdue_after: Option<Duration>,
+}
+
+impl WorkerConfig {
+    /// [`WorkerConfig::retry_overdue_after`], or what `None` stands for with a claim
+    /// lease of `lease`.
+    pub(crate) fn overdue_after(&self, lease: Duration) -> Duration {
+        self.retry_overdue_after.unwrap_or_else(|| {
+            let longest = self.retry.delays.iter().max().copied().unwrap_or_default();
+            longest + lease + Duration::from_secs(60)
+        })
+    }
 }
 
 impl Default for WorkerConfig {
@@ -121,6 +138,7 @@ impl Default for WorkerConfig {
             undecidable_after: 20,
             outbox: OutboxConfig::default(),
             tally_every: Some(Duration::from_secs(5)),
+            retry_overdue_after: None,
         }
     }
 }

@@ -203,6 +203,11 @@ impl<H: Handler> Worker<H> {
         // Background tasks, awaited on the way out so that their connections are
         // closed when `run` returns.
         let mut background = Vec::new();
+        background.push(tokio::spawn(watch_overdue::<H>(
+            store.clone(),
+            config.overdue_after(store.config().lease),
+            shutdown.clone(),
+        )));
         if let Some(every) = config.gc_every {
             let gc = collect_garbage(
                 store.clone(),
@@ -381,6 +386,37 @@ async fn drain(tasks: &TaskTracker, timeout: Duration) {
             running = tasks.len(),
             "shutdown timeout: handlers still running are abandoned; their messages will be redelivered"
         );
+    }
+}
+
+/// Until shutdown, counts the records of `H`'s operation whose next delivery is overdue
+/// by `after` (`Store::overdue`): the gauge `idem_retries_overdue`, and a warning while
+/// there are any. Looks every half of `after`, between 1 s and a minute.
+async fn watch_overdue<H: Handler>(store: Store, after: Duration, shutdown: CancellationToken) {
+    let every = (after / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    loop {
+        match store.overdue(H::OPERATION, after).await {
+            Ok(records) => {
+                crate::metrics::retries_overdue(H::OPERATION, records);
+                if records > 0 {
+                    warn!(
+                        operation = H::OPERATION,
+                        records,
+                        after_s = after.as_secs(),
+                        "retries overdue: retryable or pending records whose next delivery has not come; \
+                         a retry copy may have been lost (classic retry queues dead-letter at most once): \
+                         idem ops list --status failed (or pending)"
+                    );
+                }
+            }
+            Err(error) => {
+                tracing::debug!(error = %crate::text::error_line(&error), "overdue retries not counted")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
     }
 }
 
