@@ -73,6 +73,27 @@ pub fn by_sqlstate(code: &str) -> Fault {
     }
 }
 
+/// How the text of a handler's error begins when it came from the database (`?` on a
+/// sqlx call): operators see all of it (logs, dead letters); an HTTP client sees only
+/// [`public`], since what Postgres says names tables, columns and constraints.
+pub(crate) const FROM_DATABASE: &str = "database: ";
+
+/// What a client may see of an error text: the text itself, unless it came from the
+/// database ([`FROM_DATABASE`]), which is cut to its SQLSTATE.
+pub(crate) fn public(text: &str) -> std::borrow::Cow<'_, str> {
+    let Some(said) = text.strip_prefix(FROM_DATABASE) else {
+        return std::borrow::Cow::Borrowed(text);
+    };
+    let code = said
+        .rsplit_once("(SQLSTATE ")
+        .and_then(|(_, code)| code.strip_suffix(')'))
+        .filter(|code| code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric()));
+    std::borrow::Cow::Owned(match code {
+        Some(code) => format!("a database error (SQLSTATE {code})"),
+        None => "a database error".to_owned(),
+    })
+}
+
 /// What Postgres said, with its SQLSTATE, for a dead letter's `idem-error`:
 /// `invalid byte sequence for encoding "UTF8": 0x00 (SQLSTATE 22021)`.
 pub fn describe(error: &sqlx::Error) -> String {
@@ -110,6 +131,19 @@ mod tests {
         for code in ["42P01", "42601", "XX000", "", "2"] {
             assert_eq!(by_sqlstate(code), Fault::Unknown, "{code}");
         }
+    }
+
+    #[test]
+    fn a_client_sees_of_a_database_error_only_its_sqlstate() {
+        let said = format!(
+            "{FROM_DATABASE}duplicate key value violates unique constraint \"payments_pkey\" (SQLSTATE 23505)"
+        );
+        assert_eq!(public(&said), "a database error (SQLSTATE 23505)");
+        assert_eq!(
+            public(&format!("{FROM_DATABASE}no code")),
+            "a database error"
+        );
+        assert_eq!(public("card declined"), "card declined");
     }
 
     #[test]

@@ -173,7 +173,11 @@ impl HandlerError {
 /// transient.
 impl From<sqlx::Error> for HandlerError {
     fn from(error: sqlx::Error) -> Self {
-        let text = crate::fault::describe(&error);
+        let text = format!(
+            "{}{}",
+            crate::fault::FROM_DATABASE,
+            crate::fault::describe(&error)
+        );
         match crate::fault::classify(&error) {
             Fault::Message => Self::Permanent(text),
             Fault::Outage | Fault::Unknown => Self::Transient(text),

@@ -78,7 +78,8 @@ pub(crate) fn replayed_delivery(operation: &'static str, outcome: &'static str) 
 /// Counts one keyed HTTP request's outcome (feature `http`): `executed`, `replayed`,
 /// `conflict`, `in_progress`, `pending`, `failed`, `uncertain`, `taken_over`,
 /// `missing_key`, `invalid_key`, `too_large`, `unreadable_body`, `response_too_large`,
-/// `store_unavailable`.
+/// `store_unavailable`, `timed_out`. The `operation` is `<METHOD> (unmatched)` for a request
+/// no route matched.
 #[cfg(feature = "http")]
 pub(crate) fn http_request(operation: &str, outcome: &'static str) {
     ::metrics::counter!("idem_http_requests_total", "operation" => operation.to_owned(), "outcome" => outcome)

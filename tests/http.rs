@@ -503,6 +503,32 @@ async fn reconcile_maybe(
     }
 }
 
+/// A write the database refuses: a duplicate primary key.
+async fn db_refused(mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    sqlx::query("INSERT INTO test_unique_ids (id) VALUES (1)")
+        .execute(&mut *tx)
+        .await?;
+    Ok(StatusCode::CREATED)
+}
+
+/// A query of a table that does not exist: neither the data's fault nor an outage.
+async fn db_broken(mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    sqlx::query("SELECT * FROM test_no_such_table")
+        .execute(&mut *tx)
+        .await?;
+    Ok(StatusCode::CREATED)
+}
+
+/// Hangs on its first attempt, after a write (rolled back only once the run is
+/// dropped, since the run holds the transaction); answers on the next.
+async fn hangs(request: IdempotentRequest, mut tx: Tx) -> Result<StatusCode, HandlerError> {
+    note(&mut tx, "hangs").await?;
+    if request.attempt == 1 {
+        std::future::pending::<()>().await;
+    }
+    Ok(StatusCode::CREATED)
+}
+
 /// Waits for the test to open the gate, then answers.
 async fn gated(State(s): State<TestState>, request: IdempotentRequest, mut tx: Tx) -> Response {
     if let Err(e) = note(&mut tx, "gated").await {
@@ -515,6 +541,14 @@ async fn gated(State(s): State<TestState>, request: IdempotentRequest, mut tx: T
 /// Serves the test routes on a free port; returns the base URL and the store.
 async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) -> String {
     sqlx::query("CREATE TABLE IF NOT EXISTS test_effects (what text NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE IF NOT EXISTS test_unique_ids (id int PRIMARY KEY)")
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO test_unique_ids VALUES (1) ON CONFLICT DO NOTHING")
         .execute(pool)
         .await
         .unwrap();
@@ -540,6 +574,12 @@ async fn serve_test_routes(pool: &PgPool, lease: Duration, retention: Duration) 
         .route("/declined", post(declined).route_layer(keys.required()))
         .route("/refused", post(refused).route_layer(keys.required()))
         .route("/panics", post(panics).route_layer(keys.required()))
+        .route("/db-refused", post(db_refused).route_layer(keys.required()))
+        .route("/db-broken", post(db_broken).route_layer(keys.required()))
+        .route(
+            "/hangs",
+            post(hangs).route_layer(keys.required().run_within(Duration::from_millis(300))),
+        )
         .route(
             "/maybe",
             post(maybe).route_layer(keys.required().reconcile(reconcile_maybe)),
@@ -1088,4 +1128,63 @@ async fn a_client_that_hangs_up_does_not_abandon_its_request(pool: PgPool) {
     assert_eq!((retry.status, retry.replayed()), (201, true));
     assert_eq!(retry.body, b"attempt 1");
     assert_eq!(effects(&pool, "gated").await, 1);
+}
+
+/// What Postgres says (tables, constraints) stays in the logs: a client's problem
+/// detail names only the SQLSTATE.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_database_error_is_answered_without_what_postgres_said(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    for (route, status, code) in [("db-refused", 422, "23505"), ("db-broken", 503, "42P01")] {
+        let url = format!("{base}/{route}");
+        let answer = post_json(&client, &url, Some("alice"), Some("k-1"), b"{}")
+            .await
+            .unwrap();
+        let body: Value = serde_json::from_slice(&answer.body).unwrap();
+        let detail = body["detail"].as_str().unwrap_or_default();
+        assert_eq!(answer.status, status, "{route}: {body}");
+        assert_eq!(
+            detail,
+            format!("a database error (SQLSTATE {code})"),
+            "{route}"
+        );
+        let all = String::from_utf8_lossy(&answer.body);
+        for secret in ["test_unique_ids", "test_no_such_table", "duplicate", "pkey"] {
+            assert!(
+                !all.contains(secret),
+                "{route} told the client {secret:?}: {all}"
+            );
+        }
+    }
+}
+
+/// A route that hangs is stopped at its bound: its writes roll back, the key is free,
+/// and a retry with the same key runs.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_route_that_hangs_is_stopped_at_its_bound_and_frees_its_key(pool: PgPool) {
+    let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/hangs");
+    let started = std::time::Instant::now();
+    let first = post_json(&client, &url, Some("alice"), Some("k-hang"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem_type(), "urn:idem:problem:request-timed-out");
+    assert_eq!(first.header("retry-after"), Some("1"));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(effects(&pool, "hangs").await, 0, "its write rolled back");
+    let (status, _, retryable, _, _) = record_of(&pool, "POST /hangs").await;
+    assert_eq!((status.as_str(), retryable), ("failed", true));
+    let again = post_json(&client, &url, Some("alice"), Some("k-hang"), b"{}")
+        .await
+        .unwrap();
+    assert_eq!(again.status, 201);
+    assert_eq!(effects(&pool, "hangs").await, 1);
+    assert_eq!(record_of(&pool, "POST /hangs").await.0, "completed");
 }

@@ -54,6 +54,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
 
 use axum::extract::Request;
 use axum::http::request::Parts;
@@ -119,6 +120,8 @@ pub(crate) struct Shared {
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 /// Default [`Idempotency::max_response_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1 << 20;
+/// Default [`IdempotencyLayer::run_within`]: 30 s.
+pub const DEFAULT_RUN_WITHIN: Duration = Duration::from_secs(30);
 
 impl Idempotency {
     /// Settings on `store` (its lease and retention apply to HTTP records as to
@@ -191,6 +194,7 @@ impl Idempotency {
                 volatile: Vec::new(),
                 location: None,
                 reconcile: None,
+                run_within: DEFAULT_RUN_WITHIN,
             }),
         }
     }
@@ -220,6 +224,8 @@ pub(crate) struct Route {
     pub(crate) volatile: Vec<String>,
     pub(crate) location: Option<Arc<LocationFn>>,
     pub(crate) reconcile: Option<Arc<ReconcileFn>>,
+    /// The longest a claimed request's route (or reconciler) may run.
+    pub(crate) run_within: Duration,
 }
 
 impl IdempotencyLayer {
@@ -239,6 +245,20 @@ impl IdempotencyLayer {
         location: impl Fn(&Key) -> String + Send + Sync + 'static,
     ) -> Self {
         Arc::make_mut(&mut self.route).location = Some(Arc::new(location));
+        self
+    }
+
+    /// The longest a claimed request's route may run (default [`DEFAULT_RUN_WITHIN`],
+    /// 30 s), its reconciler too. A claimed request runs in a task of its own so that a
+    /// client that hangs up does not cut it short; without a bound, a route that hangs
+    /// would hold its key, its transaction and its connection past every timeout in
+    /// front of it. Past the bound the route is stopped (dropped), its writes roll
+    /// back, the key is freed for a retry as after a panic, and the client gets 503
+    /// `request-timed-out` with `Retry-After` (a reconciler past it: the key stays
+    /// pending, 409). Effects outside the transaction may have happened: a retry runs
+    /// with the same `provider_key`.
+    pub fn run_within(mut self, bound: Duration) -> Self {
+        Arc::make_mut(&mut self.route).run_within = bound;
         self
     }
 }

@@ -50,6 +50,8 @@ pub(crate) enum Problem {
     NoAnswer,
     /// The route panicked, or the request's task failed.
     Internal,
+    /// The route ran longer than its bound and was stopped.
+    TimedOut,
 }
 
 impl Problem {
@@ -126,6 +128,11 @@ impl Problem {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal-error",
                 "The request failed",
+            ),
+            TimedOut => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "request-timed-out",
+                "The request ran too long and was stopped",
             ),
             NoAnswer => (
                 StatusCode::NOT_FOUND,
@@ -227,7 +234,12 @@ impl IntoResponse for HandlerError {
                 "The outcome of the request is uncertain; it will be reconciled",
             ),
         };
-        let mut response = problem(status, slug, title, self.message());
+        // What Postgres says (tables, columns, constraints) is for the logs only.
+        let detail = crate::fault::public(self.message());
+        if detail != self.message() {
+            tracing::warn!(error = %self.message(), kind = self.kind(), "the request failed on a database error");
+        }
+        let mut response = problem(status, slug, title, &detail);
         if matches!(self, HandlerError::Transient(_)) {
             response = with_retry_after(response, Duration::from_secs(1));
         }

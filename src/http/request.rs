@@ -47,6 +47,15 @@ pub(super) fn operation_of(parts: &axum::http::request::Parts) -> String {
     format!("{} {}", parts.method, route_of(parts))
 }
 
+/// The label of the request's metrics: its operation when a route matched, else the
+/// method and `(unmatched)`: raw paths would make a label each.
+pub(super) fn label_of(parts: &axum::http::request::Parts) -> String {
+    match parts.extensions.get::<MatchedPath>() {
+        Some(route) => format!("{} {}", parts.method, route.as_str()),
+        None => format!("{} (unmatched)", parts.method),
+    }
+}
+
 pub(super) fn route_of(parts: &axum::http::request::Parts) -> &str {
     parts
         .extensions
@@ -117,6 +126,16 @@ pub(super) async fn read_limited(
 mod tests {
     use super::*;
     use axum::http::HeaderValue;
+
+    #[test]
+    fn a_request_no_route_matched_is_labelled_by_its_method_only() {
+        let (parts, _) = axum::http::Request::post("/made/up/path-123")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert_eq!(label_of(&parts), "POST (unmatched)");
+        assert_eq!(operation_of(&parts), "POST /made/up/path-123");
+    }
 
     #[tokio::test]
     async fn a_streamed_body_is_cut_at_the_limit() {

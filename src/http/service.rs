@@ -19,8 +19,8 @@ use super::record::{
     verdict_of,
 };
 use super::request::{
-    Unread, correlation_id, fingerprint, is_safe, key_header, operation_of, read_limited, route_of,
-    trace_context,
+    Unread, correlation_id, fingerprint, is_safe, key_header, label_of, operation_of, read_limited,
+    route_of, trace_context,
 };
 use super::stored::StoredResponse;
 use super::tx::{IdempotentRequest, Left, TxSlot};
@@ -65,29 +65,24 @@ where
         Err(rejection) => return rejection,
     };
     let operation = operation_of(&parts);
+    // The metrics label: the operation, unless no route matched (a layer around a whole
+    // router sees every path a client makes up, and each would be a label of its own).
+    let label = label_of(&parts);
     let header = match header {
         Ok(Some(header)) => header,
         Ok(None) => {
             let detail = format!("{operation} requires an Idempotency-Key header");
-            return answered(
-                &operation,
-                "missing_key",
-                Problem::MissingKey.answer(detail),
-            );
+            return answered(&label, "missing_key", Problem::MissingKey.answer(detail));
         }
         Err(detail) => {
-            return answered(
-                &operation,
-                "invalid_key",
-                Problem::InvalidKey.answer(detail),
-            );
+            return answered(&label, "invalid_key", Problem::InvalidKey.answer(detail));
         }
     };
     let key = match Key::new(scope, operation.clone(), header) {
         Ok(key) => key,
         Err(error) => {
             let problem = Problem::InvalidKey.answer(error.to_string());
-            return answered(&operation, "invalid_key", problem);
+            return answered(&label, "invalid_key", problem);
         }
     };
     let span = info_span!(
@@ -113,15 +108,11 @@ where
             Ok(bytes) => bytes,
             Err(Unread::TooLarge) => {
                 let detail = format!("the body exceeds {} bytes", shared.max_body);
-                return answered(
-                    &operation,
-                    "too_large",
-                    Problem::BodyTooLarge.answer(detail),
-                );
+                return answered(&label, "too_large", Problem::BodyTooLarge.answer(detail));
             }
             Err(Unread::Broken(error)) => {
                 let problem = Problem::UnreadableBody.answer(error);
-                return answered(&operation, "unreadable_body", problem);
+                return answered(&label, "unreadable_body", problem);
             }
         };
         let fingerprint = fingerprint(&parts.uri, &bytes, &route.volatile);
@@ -137,11 +128,11 @@ where
             .await
         {
             Ok(claim) => claim,
-            Err(error) => return store_unavailable(&operation, "cannot claim the key", &error),
+            Err(error) => return store_unavailable(&label, "cannot claim the key", &error),
         };
         let claim = match claim {
             RequestClaim::Claim(claim) => claim,
-            RequestClaim::Uncertain => return uncertain(&operation),
+            RequestClaim::Uncertain => return uncertain(&label),
         };
         let (lease, pending) = match claim {
             Claim::Claimed(lease) => (lease, None),
@@ -152,7 +143,7 @@ where
             Claim::Completed { result } => {
                 let replay = StoredResponse::from_json(result).and_then(|s| s.replay());
                 return match replay {
-                    Ok(response) => answered(&operation, "replayed", response),
+                    Ok(response) => answered(&label, "replayed", response),
                     Err(error) => Problem::UnreadableStoredResponse.answer(error.to_string()),
                 };
             }
@@ -165,19 +156,19 @@ where
                         IN_PROGRESS_RETRY_AFTER,
                     ),
                 };
-                return answered(&operation, "in_progress", response);
+                return answered(&label, "in_progress", response);
             }
             Claim::Conflict { .. } => {
                 let problem = Problem::KeyReused.answer(
                     "this key was first used with another body or URL; use a new key for a \
                      new request",
                 );
-                return answered(&operation, "conflict", problem);
+                return answered(&label, "conflict", problem);
             }
             Claim::FailedForGood { .. } => {
                 let problem = Problem::FailedForGood
                     .answer("the request with this key failed for good; use a new key");
-                return answered(&operation, "failed", problem);
+                return answered(&label, "failed", problem);
             }
         };
         let info = IdempotentRequest {
@@ -191,7 +182,7 @@ where
         // that hangs up (hyper then drops this future) must not leave the key
         // `processing` until its lease lapses, nor lose an uncertain outcome.
         let run = {
-            let operation = operation.clone();
+            let operation = label.clone();
             async move {
                 let shared = &shared;
                 if let Some(external_ref) = pending {
@@ -203,10 +194,10 @@ where
                             )
                             .await;
                         }
-                        Reconciled::StillUncertain => return uncertain(&operation),
+                        Reconciled::StillUncertain => return uncertain(&label),
                     }
                 }
-                run_claimed(shared, inner, request, &lease, &operation).await
+                run_claimed(shared, inner, request, &lease, &operation, route.run_within).await
             }
             .in_current_span()
         };
@@ -256,7 +247,15 @@ async fn reconcile(
     let store = &shared.store;
     let found = match &route.reconcile {
         Some(reconcile) => {
-            crate::worker::beside_heartbeat(store, lease, reconcile(request, external_ref)).await
+            let asked = tokio::time::timeout(route.run_within, reconcile(request, external_ref));
+            match crate::worker::beside_heartbeat(store, lease, asked).await {
+                Ok(Ok(found)) => Ok(found),
+                Ok(Err(_)) => Err(format!(
+                    "the reconciler ran longer than {} ms",
+                    route.run_within.as_millis()
+                )),
+                Err(panic) => Err(panic),
+            }
         }
         // A route without a reconciler does not take pending keys (claim_request).
         None => Ok(Ok(Reconciliation::Unknown)),
@@ -276,7 +275,7 @@ async fn reconcile(
         }
         Ok(Ok(Reconciliation::Unknown)) => debug!("reconcile: still unknown"),
         Ok(Err(error)) => warn!(error = %error, "reconcile failed"),
-        Err(panic) => warn!(error = %panic, "reconcile panicked"),
+        Err(stopped) => warn!(error = %stopped, "reconcile panicked or was stopped"),
     }
     if let Err(error) = retried(|| store.give_back(lease)).await {
         warn!(error = %error.describe(), "cannot give a pending key's lease back");
@@ -292,6 +291,7 @@ async fn run_claimed<S>(
     mut request: Request,
     lease: &Lease,
     operation: &str,
+    within: Duration,
 ) -> Response
 where
     S: Service<Request, Response = Response, Error = Infallible>,
@@ -299,8 +299,25 @@ where
     let store = &shared.store;
     let slot = TxSlot::new(store.pool().clone());
     request.extensions_mut().insert(slot.clone());
-    let response = match crate::worker::beside_heartbeat(store, lease, call(inner, request)).await {
-        Ok(response) => response,
+    let running = tokio::time::timeout(within, call(inner, request));
+    let response = match crate::worker::beside_heartbeat(store, lease, running).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(_)) => {
+            // Stopped: the route's future is dropped, and its transaction with it.
+            if let Left::Transaction(tx) = slot.take() {
+                rollback(tx).await;
+            }
+            let why = format!("the route ran longer than {} ms", within.as_millis());
+            warn!(error = %why, "the route was stopped");
+            free(store, lease, &why).await;
+            let problem = Problem::TimedOut.retry_after(
+                format!(
+                    "{why} and was stopped; its writes were rolled back; retry with the same key"
+                ),
+                Duration::from_secs(1),
+            );
+            return answered(operation, "timed_out", problem);
+        }
         Err(panic) => {
             // The handler's transaction went back to the slot as the panic unwound.
             if let Left::Transaction(tx) = slot.take() {
@@ -376,13 +393,13 @@ where
     match slot.take() {
         Left::Transaction(tx) if commit => match tx.commit().await {
             Ok(()) => response,
-            Err(error) => Problem::StoreUnavailable.retry_after(
-                format!(
-                    "cannot commit the request's writes: {}",
-                    crate::text::error_line(&error)
-                ),
-                Duration::from_secs(1),
-            ),
+            Err(error) => {
+                warn!(error = %crate::text::error_line(&error), "cannot commit the request's writes");
+                Problem::StoreUnavailable.retry_after(
+                    "cannot commit the request's writes; retry the request",
+                    Duration::from_secs(1),
+                )
+            }
         },
         Left::Transaction(tx) => {
             rollback(tx).await;
