@@ -34,15 +34,31 @@ struct ConsoleProcess {
 /// Starts `idem console` on a port of its own choosing and reads its address from the
 /// line it prints (no port picked here and raced for).
 async fn start_console(database_url: &str, queue: &str) -> ConsoleProcess {
+    start_console_with(database_url, &["--queue", queue], Some(TOKEN))
+        .await
+        .0
+}
+
+/// [`start_console`] with `args`, and the token in the environment if any; with the
+/// line it printed.
+async fn start_console_with(
+    database_url: &str,
+    args: &[&str],
+    token: Option<&str>,
+) -> (ConsoleProcess, String) {
     use tokio::io::AsyncBufReadExt;
-    let mut child = idem_command(
+    let mut command = idem_command(
         database_url,
-        &["console", "--listen", "127.0.0.1:0", "--queue", queue],
-    )
-    .env("IDEM_CONSOLE_TOKEN", TOKEN)
-    .stdout(std::process::Stdio::piped())
-    .spawn()
-    .expect("spawn idem console");
+        &[&["console", "--listen", "127.0.0.1:0"][..], args].concat(),
+    );
+    match token {
+        Some(token) => command.env("IDEM_CONSOLE_TOKEN", token),
+        None => command.env_remove("IDEM_CONSOLE_TOKEN"),
+    };
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn idem console");
     let stdout = child.stdout.take().unwrap();
     let mut lines = tokio::io::BufReader::new(stdout).lines();
     let line = tokio::time::timeout(SETTLE, lines.next_line())
@@ -55,10 +71,11 @@ async fn start_console(database_url: &str, queue: &str) -> ConsoleProcess {
         .find(|w| w.starts_with("http://"))
         .map(|w| w.trim_end_matches('/').to_owned())
         .unwrap_or_else(|| panic!("no address in {line:?}"));
-    ConsoleProcess {
+    let console = ConsoleProcess {
         _child: child,
         base,
-    }
+    };
+    (console, line)
 }
 
 /// A client that follows no redirects, with or without the token.
@@ -262,6 +279,152 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
         .await
         .unwrap();
     assert_eq!(page.status(), StatusCode::OK);
+}
+
+/// The console keeps its token to itself: never printed (a generated one goes to a
+/// file only its user reads), never a cookie (a session's opaque id is); it answers
+/// only to its own host, takes browser POSTs only from its own origin, and acts only on
+/// records of its queues' operations (and `--operation`'s).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_console_keeps_its_token_and_its_actions_to_itself(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    let q = TestQueue::new("console-own").await;
+    let args = ["--queue", &q.name, "--operation", "emails.send"];
+    let (console, line) = start_console_with(&url, &args, None).await;
+    let file = line
+        .split_whitespace()
+        .find(|w| w.ends_with(".token,"))
+        .map(|w| w.trim_end_matches(','))
+        .unwrap_or_else(|| panic!("no token file in {line:?}"));
+    let token = std::fs::read_to_string(file).unwrap().trim().to_owned();
+    assert!(token.len() >= 32 && !line.contains(&token), "{line}");
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(file).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the token file is its user's only");
+
+    // The form's login starts a session whose cookie is not the token.
+    let origin = console.base.clone();
+    let login = client()
+        .post(format!("{}/login", console.base))
+        .header("origin", &origin)
+        .form(&[("token", token.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), StatusCode::SEE_OTHER);
+    let cookie = login.headers()["set-cookie"].to_str().unwrap().to_owned();
+    let pair = cookie.split(';').next().unwrap().to_owned();
+    assert!(!pair.contains(&token), "{cookie}");
+    let as_cookie = |value: &str| {
+        client()
+            .get(format!("{}/ops", console.base))
+            .header("cookie", value.to_owned())
+    };
+    assert_eq!(
+        as_cookie(&pair).send().await.unwrap().status(),
+        StatusCode::OK
+    );
+    let token_cookie = format!("idem_console={token}");
+    let status = as_cookie(&token_cookie).send().await.unwrap().status();
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "the token is no cookie");
+
+    // Another host name for the same address (DNS rebinding) gets nothing.
+    let port = console.base.rsplit(':').next().unwrap();
+    let rebound = client()
+        .get(format!("{}/ops", console.base))
+        .header("host", format!("attacker.example:{port}"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rebound.status(), StatusCode::MISDIRECTED_REQUEST);
+
+    // A stuck record of an operation of its own (--operation) and one of another's.
+    let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
+    let fingerprint = idem::Fingerprint::of(&serde_json::json!({}), &[]);
+    for operation in ["emails.send", "payments.charge"] {
+        let key = idem::Key::new("acme", operation, "evt-1").unwrap();
+        store
+            .claim(&key, &fingerprint, &idem::Origin::default())
+            .await
+            .unwrap();
+    }
+    let (status, _) = console
+        .get(
+            "/ops/show?scope=acme&operation=emails.send&key=evt-1",
+            false,
+        )
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::UNAUTHORIZED,
+        "without a session nothing shows"
+    );
+    let shown = client()
+        .get(format!(
+            "{}/ops/show?scope=acme&operation=emails.send&key=evt-1",
+            console.base
+        ))
+        .header("cookie", pair.clone())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let needle = "name=\"csrf\" value=\"";
+    let csrf_at = shown.find(needle).unwrap() + needle.len();
+    let csrf = shown[csrf_at..csrf_at + shown[csrf_at..].find('"').unwrap()].to_owned();
+    let release = |operation: &'static str, origin: Option<String>| {
+        let mut request = client()
+            .post(format!("{}/ops/release", console.base))
+            .header("cookie", pair.clone())
+            .form(&[
+                ("scope", "acme"),
+                ("operation", operation),
+                ("key", "evt-1"),
+                ("csrf", csrf.as_str()),
+            ]);
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        request.send()
+    };
+    let lease = |operation: &'static str| {
+        let store = store.clone();
+        async move {
+            let key = idem::Key::new("acme", operation, "evt-1").unwrap();
+            store.get(&key).await.unwrap().unwrap().lease_expires_at
+        }
+    };
+    let before = lease("emails.send").await;
+    for origin in [None, Some("http://attacker.example".to_owned())] {
+        let status = release("emails.send", origin.clone())
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, StatusCode::FORBIDDEN, "origin {origin:?}");
+    }
+    assert_eq!(lease("emails.send").await, before, "nothing released");
+    let other = release("payments.charge", Some(origin.clone()))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::FORBIDDEN);
+    assert!(
+        other
+            .text()
+            .await
+            .unwrap()
+            .contains("not an operation of this console")
+    );
+    let ours = release("emails.send", Some(origin.clone())).await.unwrap();
+    assert_eq!(ours.status(), StatusCode::OK);
+    assert!(ours.text().await.unwrap().contains("Released"));
+    assert_ne!(lease("emails.send").await, before);
 }
 
 /// A headless Chromium driven through WebDriver (Debian's `chromium` and

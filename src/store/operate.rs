@@ -231,6 +231,32 @@ impl Store {
         .await?)
     }
 
+    /// Notes that a worker of `queue` runs `operation` (`queue_operations`), so that
+    /// operators' tools know which records belong to which queue.
+    pub(crate) async fn note_queue(&self, queue: &str, operation: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO queue_operations (queue, operation) VALUES ($1, $2)
+             ON CONFLICT (queue, operation) DO UPDATE SET started_at = now()",
+        )
+        .bind(queue)
+        .bind(operation)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Whether a worker of one of `queues` ever noted that it runs `operation`.
+    pub async fn serves(&self, queues: &[String], operation: &str) -> Result<bool, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM queue_operations
+                            WHERE queue = ANY($1) AND operation = $2)",
+        )
+        .bind(queues)
+        .bind(operation)
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
     /// Records in `status` not updated for `older_than`, oldest first.
     pub async fn list(
         &self,

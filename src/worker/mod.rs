@@ -200,6 +200,9 @@ impl<H: Handler> Worker<H> {
             topology,
             broker,
         } = self;
+        if let Err(error) = store.note_queue(&config.queue, H::OPERATION).await {
+            warn!(error = %crate::text::error_line(&error), "the queue's operation not noted for operators");
+        }
         // Background tasks, awaited on the way out so that their connections are
         // closed when `run` returns.
         let mut background = Vec::new();

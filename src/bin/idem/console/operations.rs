@@ -170,12 +170,18 @@ impl KeyForm {
     }
 
     /// For an action: the key, once the form's CSRF token is right (403 otherwise, 400
-    /// for a key that is not one).
-    fn action_key(&self, console: &Console) -> Result<Key, Box<Response>> {
+    /// for a key that is not one) and its operation is one of the console's queues'
+    /// (403 otherwise).
+    async fn action_key(&self, console: &Console) -> Result<Key, Box<Response>> {
         if !console.csrf_ok(self.csrf.as_deref()) {
             return Err(Box::new(forbidden()));
         }
-        self.key()
+        let key = self.key()?;
+        match console.acts_on(key.operation()).await {
+            Ok(true) => Ok(key),
+            Ok(false) => Err(Box::new(not_served(key.operation()))),
+            Err(error) => Err(Box::new(failed("the store", &error))),
+        }
     }
 
     /// The key, or the 400 answer saying why it is not one.
@@ -188,6 +194,16 @@ impl KeyForm {
             Box::new(answer.into_response())
         })
     }
+}
+
+/// 403 for an action on a record of an operation none of the console's queues serves.
+fn not_served(operation: &str) -> Response {
+    let body = format!(
+        "<p class=\"warn\">Nothing changed: {} is not an operation of this console's queues \
+         (start it with --operation to act on its records).</p>",
+        escape(operation)
+    );
+    (axum::http::StatusCode::FORBIDDEN, page("Refused", &body)).into_response()
 }
 
 /// One operation's whole record, with a release button while it is in flight.
@@ -219,9 +235,14 @@ pub(super) async fn operation(
             ]);
         }
     }
+    // Buttons only for the operations of the console's queues.
+    let acts = match console.acts_on(key.operation()).await {
+        Ok(acts) => acts,
+        Err(error) => return failed("the store", &error),
+    };
     // A pending record's lease is a reconciler's and lapses on its own; released by
     // hand it could no longer be resolved (Store::release).
-    let release = if record.status == Status::Processing {
+    let release = if acts && record.status == Status::Processing {
         let pairs = form.pairs();
         format!(
             "<div class=\"box\"><p class=\"warn\">Release only when its worker is dead: the \
@@ -232,7 +253,7 @@ pub(super) async fn operation(
     } else {
         String::new()
     };
-    let resolve = if record.awaits_reconcile() && record.lease_expires_at.is_none() {
+    let resolve = if acts && record.awaits_reconcile() && record.lease_expires_at.is_none() {
         let token = record.lease_token.to_string();
         let mut pairs = form.pairs().to_vec();
         pairs.push(("token", token.as_str()));
@@ -266,7 +287,7 @@ pub(super) async fn resolve(
     State(console): State<Arc<Console>>,
     Form(form): Form<KeyForm>,
 ) -> Response {
-    let key = match form.action_key(&console) {
+    let key = match form.action_key(&console).await {
         Ok(key) => key,
         Err(response) => return *response,
     };
@@ -302,7 +323,7 @@ pub(super) async fn release(
     State(console): State<Arc<Console>>,
     Form(form): Form<KeyForm>,
 ) -> Response {
-    let key = match form.action_key(&console) {
+    let key = match form.action_key(&console).await {
         Ok(key) => key,
         Err(response) => return *response,
     };
