@@ -51,19 +51,30 @@ pub fn cut(text: &str, max: usize) -> Cow<'_, str> {
 /// correlation id or a body can otherwise move the cursor, clear the screen or change
 /// a window's title on the operator's screen.
 pub fn printable(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
+    escaped(text, false)
+}
+
+/// [`printable`], but line breaks are kept: for text of several lines that the caller
+/// made (a table, pretty JSON), whose values are already escaped or [`printable`].
+pub fn printable_lines(text: &str) -> Cow<'_, str> {
+    escaped(text, true)
+}
+
+fn escaped(text: &str, keep_lines: bool) -> Cow<'_, str> {
+    let escape = |c: char| c.is_control() && !(keep_lines && c == '\n');
+    if !text.chars().any(escape) {
         return Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
         match c {
+            c if !escape(c) => out.push(c),
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if c.is_control() => {
+            c => {
                 let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
             }
-            c => out.push(c),
         }
     }
     Cow::Owned(out)
@@ -93,6 +104,7 @@ mod tests {
     #[test]
     fn control_characters_are_escaped_and_the_rest_kept() {
         assert_eq!(printable("plain €"), "plain €");
+        assert_eq!(printable_lines("a\nb\u{1b}c"), "a\nb\\u{1b}c");
         assert_eq!(
             printable("a\u{1b}[2Jb\nc\u{7}\u{9b}d\0"),
             "a\\u{1b}[2Jb\\nc\\u{7}\\u{9b}d\\u{0}"

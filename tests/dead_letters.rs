@@ -520,3 +520,73 @@ async fn a_retryable_record_whose_delivery_does_not_come_is_reported_overdue(
     })
     .await;
 }
+
+/// What a message carries never reaches the operator's terminal as control
+/// characters: `idem dlq list`, `dlq show` and `ops show` escape them. A reader that
+/// goes away (`| head`) ends the command quietly.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_command_escapes_what_messages_carry_and_stops_quietly_for_a_closed_pipe(
+    pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let url = database_url(&connect);
+    let q = TestQueue::new("escapes").await;
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    q.channel
+        .queue_declare(q.dlq().as_str().into(), durable, FieldTable::default())
+        .await
+        .unwrap();
+    let hostile = "\u{1b}]0;pwned\u{7}\u{1b}[2J\u{9b}31m\nfake line";
+    let letter = headers(&[("idem-reason", "malformed"), ("idem-error", hostile)])
+        .with_correlation_id(hostile.into());
+    q.publish_to(&q.dlq(), hostile.as_bytes(), letter).await;
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let key = idem::Key::new("acme", "orders.create", "evt-escape").unwrap();
+    let origin = idem::Origin {
+        correlation_id: Some(hostile.into()),
+        ..idem::Origin::default()
+    };
+    let fingerprint = idem::Fingerprint::of(&json!({}), &[]);
+    store.claim(&key, &fingerprint, &origin).await.unwrap();
+    let key_args = [
+        "--scope",
+        "acme",
+        "--operation",
+        "orders.create",
+        "--key",
+        "evt-escape",
+    ];
+    for args in [
+        &["dlq", "list", "--queue", &q.name][..],
+        &["dlq", "show", "--queue", &q.name],
+        &["dlq", "show", "--queue", &q.name, "--json"],
+        &[&["ops", "show"][..], &key_args].concat(),
+    ] {
+        let out = idem_cli(&url, args).await;
+        let raw = out.chars().find(|c| c.is_control() && *c != '\n');
+        assert_eq!(
+            raw, None,
+            "idem {args:?} printed a control character: {out:?}"
+        );
+        assert!(!out.contains("\nfake line"), "idem {args:?}: {out}");
+    }
+
+    // Nobody reads: the command ends without a panic.
+    let mut child = idem_command(&url, &["dlq", "show", "--queue", &q.name])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().await.unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !said.contains("panicked"),
+        "{}: {said}",
+        out.status
+    );
+}

@@ -1,5 +1,6 @@
 //! `idem dlq`: inspect, replay and discard dead letters.
 
+use crate::out::say;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -110,7 +111,7 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 .with_context(|| format!("read {dlq}"))?;
             let groups = replay::group(&messages);
             if *json {
-                println!(
+                say!(
                     "{}",
                     serde_json::to_string_pretty(
                         &json!({"dlq": dlq, "messages": messages.len(), "groups": groups})
@@ -203,20 +204,20 @@ async fn show(
             "body": m.body_text(),
         });
         if json {
-            println!("{view}");
+            say!("{view}");
         } else {
-            println!("{}\n", serde_json::to_string_pretty(&view)?);
+            say!("{}\n", serde_json::to_string_pretty(&view)?);
         }
     }
     if !json {
-        println!("{} dead letters shown from {dlq}", messages.len());
+        say!("{} dead letters shown from {dlq}", messages.len());
     }
     Ok(())
 }
 
 /// Dead letters grouped by reason, then operation and error, as a table.
 fn print_groups(dlq: &str, total: usize, groups: &[replay::Group]) {
-    println!("{dlq}: {total} dead letters");
+    say!("{dlq}: {total} dead letters");
     let mut reason = String::new();
     for g in groups {
         if g.reason != reason {
@@ -225,17 +226,17 @@ fn print_groups(dlq: &str, total: usize, groups: &[replay::Group]) {
                 .filter(|x| x.reason == g.reason)
                 .map(|x| x.count)
                 .sum();
-            println!("\n{} ({total})", g.reason);
+            say!("\n{} ({total})", idem::text::printable(&g.reason));
             reason = g.reason.clone();
         }
         let time = |t: Option<chrono::DateTime<chrono::Utc>>| {
             t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "?".into())
         };
-        println!(
+        say!(
             "  {:>6}  {:<24} {}  [oldest {}, newest {}]",
             g.count,
-            g.operation,
-            g.error,
+            idem::text::printable(&g.operation),
+            idem::text::printable(&g.error),
             time(g.oldest),
             time(g.newest),
         );
@@ -256,11 +257,11 @@ async fn act(
         .await
         .with_context(|| format!("{action:?} from {dlq}").to_lowercase())?;
     if json {
-        println!("{}", serde_json::to_string(&summary)?);
+        say!("{}", serde_json::to_string(&summary)?);
         return Ok(());
     }
     let verb = if options.dry_run { "would be " } else { "" };
-    println!(
+    say!(
         "{dlq}{}:",
         if options.dry_run {
             " (dry run, nothing changed)"
@@ -268,7 +269,7 @@ async fn act(
             ""
         }
     );
-    let line = |label: String, n: usize, note: &str| println!("  {label:<26}{n:>6}  {note}");
+    let line = |label: String, n: usize, note: &str| say!("  {label:<26}{n:>6}  {note}");
     match action {
         Action::Replay => {
             line(format!("{verb}replayed"), summary.replayed, "");
@@ -288,7 +289,7 @@ async fn act(
     line("malformed left".into(), summary.malformed_left, "");
     line("not selected".into(), summary.skipped, "");
     if summary.incomplete {
-        println!(
+        say!(
             "  stopped after leaving {} letters unacked unselected: letters past them were not looked at (--hold)",
             options.hold.unwrap_or(replay::HOLD_MAX)
         );

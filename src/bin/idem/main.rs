@@ -14,7 +14,10 @@ use idem::{Store, StoreConfig};
 mod console;
 mod dlq;
 mod ops;
+mod out;
 mod outbox;
+
+use out::say;
 
 use dlq::Dlq;
 use ops::Ops;
@@ -86,7 +89,8 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // One readable line with the whole cause chain.
-            eprintln!("idem: error: {}", idem::text::error_line(error.as_ref()));
+            let line = idem::text::error_line(error.as_ref());
+            eprintln!("idem: error: {}", idem::text::printable(&line));
             ExitCode::FAILURE
         }
     }
@@ -116,7 +120,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .fetch_one(&pool)
                 .await
                 .context("migrate: count applied migrations")?;
-            println!("migrations up to date ({applied} applied)");
+            say!("migrations up to date ({applied} applied)");
         }
         Command::Gc(args) => gc(&cli, args).await?,
         Command::Dlq(command) => dlq::run(&cli, command).await?,
@@ -133,7 +137,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 async fn gc(cli: &Cli, args: &GcArgs) -> anyhow::Result<()> {
     let store = store(cli).await?;
     let Some(leader) = store.try_lead_gc().await.context("gc")? else {
-        println!("another process is collecting garbage (it holds the gc lock); nothing to do");
+        say!("another process is collecting garbage (it holds the gc lock); nothing to do");
         return Ok(());
     };
     let pace = idem::gc::Pace {
@@ -167,12 +171,12 @@ async fn collect(
         .await
         .with_context(|| format!("gc: count expired {what}"))?;
     if expired > 0 {
-        println!("gc: {expired} expired {what} to delete");
+        say!("gc: {expired} expired {what} to delete");
     }
     let every = std::time::Duration::from_secs(progress_secs.max(1));
     let progress = |p: idem::gc::Progress| {
         let left = (expired as u64).saturating_sub(p.deleted);
-        println!(
+        say!(
             "gc: deleted {} {what} in {:.0} s ({:.0} rows/s), about {left} left; last batch {} rows in {:.1} ms, then {:.1} ms rest",
             p.deleted,
             p.elapsed.as_secs_f64(),
@@ -187,7 +191,7 @@ async fn collect(
         .await
         .context("gc")?;
     let took = started.elapsed().as_secs_f64();
-    println!(
+    say!(
         "deleted {deleted} expired {what} in {took:.1} s ({:.0} rows/s)",
         deleted as f64 / took.max(1e-3)
     );
@@ -195,7 +199,7 @@ async fn collect(
         .await
         .context("gc: vacuum")?
     {
-        println!(
+        say!(
             "vacuumed {} in {:.1} s (the server runs without autovacuum)",
             garbage.table(),
             vacuum.as_secs_f64()

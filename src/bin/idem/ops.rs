@@ -1,6 +1,7 @@
 //! `idem ops`: inspect operations by key, find stuck ones, release leases, settle an
 //! uncertain one that no reconciler can.
 
+use crate::out::say;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -140,7 +141,7 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
                 );
             };
             if *json {
-                println!("{}", serde_json::to_string_pretty(&record)?);
+                say!("{}", serde_json::to_string_pretty(&record)?);
             } else {
                 print_record(&record);
             }
@@ -153,16 +154,16 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
         } => {
             let records = store.list(*status, *older_than, *limit).await?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&records)?);
+                say!("{}", serde_json::to_string_pretty(&records)?);
             } else {
-                println!(
+                say!(
                     "{} {} operations not updated for {:?}, oldest first",
                     records.len(),
                     status,
                     older_than
                 );
                 for r in &records {
-                    println!(
+                    say!(
                         "  {}  {} / {} / {}  attempts {}  owner {}  lease until {}  {}",
                         r.updated_at.to_rfc3339(),
                         r.scope,
@@ -181,9 +182,13 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
         Ops::Release { key } => {
             let key = key.resolve(&store).await?;
             match store.release(&key).await? {
-                Some(r) => println!(
+                Some(r) => say!(
                     "released {} / {} / {}: status {}, lease token {} expired now; the next delivery takes it over",
-                    r.scope, r.operation, r.idempotency_key, r.status, r.lease_token
+                    r.scope,
+                    r.operation,
+                    r.idempotency_key,
+                    r.status,
+                    r.lease_token
                 ),
                 None => bail!(match store.get(&key).await? {
                     Some(r) if r.status == idem::Status::Pending => format!(
@@ -203,9 +208,12 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
         } => {
             let key = key.resolve(&store).await?;
             match store.resolve_not_applied(&key, *token, note).await? {
-                Some(r) => println!(
+                Some(r) => say!(
                     "resolved {} / {} / {} as not applied: now failed (retryable) after {} attempt(s); the next delivery or request runs it again",
-                    r.scope, r.operation, r.idempotency_key, r.attempts
+                    r.scope,
+                    r.operation,
+                    r.idempotency_key,
+                    r.attempts
                 ),
                 None => bail!(unresolved(&key, store.get(&key).await?.as_ref(), *token)),
             }
@@ -247,10 +255,10 @@ fn print_record(r: &Record) {
     let t = |t: Option<chrono::DateTime<chrono::Utc>>| {
         t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into())
     };
-    println!("scope             {}", r.scope);
-    println!("operation         {}", r.operation);
-    println!("idempotency_key   {}", r.idempotency_key);
-    println!(
+    say!("scope             {}", r.scope);
+    say!("operation         {}", r.operation);
+    say!("idempotency_key   {}", r.idempotency_key);
+    say!(
         "status            {}{}{}",
         r.status,
         if r.retryable { " (retryable)" } else { "" },
@@ -260,51 +268,51 @@ fn print_record(r: &Record) {
             ""
         }
     );
-    println!("attempts          {}", r.attempts);
-    println!("payload_sha256    {}", r.payload_sha256);
-    println!("lease_token       {}", r.lease_token);
-    println!("lease_expires_at  {}", t(r.lease_expires_at));
-    println!("owner             {}", r.owner.as_deref().unwrap_or("-"));
-    println!(
+    say!("attempts          {}", r.attempts);
+    say!("payload_sha256    {}", r.payload_sha256);
+    say!("lease_token       {}", r.lease_token);
+    say!("lease_expires_at  {}", t(r.lease_expires_at));
+    say!("owner             {}", r.owner.as_deref().unwrap_or("-"));
+    say!(
         "result            {}",
         r.result
             .as_ref()
             .map(|v| v.to_string())
             .unwrap_or_else(|| "-".into())
     );
-    println!(
+    say!(
         "error             {}",
         r.error
             .as_ref()
             .map(|v| v.to_string())
             .unwrap_or_else(|| "-".into())
     );
-    println!(
+    say!(
         "external_ref      {}",
-        r.external_ref.as_deref().unwrap_or("-")
+        idem::text::printable(r.external_ref.as_deref().unwrap_or("-"))
     );
-    println!(
+    say!(
         "message_id        {}",
-        r.message_id.as_deref().unwrap_or("-")
+        idem::text::printable(r.message_id.as_deref().unwrap_or("-"))
     );
-    println!(
+    say!(
         "correlation_id    {}",
-        r.correlation_id.as_deref().unwrap_or("-")
+        idem::text::printable(r.correlation_id.as_deref().unwrap_or("-"))
     );
-    println!("trace_id          {}", r.trace_id.as_deref().unwrap_or("-"));
-    println!("dead_lettered_at  {}", t(r.dead_lettered_at));
-    println!(
+    say!("trace_id          {}", r.trace_id.as_deref().unwrap_or("-"));
+    say!("dead_lettered_at  {}", t(r.dead_lettered_at));
+    say!(
         "dead_letters      {}  (pinned while above 0: gc keeps the record)",
         r.dead_letters
     );
-    println!(
+    say!(
         "replay_count      {}  (last {})",
         r.replay_count,
         t(r.last_replayed_at)
     );
-    println!("discarded_at      {}", t(r.discarded_at));
-    println!("created_at        {}", r.created_at.to_rfc3339());
-    println!("updated_at        {}", r.updated_at.to_rfc3339());
-    println!("completed_at      {}", t(r.completed_at));
-    println!("expires_at        {}", t(r.expires_at));
+    say!("discarded_at      {}", t(r.discarded_at));
+    say!("created_at        {}", r.created_at.to_rfc3339());
+    say!("updated_at        {}", r.updated_at.to_rfc3339());
+    say!("completed_at      {}", t(r.completed_at));
+    say!("expires_at        {}", t(r.expires_at));
 }

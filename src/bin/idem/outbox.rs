@@ -1,5 +1,6 @@
 //! `idem outbox`: the follow-up messages waiting to be published, and why.
 
+use crate::out::say;
 use clap::Subcommand;
 use idem::outbox::{self, OutboxEntry, OutboxStats};
 
@@ -37,7 +38,7 @@ pub(crate) async fn run(cli: &Cli, command: &Outbox) -> anyhow::Result<()> {
             let stats = outbox::stats(pool).await?;
             let dispatched = outbox::dispatched(pool).await?;
             if *json {
-                println!("{}", stats_json(&stats, dispatched));
+                say!("{}", stats_json(&stats, dispatched));
             } else {
                 print_stats(&stats, dispatched);
             }
@@ -51,10 +52,10 @@ pub(crate) async fn run(cli: &Cli, command: &Outbox) -> anyhow::Result<()> {
             let entries = outbox::list(pool, *all, *failing, *limit).await?;
             if *json {
                 for entry in &entries {
-                    println!("{}", entry_json(entry));
+                    say!("{}", entry_json(entry));
                 }
             } else if entries.is_empty() {
-                println!("nothing waits in the outbox");
+                say!("nothing waits in the outbox");
             } else {
                 for entry in &entries {
                     print_entry(entry);
@@ -70,10 +71,10 @@ fn print_stats(stats: &OutboxStats, dispatched: i64) {
         .oldest_age_s
         .map(|s| format!("{s:.1} s"))
         .unwrap_or_else(|| "-".into());
-    println!("undispatched: {}", stats.undispatched);
-    println!("oldest:       {oldest}");
-    println!("failing:      {}", stats.failing);
-    println!("dispatched:   {dispatched} (kept until their retention ends)");
+    say!("undispatched: {}", stats.undispatched);
+    say!("oldest:       {oldest}");
+    say!("failing:      {}", stats.failing);
+    say!("dispatched:   {dispatched} (kept until their retention ends)");
 }
 
 fn stats_json(stats: &OutboxStats, dispatched: i64) -> serde_json::Value {
@@ -88,10 +89,10 @@ fn stats_json(stats: &OutboxStats, dispatched: i64) -> serde_json::Value {
 fn print_entry(entry: &OutboxEntry) {
     let state = match (&entry.dispatched_at, &entry.last_error) {
         (Some(at), _) => format!("dispatched {}", at.format("%Y-%m-%d %H:%M:%S")),
-        (None, Some(error)) => format!("failing: {error}"),
+        (None, Some(error)) => format!("failing: {}", idem::text::printable(error)),
         (None, None) => "waiting".into(),
     };
-    println!(
+    say!(
         "{} {} #{} from {}/{} to {:?}/{:?}, {} B, staged {}, {} attempts, {state}",
         entry.id,
         entry.message_id,

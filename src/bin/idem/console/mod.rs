@@ -15,6 +15,7 @@
 //! loopback unless `--allow-remote` says otherwise. Keys are shown on the pages
 //! (operators need them) but never logged.
 
+use crate::out::say;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -138,11 +139,11 @@ pub(crate) async fn run(cli: &Cli, args: &ConsoleArgs) -> anyhow::Result<()> {
     // The token is never printed: output is often kept (journals, CI logs).
     match &args.token {
         Some(_) => {
-            println!("idem console: http://{bound}/ (log in at /login with IDEM_CONSOLE_TOKEN)")
+            say!("idem console: http://{bound}/ (log in at /login with IDEM_CONSOLE_TOKEN)")
         }
         None => {
             let file = write_token(&console.token, bound.port())?;
-            println!(
+            say!(
                 "idem console: http://{bound}/ (log in at /login with the token in {}, readable by you only)",
                 file.display()
             );
