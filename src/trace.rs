@@ -41,8 +41,12 @@ impl TraceContext {
     /// one: a trace context is a hint, and a broken one is dropped, never an error.
     ///
     /// Version `00` is exactly `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`;
-    /// a later version may append fields, which are kept; `ff` is invalid, and so are
-    /// all-zero ids and upper-case hex.
+    /// a later version may append fields after a `-`, which are dropped: what is passed
+    /// on is always version `00` (a producer's tail would otherwise travel, unbounded,
+    /// into every retry, dead letter and follow-up). `ff` is invalid, and so are
+    /// all-zero ids and upper-case hex. A `tracestate` is kept only when it is at most
+    /// 512 bytes of printable ASCII (no NUL, CR or LF: Postgres cannot store a NUL in
+    /// the outbox's `jsonb`, and a header is no place for a line break).
     ///
     /// ```
     /// use idem::trace::TraceContext;
@@ -54,7 +58,7 @@ impl TraceContext {
     /// ```
     pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
         let traceparent = traceparent.trim();
-        let mut parts = traceparent.split('-');
+        let mut parts = traceparent.splitn(5, '-');
         let (version, trace_id, span_id, flags) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
         let hex = |s: &str, len: usize| {
@@ -74,12 +78,13 @@ impl TraceContext {
         if !valid {
             return None;
         }
+        let printable = |s: &str| s.bytes().all(|b| (0x20..=0x7e).contains(&b));
         let tracestate = tracestate
             .map(str::trim)
-            .filter(|s| !s.is_empty() && s.len() <= TRACESTATE_MAX && s.is_ascii())
+            .filter(|s| !s.is_empty() && s.len() <= TRACESTATE_MAX && printable(s))
             .map(str::to_owned);
         Some(Self {
-            traceparent: traceparent.to_owned(),
+            traceparent: format!("00-{trace_id}-{span_id}-{flags}"),
             tracestate,
         })
     }
@@ -360,9 +365,19 @@ mod tests {
         assert_eq!(cx.trace_id(), "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_eq!(cx.span_id(), "00f067aa0ba902b7");
         assert_eq!(cx.tracestate(), Some("congo=t61rcWkgMzE"));
-        // A later version may carry more fields.
-        let future = format!("01{}-extra", &TP[2..]);
-        assert!(TraceContext::parse(&future, None).is_some());
+        // A later version may carry more fields: passed on as version 00, without
+        // them, however long they were.
+        let future = format!("01{}-{}", &TP[2..], "x".repeat(100_000));
+        let cx = TraceContext::parse(&future, None).unwrap();
+        assert_eq!(cx.traceparent(), TP);
+        assert_eq!(
+            TraceContext::parse(&TP.replacen("00", "cc", 1), None)
+                .unwrap()
+                .traceparent(),
+            TP
+        );
+        // Not a field separator after the flags: not a traceparent.
+        assert_eq!(TraceContext::parse(&format!("01{}x", &TP[2..]), None), None);
     }
 
     #[test]
@@ -393,6 +408,17 @@ mod tests {
         assert_eq!(
             TraceContext::parse(TP, Some("a=ü")).unwrap().tracestate(),
             None
+        );
+        // Control characters (a NUL that jsonb refuses, a line break) are not passed on.
+        for hostile in ["a=1\0", "a=1\r\nb=2", "a=\u{1b}[2J"] {
+            let cx = TraceContext::parse(TP, Some(hostile)).unwrap();
+            assert_eq!(cx.tracestate(), None, "{hostile:?}");
+        }
+        assert_eq!(
+            TraceContext::parse(TP, Some("a=1,b=2"))
+                .unwrap()
+                .tracestate(),
+            Some("a=1,b=2")
         );
     }
 

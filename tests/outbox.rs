@@ -720,3 +720,37 @@ async fn without_opentelemetry_the_trace_context_passes_through_unchanged(pool: 
     stop.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// A hostile trace context (a later version's unbounded tail, a `tracestate` with a NUL
+/// and a line break) is passed on normalised: version `00`, no `tracestate`. Stored
+/// as it came, the NUL made the outbox's `jsonb` refuse every follow-up (22P05), and
+/// the run failed for good.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_hostile_trace_context_reaches_the_follow_ups_normalised(pool: PgPool) {
+    let q = TestQueue::new("outbox-trace").await;
+    let to = format!("{}.follow-ups", q.name);
+    declare(&q, &to).await;
+    let out = q.beside("follow-ups").await;
+    let (stop, task) = start_in_process(&pool, &q, Staging::to(&to), |_| {}).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut headers = FieldTable::default();
+    let tail = "x".repeat(50_000);
+    let traceparent = format!("01-{trace_id}-00f067aa0ba902b7-01-{tail}");
+    headers.insert("traceparent".into(), header_text(&traceparent));
+    headers.insert("tracestate".into(), header_text("a=1\0\r\nb=2"));
+    let properties = BasicProperties::default().with_headers(headers);
+    q.publish_to(&q.name, &job("evt-trace", 1, 1), properties)
+        .await;
+    out.wait_for_messages(&to, 1, SETTLE).await;
+    let sent = out.drain(&to).await;
+    let p = &sent[0].delivery.properties;
+    let carried = idem::dead_letter::header_str(p, "traceparent").unwrap_or_default();
+    assert!(
+        carried.starts_with("00-") && carried.len() == 55 && carried.contains(trace_id),
+        "{carried}"
+    );
+    assert_eq!(idem::dead_letter::header_str(p, "tracestate"), None);
+    assert_eq!(statuses(&pool).await.get("completed"), Some(&1));
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
