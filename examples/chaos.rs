@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use idem::dead_letter;
+use idem::headers;
 use lapin::Connection;
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
 use publisher::Publisher;
@@ -736,8 +736,8 @@ async fn drain_dlq(url: &str, queue: &str) -> anyhow::Result<Vec<(String, String
         .await?
     {
         let p = &message.delivery.properties;
-        let text = |name| dead_letter::header_str(p, name).unwrap_or_default();
-        dead.push((text(dead_letter::REASON), text(dead_letter::KEY)));
+        let text = |name| headers::text(p, name).unwrap_or_default();
+        dead.push((text(headers::REASON), text(headers::KEY)));
         message.delivery.ack(BasicAckOptions::default()).await?;
     }
     let _ = connection.close(200, "done".into()).await;

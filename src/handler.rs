@@ -9,10 +9,9 @@ use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use crate::fault::Fault;
+use crate::headers;
 use crate::key::Key;
-use crate::outbox::{
-    self, CORRELATION_HEADER, FollowUp, FollowUpError, SHORT_STRING_MAX, SOURCE_KEY_HEADER,
-};
+use crate::outbox::{self, FollowUp, FollowUpError, SHORT_STRING_MAX};
 use crate::trace::{TRACEPARENT, TraceContext};
 
 /// One job type: how to read its messages, name their intent, and run the effect.
@@ -328,11 +327,11 @@ impl Context {
         message.check()?;
         let position = self.staged.len() as u32;
         let id = outbox::message_id(&self.key, position);
-        let mut message = message.header(SOURCE_KEY_HEADER, self.key.short_hash());
+        let mut message = message.header(headers::SOURCE_KEY, self.key.short_hash());
         if let Some(correlation_id) = &self.correlation_id {
             // The header has no length limit; the property does (a longer source id
             // travels in the header only).
-            message = message.header(CORRELATION_HEADER, correlation_id.as_str());
+            message = message.header(headers::CORRELATION, correlation_id.as_str());
             if message.properties.correlation_id.is_none()
                 && correlation_id.len() <= SHORT_STRING_MAX
             {

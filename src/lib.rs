@@ -66,6 +66,7 @@ pub mod fault;
 pub mod fingerprint;
 pub mod gc;
 pub mod handler;
+pub mod headers;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod key;

@@ -21,6 +21,7 @@ use tracing::warn;
 
 use crate::dead_letter::{self, Reason};
 use crate::failpoint;
+use crate::headers;
 use crate::key::Key;
 use crate::store::{Status, Store, StoreError};
 use crate::topology::{self, PublishError};
@@ -69,17 +70,17 @@ impl DlqMessage {
     /// Reads a dead letter's `idem-*` headers.
     pub fn new(delivery: Delivery) -> Self {
         let p = &delivery.properties;
-        let text = |name| dead_letter::header_str(p, name);
+        let text = |name| headers::text(p, name);
         Self {
-            reason: text(dead_letter::REASON),
-            error: text(dead_letter::ERROR),
-            operation: text(dead_letter::OPERATION),
-            scope: text(dead_letter::SCOPE),
-            key: text(dead_letter::KEY),
-            key_hash: text(dead_letter::KEY_HASH),
-            attempts: dead_letter::header_i64(p, dead_letter::ATTEMPTS),
-            original_queue: text(dead_letter::ORIGINAL_QUEUE),
-            failed_at: text(dead_letter::FAILED_AT)
+            reason: text(headers::REASON),
+            error: text(headers::ERROR),
+            operation: text(headers::OPERATION),
+            scope: text(headers::SCOPE),
+            key: text(headers::KEY),
+            key_hash: text(headers::KEY_HASH),
+            attempts: headers::integer(p, headers::ATTEMPTS),
+            original_queue: text(headers::ORIGINAL_QUEUE),
+            failed_at: text(headers::FAILED_AT)
                 .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
                 .map(|t| t.with_timezone(&Utc)),
             delivery,

@@ -18,7 +18,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use tracing::Span;
 
-use crate::dead_letter::header_str;
+use crate::headers;
 
 /// The W3C header (and AMQP header) naming the trace and the parent span.
 pub const TRACEPARENT: &str = "traceparent";
@@ -91,8 +91,11 @@ impl TraceContext {
 
     /// The context a message carries in its `traceparent`/`tracestate` headers.
     pub fn from_properties(properties: &BasicProperties) -> Option<Self> {
-        let traceparent = header_str(properties, TRACEPARENT)?;
-        Self::parse(&traceparent, header_str(properties, TRACESTATE).as_deref())
+        let traceparent = headers::text(properties, TRACEPARENT)?;
+        Self::parse(
+            &traceparent,
+            headers::text(properties, TRACESTATE).as_deref(),
+        )
     }
 
     /// The `traceparent` value.
@@ -436,11 +439,14 @@ mod tests {
         );
         let properties = with_context(BasicProperties::default().with_headers(headers), Some(&cx));
         assert_eq!(TraceContext::from_properties(&properties), Some(cx));
-        assert_eq!(header_str(&properties, "tenant").as_deref(), Some("acme"));
+        assert_eq!(
+            headers::text(&properties, "tenant").as_deref(),
+            Some("acme")
+        );
         // A context without tracestate removes a stale one.
         let bare = TraceContext::parse(TP, None).unwrap();
         let properties = with_context(properties, Some(&bare));
-        assert_eq!(header_str(&properties, TRACESTATE), None);
+        assert_eq!(headers::text(&properties, TRACESTATE), None);
         // No context: no trace headers, a broken one is not passed on.
         let mut headers = FieldTable::default();
         headers.insert(
@@ -450,6 +456,6 @@ mod tests {
         let broken = BasicProperties::default().with_headers(headers);
         assert_eq!(TraceContext::from_properties(&broken), None);
         let properties = with_context(broken, None);
-        assert_eq!(header_str(&properties, TRACEPARENT), None);
+        assert_eq!(headers::text(&properties, TRACEPARENT), None);
     }
 }

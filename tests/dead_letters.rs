@@ -83,7 +83,7 @@ async fn forged_verdict_headers_are_dropped_and_a_discard_settles_nobody_elses_r
         (None, None)
     );
     assert_eq!(letter.original_queue.as_deref(), Some(q.name.as_str()));
-    let app = idem::dead_letter::header_str(&letter.delivery.properties, "app-header");
+    let app = idem::headers::text(&letter.delivery.properties, "app-header");
     assert_eq!(
         app.as_deref(),
         Some("kept"),

@@ -918,10 +918,10 @@ async fn a_dry_run_tells_completed_keys_from_those_that_would_run(
     let letter = |id: &str, reason: &str| {
         let mut headers = lapin::types::FieldTable::default();
         for (name, value) in [
-            (idem::dead_letter::REASON, reason),
-            (idem::dead_letter::SCOPE, "acme"),
-            (idem::dead_letter::OPERATION, "orders.create"),
-            (idem::dead_letter::KEY, id),
+            (idem::headers::REASON, reason),
+            (idem::headers::SCOPE, "acme"),
+            (idem::headers::OPERATION, "orders.create"),
+            (idem::headers::KEY, id),
         ] {
             headers.insert(name.into(), header_text(value));
         }

@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use idem::headers::{CORRELATION as CORRELATION_HEADER, SOURCE_KEY as SOURCE_KEY_HEADER};
+use idem::outbox::OutboxConfig;
 use idem::outbox::relay::Relay;
-use idem::outbox::{CORRELATION_HEADER, OutboxConfig, SOURCE_KEY_HEADER};
 use idem::{Context, FollowUp, Handler, HandlerError, Key, Mode};
 use lapin::BasicProperties;
 use lapin::options::QueueDeclareOptions;
@@ -208,13 +209,13 @@ async fn follow_ups_once_in_order(pool: PgPool, mode: Mode) {
         let source = body["source"].as_str().unwrap().to_owned();
         let key = Key::new("acme", "jobs.stage", &source).unwrap();
         assert_eq!(
-            idem::dead_letter::header_str(p, SOURCE_KEY_HEADER),
+            idem::headers::text(p, SOURCE_KEY_HEADER),
             Some(key.short_hash())
         );
         let i = source.trim_start_matches("evt-");
         let correlation = format!("corr-{i}");
         assert_eq!(
-            idem::dead_letter::header_str(p, CORRELATION_HEADER).as_deref(),
+            idem::headers::text(p, CORRELATION_HEADER).as_deref(),
             Some(correlation.as_str())
         );
         assert_eq!(
@@ -680,7 +681,7 @@ async fn without_opentelemetry_the_trace_context_passes_through_unchanged(pool: 
     out.wait_for_messages(&to, 2, SETTLE).await;
     q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
 
-    let header = |p: &BasicProperties, name: &str| idem::dead_letter::header_str(p, name);
+    let header = |p: &BasicProperties, name: &str| idem::headers::text(p, name);
     for message in out.drain(&to).await {
         let p = &message.delivery.properties;
         assert_eq!(header(p, "traceparent").as_deref(), Some(TRACEPARENT));
@@ -744,12 +745,12 @@ async fn a_hostile_trace_context_reaches_the_follow_ups_normalised(pool: PgPool)
     out.wait_for_messages(&to, 1, SETTLE).await;
     let sent = out.drain(&to).await;
     let p = &sent[0].delivery.properties;
-    let carried = idem::dead_letter::header_str(p, "traceparent").unwrap_or_default();
+    let carried = idem::headers::text(p, "traceparent").unwrap_or_default();
     assert!(
         carried.starts_with("00-") && carried.len() == 55 && carried.contains(trace_id),
         "{carried}"
     );
-    assert_eq!(idem::dead_letter::header_str(p, "tracestate"), None);
+    assert_eq!(idem::headers::text(p, "tracestate"), None);
     assert_eq!(statuses(&pool).await.get("completed"), Some(&1));
     stop.cancel();
     task.await.unwrap().unwrap();

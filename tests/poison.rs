@@ -159,8 +159,7 @@ async fn hostile_inputs_end_in_the_ledger_once_or_in_the_dlq_within_seconds(
     .unwrap();
     assert_eq!(message_id, "m-\u{FFFD}");
     for d in &dead {
-        let retries =
-            idem::dead_letter::header_i64(&d.delivery.properties, idem::dead_letter::RETRIES);
+        let retries = idem::headers::integer(&d.delivery.properties, idem::headers::RETRIES);
         assert_eq!(retries.unwrap_or(0), 0, "went through a retry queue: {d:?}");
     }
     let booked = ledger(&pool).await;
@@ -245,14 +244,14 @@ async fn values_and_headers_near_the_brokers_frame_are_dead_lettered_once_and_th
     );
     for letter in dead.iter().filter(|d| *d.delivery.data != *huge) {
         let p = &letter.delivery.properties;
-        let note = idem::dead_letter::header_str(p, "note");
+        let note = idem::headers::text(p, "note");
         assert!(
             note.is_none(),
             "{:?}: the big header was carried",
             letter.reason
         );
         assert_eq!(
-            idem::dead_letter::header_i64(p, idem::dead_letter::DROPPED_HEADERS),
+            idem::headers::integer(p, idem::headers::DROPPED_HEADERS),
             Some(2)
         );
         assert!(p.message_id().is_some(), "the properties are kept");

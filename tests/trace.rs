@@ -354,7 +354,7 @@ async fn a_trace_survives_a_dead_letter_and_its_replay_in_transactional_mode(poo
     let letters = replay::peek(&q.connection, &q.dlq(), &replay::Filter::default(), 10)
         .await
         .unwrap();
-    let carried = idem::dead_letter::header_str(&letters[0].delivery.properties, "traceparent");
+    let carried = idem::headers::text(&letters[0].delivery.properties, "traceparent");
     assert_eq!(
         carried,
         Some(format!("00-{}-{}-01", producer.trace_id, span_id(&settle)))

@@ -37,11 +37,6 @@ pub(crate) use publish::{mark_dispatched, publish};
 pub use table::{OutboxEntry, OutboxStats, dispatched, list, stats};
 pub(crate) use table::{OutboxRow, stage, take_staged};
 
-/// Header naming the source operation's short key hash on every follow-up message.
-pub const SOURCE_KEY_HEADER: &str = "idem-source-key";
-/// Header carrying the source message's correlation id, when it had one.
-pub const CORRELATION_HEADER: &str = "idem-correlation-id";
-
 /// The longest AMQP short string, in bytes: exchange, routing key, header names,
 /// `content_type`, `type`, `correlation_id`.
 pub const SHORT_STRING_MAX: usize = 255;

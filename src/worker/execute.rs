@@ -17,11 +17,11 @@ use super::guard::guarded;
 use super::settle::{Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Shared, WorkerError};
-use crate::dead_letter;
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler, HandlerError};
+use crate::headers;
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
@@ -48,7 +48,7 @@ pub(super) async fn process<H: Handler>(shared: &Shared<H>, links: &Links, deliv
     let received = Instant::now();
     let settler = Settler {
         trace: incoming,
-        replays: dead_letter::header_i64(&delivery.properties, dead_letter::REPLAYS).unwrap_or(0),
+        replays: headers::integer(&delivery.properties, headers::REPLAYS).unwrap_or(0),
         dead_lettered: AtomicBool::new(false),
         links,
         operation: H::OPERATION,

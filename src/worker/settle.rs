@@ -15,6 +15,7 @@ use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
 use crate::dead_letter::{self, DeadLetter, Outgoing};
 use crate::failpoint;
+use crate::headers;
 use crate::key::Key;
 use crate::metrics;
 use crate::retry::retry_queue_name;
@@ -62,7 +63,7 @@ pub(super) struct Settler<'a> {
 impl Settler<'_> {
     /// Delayed retries this message already went through (`idem-retries`).
     pub(super) fn retries(&self) -> i64 {
-        dead_letter::header_i64(&self.delivery.properties, dead_letter::RETRIES).unwrap_or(0)
+        headers::integer(&self.delivery.properties, headers::RETRIES).unwrap_or(0)
     }
 
     /// Counts `outcome` for the delivery, among replays too when the message was
@@ -132,7 +133,7 @@ impl Settler<'_> {
     fn fitted(&self, copy: &Outgoing, without_carried: bool) -> BasicProperties {
         let context = trace::outgoing(&Span::current(), self.trace.as_ref());
         let frame_max = usize::try_from(self.links.frame_max).unwrap_or(usize::MAX);
-        let fits = |p: &BasicProperties| dead_letter::header_frame_len(p) <= frame_max;
+        let fits = |p: &BasicProperties| headers::frame_len(p) <= frame_max;
         if !without_carried {
             let full = trace::with_context(copy.properties(), context.as_ref());
             if fits(&full) {
@@ -140,7 +141,7 @@ impl Settler<'_> {
             }
             warn!(
                 headers = copy.carried(),
-                frame_bytes = dead_letter::header_frame_len(&full),
+                frame_bytes = headers::frame_len(&full),
                 frame_max,
                 "the producer's headers are left behind: with them the copy would not fit the broker's frame"
             );
