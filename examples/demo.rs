@@ -74,11 +74,15 @@ async fn run(outcomes: &Outcomes) -> anyhow::Result<()> {
     let channel = connection.create_channel().await?;
     let retry_delay = Duration::from_secs(1);
     // A fresh start: the demo's queues from an earlier run are removed.
-    for queue in [
-        QUEUE.to_string(),
-        idem::topology::dlq_name(QUEUE),
-        idem::retry::retry_queue_name(QUEUE, retry_delay),
-    ] {
+    let topology = idem::Topology {
+        queue: QUEUE.into(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: vec![retry_delay],
+    };
+    for queue in [QUEUE.to_string(), topology.dlq()]
+        .into_iter()
+        .chain(topology.retry_queues())
+    {
         channel
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
             .await?;

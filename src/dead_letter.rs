@@ -9,14 +9,14 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::headers::{
-    ATTEMPTS, DROPPED_HEADERS, ERROR, FAILED_AT, KEY, KEY_HASH, OPERATION, ORIGINAL_QUEUE, REASON,
-    REPLAYS, RETRIES, SCOPE,
+    ATTEMPTS, DROPPED_HEADERS, ERROR, ERROR_MAX, FAILED_AT, KEY, KEY_HASH, OPERATION,
+    ORIGINAL_QUEUE, REASON, REPLAYS, RETRIES, SCOPE,
 };
 use crate::key::Key;
 
 /// Why a message was dead-lettered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Reason {
+pub(crate) enum Reason {
     /// Not JSON, not an object, no valid key, or data the database refuses.
     Malformed,
     /// The key was already used with another payload.
@@ -32,7 +32,7 @@ pub enum Reason {
 
 impl Reason {
     /// The header value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Reason::Malformed => "malformed",
             Reason::FingerprintConflict => "fingerprint_conflict",
@@ -51,7 +51,7 @@ impl fmt::Display for Reason {
 
 /// What a dead letter says about itself.
 #[derive(Debug, Clone)]
-pub struct DeadLetter<'a> {
+pub(crate) struct DeadLetter<'a> {
     /// Why.
     pub reason: Reason,
     /// The error text.
@@ -65,12 +65,6 @@ pub struct DeadLetter<'a> {
     /// The work queue.
     pub original_queue: &'a str,
 }
-
-/// The longest `idem-error` a dead letter carries, in bytes: the error of a message
-/// can be as long as the message (serde quotes the value it refused), and a header
-/// frame larger than the connection's `frame_max` makes the broker close the
-/// connection, so the dead letter would never leave.
-pub const ERROR_MAX: usize = 1024;
 
 /// The `idem-*` headers a republished copy keeps: counters idem carries from hop to
 /// hop, and what a follow-up message says about its source. Every other `idem-*`
@@ -166,19 +160,9 @@ fn outgoing(original: &BasicProperties, own: FieldTable) -> Outgoing {
     }
 }
 
-/// The properties of a dead letter with its `idem-*` headers set (see [`dead_letter`]).
-pub fn dead_letter_properties(original: &BasicProperties, dl: &DeadLetter<'_>) -> BasicProperties {
-    dead_letter(original, dl).properties()
-}
-
-/// The original properties for delayed retry number `retries` (1-based).
-pub fn retry_properties(original: &BasicProperties, retries: i64) -> BasicProperties {
-    retry(original, retries).properties()
-}
-
 /// The headers a republished copy keeps: all but the broker's `x-` headers and the
 /// `idem-*` verdicts only idem may set.
-pub fn carried_headers(original: &BasicProperties) -> FieldTable {
+pub(crate) fn carried_headers(original: &BasicProperties) -> FieldTable {
     let mut kept = FieldTable::default();
     for (name, value) in original.headers().iter().flat_map(|h| h.inner()) {
         let name_text = name.as_str();
@@ -194,7 +178,7 @@ pub fn carried_headers(original: &BasicProperties) -> FieldTable {
 /// `x-` headers and without idem's own (`idem-*`), so the replay starts with a fresh
 /// retry budget and no stale verdict; but with `idem-replays` one more than the dead
 /// letter had. The trace context (`traceparent`) is kept: the replay joins the trace.
-pub fn replay_properties(dead_letter: &BasicProperties) -> BasicProperties {
+pub(crate) fn replay_properties(dead_letter: &BasicProperties) -> BasicProperties {
     let replays = crate::headers::integer(dead_letter, REPLAYS)
         .unwrap_or(0)
         .saturating_add(1);
@@ -233,7 +217,7 @@ mod tests {
             .with_message_id("m-1".into())
             .with_delivery_mode(2)
             .with_headers(headers);
-        let props = dead_letter_properties(
+        let props = dead_letter(
             &original,
             &DeadLetter {
                 reason: Reason::PermanentFailure,
@@ -243,7 +227,8 @@ mod tests {
                 attempts: 2,
                 original_queue: "orders",
             },
-        );
+        )
+        .properties();
         assert_eq!(props.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
         assert_eq!(*props.delivery_mode(), Some(2));
         assert_eq!(header_str(&props, "trace").as_deref(), Some("t-1"));
@@ -269,7 +254,7 @@ mod tests {
         );
         assert_eq!(header_str(&props, KEY).as_deref(), Some("evt-1"));
         assert_eq!(header_str(&props, SCOPE).as_deref(), Some("acme"));
-        let retried = retry_properties(&props, 2);
+        let retried = retry(&props, 2).properties();
         assert_eq!(header_i64(&retried, RETRIES), Some(2));
         let replayed = replay_properties(&retried);
         assert_eq!(header_str(&replayed, "trace").as_deref(), Some("t-1"));
@@ -300,7 +285,7 @@ mod tests {
         let names: Vec<&str> = carried.inner().keys().map(|k| k.as_str()).collect();
         assert_eq!(names, ["app", REPLAYS, RETRIES]);
         // A malformed message (no valid key) keeps no forged key or scope.
-        let props = dead_letter_properties(
+        let props = dead_letter(
             &original,
             &DeadLetter {
                 reason: Reason::Malformed,
@@ -310,7 +295,8 @@ mod tests {
                 attempts: 0,
                 original_queue: "orders",
             },
-        );
+        )
+        .properties();
         assert_eq!(header_str(&props, KEY), None);
         assert_eq!(header_str(&props, SCOPE), None);
         assert_eq!(
@@ -372,7 +358,7 @@ mod tests {
         assert_eq!(header_str(&first, REASON), None);
         assert_eq!(header_str(&first, "traceparent").as_deref(), Some("00-t"));
         // Dead-lettered again (the header travels with it), then replayed again.
-        let again = dead_letter_properties(
+        let again = dead_letter(
             &first,
             &DeadLetter {
                 reason: Reason::PermanentFailure,
@@ -382,7 +368,8 @@ mod tests {
                 attempts: 2,
                 original_queue: "orders",
             },
-        );
+        )
+        .properties();
         assert_eq!(header_i64(&replay_properties(&again), REPLAYS), Some(2));
     }
 }

@@ -17,7 +17,7 @@
 
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).
 #[cfg(feature = "failpoints")]
-pub fn hit(name: &str) {
+pub(crate) fn hit(name: &str) {
     if std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name) {
         eprintln!("failpoint {name}: aborting");
         std::process::abort();

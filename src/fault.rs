@@ -47,7 +47,7 @@ impl fmt::Display for Fault {
 
 /// Classifies a database error by its SQLSTATE class, or by the driver's error kind
 /// when Postgres never answered.
-pub fn classify(error: &sqlx::Error) -> Fault {
+pub(crate) fn classify(error: &sqlx::Error) -> Fault {
     match error {
         sqlx::Error::Database(db) => match db.code() {
             Some(code) => by_sqlstate(&code),
@@ -65,7 +65,7 @@ pub fn classify(error: &sqlx::Error) -> Fault {
 }
 
 /// Classifies a SQLSTATE (five characters) by its class, its first two.
-pub fn by_sqlstate(code: &str) -> Fault {
+pub(crate) fn by_sqlstate(code: &str) -> Fault {
     match code.get(..2) {
         Some("22" | "23" | "54") => Fault::Message,
         Some("08" | "57" | "53" | "58" | "40") => Fault::Outage,
@@ -96,7 +96,7 @@ pub(crate) fn public(text: &str) -> std::borrow::Cow<'_, str> {
 
 /// What Postgres said, with its SQLSTATE, for a dead letter's `idem-error`:
 /// `invalid byte sequence for encoding "UTF8": 0x00 (SQLSTATE 22021)`.
-pub fn describe(error: &sqlx::Error) -> String {
+pub(crate) fn describe(error: &sqlx::Error) -> String {
     match error {
         sqlx::Error::Database(db) => match db.code() {
             Some(code) => format!("{} (SQLSTATE {code})", db.message()),

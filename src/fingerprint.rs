@@ -59,7 +59,8 @@ impl fmt::Display for Fingerprint {
 ///
 /// Sorting is done here rather than relied on from `serde_json::Map`, whose order
 /// depends on whether any crate in the build enables `preserve_order`.
-pub fn canonical_json(value: &Value) -> String {
+#[cfg(test)]
+fn canonical_json(value: &Value) -> String {
     let mut out = Vec::new();
     write_canonical(value, &mut out).expect("writing to a Vec cannot fail");
     String::from_utf8(out).expect("JSON text written from `&str`s is UTF-8")

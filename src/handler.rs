@@ -165,7 +165,7 @@ impl HandlerError {
     }
 }
 
-/// A database error fails the run by its cause (see [`crate::fault`]), so `?` works on
+/// A database error fails the run by its cause (docs/DESIGN.md, "Errors by cause"), so `?` works on
 /// sqlx calls in a handler: the data's fault (a NUL in text, a number out of range, a
 /// violated check: SQLSTATE classes 22, 23, 54) is permanent, and the message goes to
 /// the DLQ at once instead of through every retry tier; an outage or anything else is

@@ -33,6 +33,12 @@ pub const RETRIES: &str = "idem-retries";
 /// again is counted as such (`idem_replayed_deliveries_total`).
 pub const REPLAYS: &str = "idem-replays";
 
+/// The longest `idem-error` a dead letter carries, in bytes: the error of a message
+/// can be as long as the message (serde quotes the value it refused), and a header
+/// frame larger than the connection's `frame_max` makes the broker close the
+/// connection, so the dead letter would never leave.
+pub const ERROR_MAX: usize = 1024;
+
 /// How many of the producer's headers a dead letter or retry left behind because,
 /// with them, its header frame would not fit the connection's `frame_max`
 /// (`idem-dropped-headers`).

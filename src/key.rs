@@ -5,9 +5,9 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 /// Longest accepted `scope` or `operation`, in bytes.
-pub const MAX_NAME_LEN: usize = 200;
+pub(crate) const MAX_NAME_LEN: usize = 200;
 /// Longest accepted `idempotency_key`, in bytes.
-pub const MAX_KEY_LEN: usize = 500;
+pub(crate) const MAX_KEY_LEN: usize = 500;
 
 /// Why a [`Key`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

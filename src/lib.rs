@@ -47,50 +47,54 @@
 //!
 //! # Where things are
 //!
-//! [`key`] and [`fingerprint`] name an intent; [`handler`] is where you plug in;
-//! [`store`] is the Postgres record; [`worker`] consumes, decides and settles;
-//! [`topology`], [`retry`] and [`dead_letter`] are the queues and what travels through
-//! them; [`replay`] brings dead letters back; [`outbox`] carries a handler's follow-up
-//! messages; [`gc`] expires what is done; [`metrics`] and [`db`] serve operators;
-//! [`trace`] carries the W3C trace context through every hop, and [`telemetry`] sets up
-//! a binary's logs (and, with the feature `otel`, its OTLP trace export).
-//! With the feature `http`, `http` puts axum routes with an `Idempotency-Key` on the
-//! same store.
-#![warn(missing_docs, unreachable_pub)]
+//! What you write: a [`Handler`] (its [`Context`], [`HandlerError`],
+//! [`Reconciliation`], and [`FollowUp`] messages it stages), run by a [`Worker`]
+//! ([`WorkerConfig`], [`RetryPolicy`], [`Mode`]) on a [`Store`] ([`StoreConfig`]) over a
+//! pool from [`db`]; [`shutdown`] and [`telemetry`] for the binary around it; with the
+//! feature `http`, `http` puts axum routes with an `Idempotency-Key` on the same store.
+//!
+//! What operators use: [`Record`] and [`Status`] (and [`Store`]'s reads and operator
+//! writes), [`replay`] for dead letters, [`store::gc`] for expiry, [`metrics`] for
+//! `/metrics` and `/healthz`, [`outbox`] and [`tally`] for what the console shows,
+//! [`headers`] for what a dead letter says, [`topology`] for the queues, and [`text`]
+//! for what a binary prints.
+//!
+//! Inside, one module per concept: `key` and `fingerprint` name an intent, `worker`
+//! consumes, decides (`worker::decision`, a pure table) and settles, `dead_letter`
+//! builds what idem republishes, `trace` carries the W3C trace context, `fault` sorts
+//! errors by cause, `failpoint` aborts at named points in crash tests.
+#![warn(missing_docs)]
+#![deny(unreachable_pub)]
 
 pub mod db;
-pub mod dead_letter;
-#[doc(hidden)]
-pub mod failpoint;
-pub mod fault;
-pub mod fingerprint;
-pub mod gc;
-pub mod handler;
+mod dead_letter;
+mod failpoint;
+mod fault;
+mod fingerprint;
+mod handler;
 pub mod headers;
 #[cfg(feature = "http")]
 pub mod http;
-pub mod key;
+mod key;
 pub mod metrics;
 pub mod outbox;
 pub mod replay;
-pub mod retry;
+mod retry;
 pub mod shutdown;
 pub mod store;
 pub mod tally;
 pub mod telemetry;
 pub mod text;
 pub mod topology;
-pub mod trace;
-pub mod worker;
+mod trace;
+mod worker;
 
-pub use fault::Fault;
 pub use fingerprint::Fingerprint;
 pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
 pub use key::{Key, KeyError};
 pub use outbox::FollowUp;
 pub use retry::RetryPolicy;
-pub use shutdown::CancellationToken;
-pub use store::{Claim, Lease, Origin, Record, Status, Store, StoreConfig, StoreError};
+pub use store::{Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
 pub use worker::{Mode, Worker, WorkerConfig, WorkerError};
 

@@ -36,8 +36,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::gc::Garbage;
-
 /// Why metrics could not be served.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -103,17 +101,17 @@ pub(crate) fn gc_batch(elapsed: Duration) {
     ::metrics::histogram!("idem_gc_batch_seconds").record(elapsed.as_secs_f64());
 }
 
-/// Sets how many expired rows of `garbage` wait for gc, and the oldest one's age.
-pub(crate) fn gc_expired(garbage: Garbage, rows: i64, oldest_age_s: Option<f64>) {
-    let table = garbage.as_str();
+/// Sets how many expired rows of `table` (its gc label) wait for gc, and the oldest
+/// one's age.
+pub(crate) fn gc_expired(table: &'static str, rows: i64, oldest_age_s: Option<f64>) {
     ::metrics::gauge!("idem_gc_expired_rows", "table" => table).set(rows as f64);
     ::metrics::gauge!("idem_gc_oldest_expired_age_seconds", "table" => table)
         .set(oldest_age_s.unwrap_or(0.0));
 }
 
-/// Counts rows of `garbage` deleted by garbage collection.
-pub(crate) fn gc_deleted(garbage: Garbage, n: u64) {
-    ::metrics::counter!("idem_gc_deleted_total", "table" => garbage.as_str()).increment(n);
+/// Counts rows of `table` (its gc label) deleted by garbage collection.
+pub(crate) fn gc_deleted(table: &'static str, n: u64) {
+    ::metrics::counter!("idem_gc_deleted_total", "table" => table).increment(n);
 }
 
 /// Counts follow-up messages published and confirmed.

@@ -483,7 +483,7 @@ pub async fn preview(store: &Store, m: &DlqMessage) -> Result<Preview, StoreErro
 }
 
 /// What a replay would do with each of `messages`, in order, with one read of the
-/// records of all their keys ([`Store::completed`]): the same rule as [`preview`].
+/// records of all their keys (one statement): the same rule as [`preview`].
 pub async fn preview_all(
     store: &Store,
     messages: &[DlqMessage],

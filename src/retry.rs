@@ -60,7 +60,7 @@ impl RetryPolicy {
 
 /// The retry queue name for `delay`: named by its delay, so changing the delays
 /// declares new queues instead of failing on the old queues' arguments.
-pub fn retry_queue_name(queue: &str, delay: Duration) -> String {
+pub(crate) fn retry_queue_name(queue: &str, delay: Duration) -> String {
     let ms = delay.as_millis();
     let tier = if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)

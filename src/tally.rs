@@ -15,7 +15,7 @@
 //! the worker never got (the connection dropped in between) is added again by the next
 //! one. The records stay the truth about operations; this is the truth about
 //! deliveries, give or take those seconds. The minute is the worker's clock's. gc
-//! deletes the rows after the store's retention ([`crate::gc::Garbage::Outcomes`]).
+//! deletes the rows after the store's retention (`Garbage::Outcomes`).
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -92,7 +92,7 @@ type Counts = BTreeMap<(i64, &'static str, &'static str), i64>;
 /// adds them to `delivery_outcomes`. A worker makes its own; it is public for tests
 /// and for tools that decide deliveries themselves.
 #[derive(Debug)]
-pub struct Tally {
+pub(crate) struct Tally {
     queue: String,
     retention: Duration,
     counts: Mutex<Counts>,
@@ -101,7 +101,7 @@ pub struct Tally {
 impl Tally {
     /// An empty tally of `queue`'s deliveries, whose rows expire `retention` after
     /// their minute.
-    pub fn new(queue: impl Into<String>, retention: Duration) -> Self {
+    pub(crate) fn new(queue: impl Into<String>, retention: Duration) -> Self {
         Self {
             queue: queue.into(),
             retention,
@@ -110,7 +110,7 @@ impl Tally {
     }
 
     /// Counts one delivery of `operation` with `outcome`, in the current minute.
-    pub fn count(&self, operation: &'static str, outcome: &'static str) {
+    pub(crate) fn count(&self, operation: &'static str, outcome: &'static str) {
         let minute = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| (d.as_secs() / 60) as i64);
@@ -120,7 +120,7 @@ impl Tally {
 
     /// Adds the counts so far to `delivery_outcomes`, in one statement; returns the
     /// rows written. When the statement fails the counts are kept for the next flush.
-    pub async fn flush(&self, pool: &PgPool) -> Result<usize, sqlx::Error> {
+    pub(crate) async fn flush(&self, pool: &PgPool) -> Result<usize, sqlx::Error> {
         let taken = std::mem::take(&mut *self.lock());
         if taken.is_empty() {
             return Ok(0);
@@ -250,6 +250,10 @@ pub async fn per_minute(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
     use super::*;
 
     #[test]
@@ -293,5 +297,81 @@ mod tests {
             Some(10),
             "oldest dropped"
         );
+    }
+
+    /// Two workers' tallies of one queue add their counts to the same rows at once, over and
+    /// over, and every count arrives; a flush that fails keeps its counts for the next.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn racing_tallies_add_up_and_a_failed_flush_loses_nothing(
+        pool_options: PgPoolOptions,
+        connect: PgConnectOptions,
+    ) {
+        let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+        let week = Duration::from_secs(7 * 24 * 3600);
+        let now = chrono::Utc::now();
+        let (first, last) = (
+            now - chrono::Duration::hours(1),
+            now + chrono::Duration::hours(1),
+        );
+        // Counts from before and after the minutes asked for are left out.
+        sqlx::query(
+            "INSERT INTO delivery_outcomes (minute, queue, operation, outcome, deliveries, expires_at)
+             SELECT date_trunc('minute', now()) + shift, 'q', 'jobs', 'executed', 7,
+                    now() + interval '1 day'
+             FROM unnest(ARRAY[interval '-2 hours', interval '2 hours']) AS shift",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let tallies = [
+            Arc::new(Tally::new("q", week)),
+            Arc::new(Tally::new("q", week)),
+        ];
+        let mut racers = Vec::new();
+        for tally in &tallies {
+            let (tally, pool) = (tally.clone(), pool.clone());
+            racers.push(tokio::spawn(async move {
+                for _ in 0..50 {
+                    for _ in 0..10 {
+                        tally.count("jobs", "executed");
+                        tally.count("jobs", "duplicate_completed");
+                    }
+                    tally.flush(&pool).await.unwrap();
+                }
+            }));
+        }
+        for racer in racers {
+            racer.await.unwrap();
+        }
+        let total = |rows: &[crate::tally::MinuteCount], outcome: &str| -> i64 {
+            rows.iter()
+                .filter(|r| r.outcome == outcome && r.queue == "q" && r.operation == "jobs")
+                .map(|r| r.deliveries)
+                .sum()
+        };
+        let rows = per_minute(&pool, &["q".into()], first, last).await.unwrap();
+        assert_eq!(total(&rows, "executed"), 1_000);
+        assert_eq!(total(&rows, "duplicate_completed"), 1_000);
+        assert!(
+            per_minute(&pool, &["other".into()], first, last)
+                .await
+                .unwrap()
+                .is_empty(),
+            "only the queues asked for"
+        );
+
+        let closed = PgPoolOptions::new().connect_with(connect).await.unwrap();
+        closed.close().await;
+        tallies[0].count("jobs", "dead_lettered");
+        assert!(tallies[0].flush(&closed).await.is_err());
+        tallies[0].count("jobs", "dead_lettered");
+        assert_eq!(tallies[0].flush(&pool).await.unwrap(), 1, "one row");
+        let rows = per_minute(&pool, &["q".into()], first, last).await.unwrap();
+        assert_eq!(
+            total(&rows, "dead_lettered"),
+            2,
+            "the failed flush's count kept"
+        );
+        assert_eq!(tallies[0].flush(&pool).await.unwrap(), 0, "nothing left");
     }
 }

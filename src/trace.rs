@@ -21,9 +21,9 @@ use tracing::Span;
 use crate::headers;
 
 /// The W3C header (and AMQP header) naming the trace and the parent span.
-pub const TRACEPARENT: &str = "traceparent";
+pub(crate) const TRACEPARENT: &str = "traceparent";
 /// The W3C header carrying vendor-specific trace state beside [`TRACEPARENT`].
-pub const TRACESTATE: &str = "tracestate";
+pub(crate) const TRACESTATE: &str = "tracestate";
 
 /// The longest `tracestate` passed on: the W3C limit is 32 members; a longer value is
 /// someone else's mistake and is dropped rather than carried through every hop.
@@ -31,7 +31,7 @@ const TRACESTATE_MAX: usize = 512;
 
 /// A valid W3C trace context, as it travels in message and HTTP headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceContext {
+pub(crate) struct TraceContext {
     traceparent: String,
     tracestate: Option<String>,
 }
@@ -56,7 +56,7 @@ impl TraceContext {
     /// assert_eq!(cx.trace_id(), "4bf92f3577b34da6a3ce929d0e0e4736");
     /// assert!(TraceContext::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01", None).is_none());
     /// ```
-    pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
+    pub(crate) fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
         let traceparent = traceparent.trim();
         let mut parts = traceparent.splitn(5, '-');
         let (version, trace_id, span_id, flags) =
@@ -90,7 +90,7 @@ impl TraceContext {
     }
 
     /// The context a message carries in its `traceparent`/`tracestate` headers.
-    pub fn from_properties(properties: &BasicProperties) -> Option<Self> {
+    pub(crate) fn from_properties(properties: &BasicProperties) -> Option<Self> {
         let traceparent = headers::text(properties, TRACEPARENT)?;
         Self::parse(
             &traceparent,
@@ -99,27 +99,27 @@ impl TraceContext {
     }
 
     /// The `traceparent` value.
-    pub fn traceparent(&self) -> &str {
+    pub(crate) fn traceparent(&self) -> &str {
         &self.traceparent
     }
 
     /// The `tracestate` value, if any.
-    pub fn tracestate(&self) -> Option<&str> {
+    pub(crate) fn tracestate(&self) -> Option<&str> {
         self.tracestate.as_deref()
     }
 
     /// The trace id: 32 lower-case hex digits.
-    pub fn trace_id(&self) -> &str {
+    pub(crate) fn trace_id(&self) -> &str {
         &self.traceparent[3..35]
     }
 
     /// The parent span's id: 16 lower-case hex digits.
-    pub fn span_id(&self) -> &str {
+    pub(crate) fn span_id(&self) -> &str {
         &self.traceparent[36..52]
     }
 
     /// The headers that carry this context: `traceparent`, and `tracestate` if any.
-    pub fn headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
+    pub(crate) fn headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
         let state = self.tracestate.as_deref().map(|s| (TRACESTATE, s));
         std::iter::once((TRACEPARENT, self.traceparent.as_str())).chain(state)
     }

@@ -203,18 +203,14 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
     // token, resolves it, keeping the operator's note.
     let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
     let unsure = idem::Key::new("acme", "orders.create", "evt-unsure").unwrap();
-    let fingerprint = idem::Fingerprint::of(&serde_json::json!({"amount": 1}), &[]);
-    let idem::Claim::Claimed(lease) = store
-        .claim(&unsure, &fingerprint, &idem::Origin::default())
-        .await
-        .unwrap()
-    else {
-        panic!("not claimed");
+    let pending = RecordFixture {
+        key: "evt-unsure",
+        status: "pending",
+        external_ref: Some("charge-3"),
+        error: Some(serde_json::json!("timeout")),
+        ..RecordFixture::default()
     };
-    store
-        .mark_pending(&lease, Some("charge-3"), &serde_json::json!("timeout"))
-        .await
-        .unwrap();
+    let (_, lease_token) = insert_record(&pool, &pending).await;
     let (status, shown) = console
         .get(
             "/ops/show?scope=acme&operation=orders.create&key=evt-unsure",
@@ -226,7 +222,7 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
     let needle = "name=\"csrf\" value=\"";
     let csrf_at = shown.find(needle).unwrap() + needle.len();
     let csrf = &shown[csrf_at..csrf_at + shown[csrf_at..].find('"').unwrap()];
-    let token = lease.token.to_string();
+    let token = lease_token.to_string();
     assert!(shown.contains(&format!("name=\"token\" value=\"{token}\"")));
     fn form<'a>(csrf: &'a str, token: &'a str) -> [(&'static str, &'a str); 6] {
         [
@@ -238,7 +234,7 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
             ("token", token),
         ]
     }
-    let stale = (lease.token - 1).to_string();
+    let stale = (lease_token - 1).to_string();
     let (status, refused) = console
         .post("/ops/resolve", &form(csrf, &stale), true)
         .await;
@@ -345,13 +341,14 @@ async fn the_console_keeps_its_token_and_its_actions_to_itself(
 
     // A stuck record of an operation of its own (--operation) and one of another's.
     let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
-    let fingerprint = idem::Fingerprint::of(&serde_json::json!({}), &[]);
     for operation in ["emails.send", "payments.charge"] {
-        let key = idem::Key::new("acme", operation, "evt-1").unwrap();
-        store
-            .claim(&key, &fingerprint, &idem::Origin::default())
-            .await
-            .unwrap();
+        let claimed = RecordFixture {
+            operation,
+            key: "evt-1",
+            lease_secs: Some(30),
+            ..RecordFixture::default()
+        };
+        insert_record(&pool, &claimed).await;
     }
     let (status, _) = console
         .get(

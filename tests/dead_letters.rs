@@ -488,22 +488,21 @@ async fn a_retryable_record_whose_delivery_does_not_come_is_reported_overdue(
     wait_for_worker_tables(&pool).await;
     wait_for_consumers(&q, 1).await;
     // A delivery that failed transiently, its retry copy since lost.
-    let store = Store::new(pool.clone(), StoreConfig::default());
     let body = order("evt-lost", "acme", 1);
-    let key = idem::Key::new("acme", "orders.create", "evt-lost").unwrap();
     let payload: Value = serde_json::from_slice(&body).unwrap();
-    let fingerprint = idem::Fingerprint::of(&payload, &["sent_at"]);
-    let claim = store
-        .claim(&key, &fingerprint, &idem::Origin::default())
-        .await
-        .unwrap();
-    let idem::Claim::Claimed(lease) = claim else {
-        panic!("a new key: {claim:?}");
+    let lost = RecordFixture {
+        key: "evt-lost",
+        status: "failed",
+        retryable: true,
+        fingerprint: Some(
+            idem::Fingerprint::of(&payload, &["sent_at"])
+                .as_hex()
+                .into(),
+        ),
+        error: Some(json!({"error": "provider down", "kind": "transient"})),
+        ..RecordFixture::default()
     };
-    store
-        .fail(&lease, true, &json!({"error": "provider down"}), false)
-        .await
-        .unwrap();
+    insert_record(&pool, &lost).await;
     wait_until(SETTLE, "the record reported overdue", || async {
         overdue_gauge(&addr, "orders.create").await == Some(1.0)
     })
@@ -544,14 +543,13 @@ async fn the_command_escapes_what_messages_carry_and_stops_quietly_for_a_closed_
     let letter = headers(&[("idem-reason", "malformed"), ("idem-error", hostile)])
         .with_correlation_id(hostile.into());
     q.publish_to(&q.dlq(), hostile.as_bytes(), letter).await;
-    let store = Store::new(pool.clone(), StoreConfig::default());
-    let key = idem::Key::new("acme", "orders.create", "evt-escape").unwrap();
-    let origin = idem::Origin {
-        correlation_id: Some(hostile.into()),
-        ..idem::Origin::default()
+    let record = RecordFixture {
+        key: "evt-escape",
+        lease_secs: Some(30),
+        correlation_id: Some(hostile),
+        ..RecordFixture::default()
     };
-    let fingerprint = idem::Fingerprint::of(&json!({}), &[]);
-    store.claim(&key, &fingerprint, &origin).await.unwrap();
+    insert_record(&pool, &record).await;
     let key_args = [
         "--scope",
         "acme",

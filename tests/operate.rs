@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use idem::{Claim, Fingerprint, Key, Origin, Store, StoreConfig};
+use idem::Key;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -306,19 +306,15 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
 ) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     let url = database_url(&connect);
-    let store = Store::new(pool.clone(), StoreConfig::default());
     let key = Key::new("acme", "orders.create", "evt-hashed").unwrap();
-    let fingerprint = Fingerprint::of(&json!({"event_id": "evt-hashed"}), &[]);
-    store
-        .claim(&key, &fingerprint, &Origin::default())
-        .await
-        .unwrap();
+    let claimed = |key| RecordFixture {
+        key,
+        lease_secs: Some(30),
+        ..RecordFixture::default()
+    };
+    insert_record(&pool, &claimed("evt-hashed")).await;
     // A neighbour in the same scope and operation that the hash must not pick.
-    let other = Key::new("acme", "orders.create", "evt-other").unwrap();
-    store
-        .claim(&other, &fingerprint, &Origin::default())
-        .await
-        .unwrap();
+    insert_record(&pool, &claimed("evt-other")).await;
     let hash = key.short_hash();
     let by_hash = [
         "--scope",
@@ -395,24 +391,14 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
 async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConnectOptions) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     let url = database_url(&connect);
-    let store = Store::new(
-        pool.clone(),
-        StoreConfig {
-            owner: "dead-worker".into(),
-            lease: Duration::from_secs(3600),
-            ..StoreConfig::default()
-        },
-    );
-    let key = Key::new("acme", "orders.create", "evt-stuck").unwrap();
-    let payload = json!({"event_id": "evt-stuck"});
-    let fingerprint = Fingerprint::of(&payload, &[]);
-    let Claim::Claimed(dead) = store
-        .claim(&key, &fingerprint, &Origin::default())
-        .await
-        .unwrap()
-    else {
-        panic!("first claim");
+    // Claimed by a worker that died: its lease runs for an hour.
+    let stuck = RecordFixture {
+        key: "evt-stuck",
+        lease_secs: Some(3600),
+        owner: "dead-worker",
+        ..RecordFixture::default()
     };
+    insert_record(&pool, &stuck).await;
     let key_args = [
         "--scope",
         "acme",
@@ -471,28 +457,18 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
         0
     );
 
-    // Live lease: nobody may take it. Released by hand: the next claim takes over.
-    assert!(matches!(
-        store
-            .claim(&key, &fingerprint, &Origin::default())
-            .await
-            .unwrap(),
-        Claim::InProgress { .. }
-    ));
+    // Released by hand: the lease ends now (that the next claim takes it over and the
+    // dead worker is fenced is the store's to prove: src/store/tests/operate.rs).
     let (code, out) = run_idem(&url, &[&["ops", "release"][..], &key_args].concat()).await;
     assert_eq!(code, 0, "{out}");
-    let Claim::Claimed(next) = store
-        .claim(&key, &fingerprint, &Origin::default())
-        .await
-        .unwrap()
-    else {
-        panic!("released lease is taken over");
-    };
-    assert!(next.takeover && next.token > dead.token);
-    assert!(
-        store.complete(&dead, &json!("zombie")).await.is_err(),
-        "the dead worker is fenced"
-    );
+    let released: bool = sqlx::query_scalar(
+        "SELECT lease_expires_at <= now() FROM processed_operations
+         WHERE idempotency_key = 'evt-stuck'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(released, "the lease ended");
 
     let (code, _) = run_idem(
         &url,
@@ -513,18 +489,14 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
     // A pending key is not released (its lease is a reconciler's): released, it could
     // never be resolved as not applied, and a route without a reconciler would answer
     // 409 for it for ever. It stays resolvable.
-    let pending = Key::new("acme", "orders.create", "evt-pending").unwrap();
-    let Claim::Claimed(lease) = store
-        .claim(&pending, &fingerprint, &Origin::default())
-        .await
-        .unwrap()
-    else {
-        panic!("first claim");
+    let pending = RecordFixture {
+        key: "evt-pending",
+        status: "pending",
+        external_ref: Some("psp-9"),
+        error: Some(json!("timeout")),
+        ..RecordFixture::default()
     };
-    store
-        .mark_pending(&lease, Some("psp-9"), &json!("timeout"))
-        .await
-        .unwrap();
+    let (_, token) = insert_record(&pool, &pending).await;
     let pending_args = [
         "--scope",
         "acme",
@@ -542,7 +514,7 @@ async fn ops_show_list_and_release(pool_options: PgPoolOptions, connect: PgConne
         !out.status.success() && said.contains("is pending, not released"),
         "{said}"
     );
-    let token = lease.token.to_string();
+    let token = token.to_string();
     let resolve = [
         &[
             "ops",
@@ -689,10 +661,8 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
         .spawn()
         .unwrap();
     let started = Instant::now();
-    let store = Store::new(pool.clone(), StoreConfig::default());
     let mut longest = Duration::ZERO;
     let mut claims = 0;
-    let payload = json!({});
     loop {
         if let Some(status) = gc.try_wait().unwrap() {
             assert!(status.success());
@@ -700,16 +670,26 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
         }
         q.publish(&order(&format!("live-{claims}"), "acme", 1))
             .await;
-        let key = Key::new("probe", "orders.create", format!("probe-{claims}")).unwrap();
+        // A claim and its completion: the writes a worker makes to the table gc
+        // deletes from (the worker beside it makes them too, through the store).
         let t = Instant::now();
-        let claim = store
-            .claim(&key, &Fingerprint::of(&payload, &[]), &Origin::default())
-            .await
-            .unwrap();
-        let Claim::Claimed(lease) = claim else {
-            panic!("new key")
+        let probe = RecordFixture {
+            scope: "probe",
+            key: &format!("probe-{claims}"),
+            lease_secs: Some(30),
+            ..RecordFixture::default()
         };
-        store.complete(&lease, &json!(null)).await.unwrap();
+        let (id, token) = insert_record(&pool, &probe).await;
+        sqlx::query(
+            "UPDATE processed_operations SET status = 'completed', lease_expires_at = NULL,
+                    completed_at = now(), expires_at = now() + interval '7 days'
+             WHERE id = $1 AND lease_token = $2 AND status = 'processing'",
+        )
+        .bind(id)
+        .bind(token)
+        .execute(&pool)
+        .await
+        .unwrap();
         longest = longest.max(t.elapsed());
         claims += 1;
     }
@@ -887,25 +867,13 @@ async fn a_dry_run_tells_completed_keys_from_those_that_would_run(
 ) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     let q = TestQueue::new("dry-run").await;
-    let store = Store::new(pool.clone(), StoreConfig::default());
-    let fingerprint = Fingerprint::of(&json!({"amount": 1}), &[]);
-    let key = |id: &str| Key::new("acme", "orders.create", id).unwrap();
-    for (id, completed) in [("evt-done", true), ("evt-failed", false)] {
-        let Claim::Claimed(lease) = store
-            .claim(&key(id), &fingerprint, &Origin::default())
-            .await
-            .unwrap()
-        else {
-            panic!("{id} not claimed");
+    for (key, status) in [("evt-done", "completed"), ("evt-failed", "failed")] {
+        let record = RecordFixture {
+            key,
+            status,
+            ..RecordFixture::default()
         };
-        if completed {
-            store.complete(&lease, &json!("ok")).await.unwrap();
-        } else {
-            store
-                .fail(&lease, false, &json!("no"), false)
-                .await
-                .unwrap();
-        }
+        insert_record(&pool, &record).await;
     }
     idem::Topology {
         queue: q.name.clone(),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use idem::headers::{CORRELATION as CORRELATION_HEADER, SOURCE_KEY as SOURCE_KEY_HEADER};
 use idem::outbox::OutboxConfig;
-use idem::outbox::relay::Relay;
+use idem::outbox::Relay;
 use idem::{Context, FollowUp, Handler, HandlerError, Key, Mode};
 use lapin::BasicProperties;
 use lapin::options::QueueDeclareOptions;
@@ -148,14 +148,8 @@ fn spawn_relay(
     config: OutboxConfig,
     stop: &tokio_util::sync::CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let relay = Relay {
-        pool: pool.clone(),
-        amqp_url: amqp_url(),
-        name: "test-relay".into(),
-        config,
-        retention: Duration::from_secs(3600),
-        wake: Arc::new(tokio::sync::Notify::new()),
-    };
+    let relay = Relay::new(pool.clone(), &amqp_url(), config, Duration::from_secs(3600))
+        .named("test-relay");
     tokio::spawn(relay.run(stop.clone()))
 }
 

@@ -237,7 +237,7 @@ async fn values_and_headers_near_the_brokers_frame_are_dead_lettered_once_and_th
     assert_eq!(huge_letter.reason.as_deref(), Some("malformed"));
     let said = huge_letter.error.as_deref().unwrap_or_default();
     assert!(
-        said.len() <= idem::dead_letter::ERROR_MAX && said.contains("invalid type: string"),
+        said.len() <= idem::headers::ERROR_MAX && said.contains("invalid type: string"),
         "idem-error of {} bytes: {}",
         said.len(),
         &said[..said.len().min(200)]

@@ -53,7 +53,7 @@ async fn background_gc_runs_in_one_process_at_a_time_and_spares_pinned_and_fresh
     // An operator's gc holds the lock: both workers skip their rounds.
     let mut operator = pool.acquire().await.unwrap();
     sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(idem::store::GC_LOCK)
+        .bind(idem::store::gc::GC_LOCK)
         .execute(&mut *operator)
         .await
         .unwrap();
@@ -73,7 +73,7 @@ async fn background_gc_runs_in_one_process_at_a_time_and_spares_pinned_and_fresh
 
     // Released: one of them collects; the other skips while it does.
     sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(idem::store::GC_LOCK)
+        .bind(idem::store::gc::GC_LOCK)
         .execute(&mut *operator)
         .await
         .unwrap();
@@ -169,13 +169,21 @@ async fn gc_deletes_delivery_counts_past_their_retention(
     connect: PgConnectOptions,
 ) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
-    // Counted with no retention: the rows expire at their minute's start.
-    let gone = idem::tally::Tally::new("gone", Duration::ZERO);
-    let kept = idem::tally::Tally::new("kept", Duration::from_secs(3600));
-    for tally in [&gone, &kept] {
-        tally.count("jobs", "executed");
-        tally.count("jobs", "dead_lettered");
-        assert_eq!(tally.flush(&pool).await.unwrap(), 2);
+    // Two minutes of counts as workers flush them: one queue's past its retention, the
+    // other's not.
+    for (queue, expires) in [
+        ("gone", "now() - interval '1 minute'"),
+        ("kept", "now() + interval '1 hour'"),
+    ] {
+        sqlx::query(&format!(
+            "INSERT INTO delivery_outcomes (minute, queue, operation, outcome, deliveries, expires_at)
+             SELECT date_trunc('minute', now()), $1, 'jobs', outcome, 1, {expires}
+             FROM unnest(ARRAY['executed', 'dead_lettered']) AS outcome"
+        ))
+        .bind(queue)
+        .execute(&pool)
+        .await
+        .unwrap();
     }
     let (code, stdout) = run_idem(&database_url(&connect), &["gc", "--duty", "1"]).await;
     assert_eq!(code, 0, "{stdout}");

@@ -10,7 +10,7 @@
 //!
 //! After the commit the worker publishes the operation's messages at once (persistent,
 //! `mandatory`, publisher confirms), in staging order, and marks them dispatched. A
-//! [`relay`] in every worker process publishes what a crash or a failed publish left
+//! [`Relay`] in every worker process publishes what a crash or a failed publish left
 //! behind: woken by the `NOTIFY` of the committing transaction, polling as the safety
 //! net, taking rows with `FOR UPDATE SKIP LOCKED` under a lease so that two processes
 //! never publish a row at the same moment. A message the broker returns (unroutable)
@@ -30,10 +30,11 @@ use sha2::{Digest, Sha256};
 use crate::key::Key;
 
 mod publish;
-pub mod relay;
+mod relay;
 mod table;
 
 pub(crate) use publish::{mark_dispatched, publish};
+pub use relay::Relay;
 pub use table::{OutboxEntry, OutboxStats, dispatched, list, stats};
 pub(crate) use table::{OutboxRow, stage, take_staged};
 

@@ -27,29 +27,58 @@ use crate::metrics;
 use crate::topology;
 
 /// The `NOTIFY` channel of the outbox's insert trigger.
-pub const CHANNEL: &str = "idem_outbox";
+pub(crate) const CHANNEL: &str = "idem_outbox";
 
 /// How often the relay refreshes the backlog metrics.
 const STATS_EVERY: Duration = Duration::from_secs(5);
 
-/// Where the relay publishes and what it is told.
+/// A relay: publishes the follow-up messages that a crash or a failed publish left in
+/// the outbox. Every [`crate::Worker`] runs one; run one on its own in a process that
+/// stages follow-ups without consuming a queue, so that what it stages is published
+/// even when nothing else runs.
 pub struct Relay {
     /// The database (its outbox).
-    pub pool: PgPool,
+    pool: PgPool,
     /// The broker's URL (or comma-separated node list).
-    pub amqp_url: String,
+    amqp_url: String,
     /// The connection name shown by the broker.
-    pub name: String,
+    name: String,
     /// Timing and batch size.
-    pub config: OutboxConfig,
+    config: OutboxConfig,
     /// How long dispatched rows are kept.
-    pub retention: Duration,
+    retention: Duration,
     /// Woken by this process when its own publish failed, so it does not wait for the
     /// next poll.
-    pub wake: Arc<Notify>,
+    wake: Arc<Notify>,
 }
 
 impl Relay {
+    /// A relay of the outbox in `pool`'s database, publishing to the broker at
+    /// `amqp_url`, with `config`'s timing; dispatched rows are kept for `retention`
+    /// (the store's: `StoreConfig::retention`).
+    pub fn new(pool: PgPool, amqp_url: &str, config: OutboxConfig, retention: Duration) -> Self {
+        Self {
+            pool,
+            amqp_url: amqp_url.to_owned(),
+            name: "idem-relay".into(),
+            config,
+            retention,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// The connection name the broker shows (`idem-relay` by default).
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Wakes the relay from outside: a publish in this process failed.
+    pub(crate) fn waking_on(mut self, wake: Arc<Notify>) -> Self {
+        self.wake = wake;
+        self
+    }
+
     /// Runs until `shutdown`, reconnecting to the broker and the listener when they drop.
     /// While the broker is unreachable it goes on listening and refreshing the backlog
     /// metrics, and tries the broker again with backoff.

@@ -240,7 +240,7 @@ impl Store {
     ///
     /// One round trip in the common case; a retry only when a concurrent writer
     /// committed the same key between this statement's snapshot and its insert.
-    pub async fn claim(
+    pub(crate) async fn claim(
         &self,
         key: &Key,
         fingerprint: &Fingerprint,
@@ -329,8 +329,10 @@ impl Store {
     /// is claimed once in the batch and its other copies afterwards, one at a time, so
     /// they see the first copy's claim (in progress, or a conflict). Results are in the
     /// order of `inputs`.
-    #[doc(hidden)]
-    pub async fn claim_many(&self, inputs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+    pub(crate) async fn claim_many(
+        &self,
+        inputs: &[ClaimRequest],
+    ) -> Result<Vec<Claim>, StoreError> {
         let mut results: Vec<Option<Claim>> = vec![None; inputs.len()];
         let mut first: HashMap<(&str, &str, &str), usize> = HashMap::new();
         for (i, input) in inputs.iter().enumerate() {

@@ -4,11 +4,12 @@
 //! caller passes its own transaction. Time always comes from the database clock
 //! (`now()`), so workers with skewed clocks agree on when a lease expires.
 //!
-//! - `record`: what the store holds and answers ([`Status`], [`Record`], [`Lease`],
-//!   [`Claim`]);
+//! - `record`: what the store holds and answers ([`Status`], [`Record`], the lease a
+//!   claim grants, what a claim found);
 //! - `claim`: the statements that decide whether a delivery may run;
 //! - `outcome`: the lease holder's fenced writes (heartbeat, complete, fail, pending);
-//! - `operate`: what operators do (get, list, release, replay, discard, gc);
+//! - `operate`: what operators do (get, list, release, replay, discard);
+//! - [`gc`]: deleting what expired, paced, one process at a time;
 //! - `transactional`: a transactional-mode batch's lookups and inserts, in its own
 //!   transaction.
 
@@ -20,15 +21,19 @@ use sqlx::PgPool;
 use crate::fault::{self, Fault};
 
 mod claim;
+pub mod gc;
 mod operate;
 mod outcome;
 mod record;
 mod transactional;
 
+#[cfg(test)]
+mod tests;
+
 #[cfg(feature = "http")]
 pub(crate) use claim::RequestClaim;
-pub use operate::{GC_LOCK, GcLeader};
-pub use record::{Claim, ClaimRequest, Lease, Origin, Record, Status, UnknownStatus};
+pub(crate) use record::{Claim, ClaimRequest, Lease, Origin};
+pub use record::{Record, Status, UnknownStatus};
 pub(crate) use record::{StoredError, storable};
 pub(crate) use transactional::{Found, NewRecord};
 
@@ -72,7 +77,7 @@ impl StoreError {
     /// Whose fault the error is: Postgres's SQLSTATE decides for a database error (see
     /// [`crate::fault`]); a lost lease, contention or a stopped batch loop heal by
     /// trying again; a row the store cannot read is nobody's known fault.
-    pub fn fault(&self) -> Fault {
+    pub(crate) fn fault(&self) -> Fault {
         match self {
             StoreError::Database(error) => fault::classify(error),
             StoreError::Batch(error) => error.fault(),

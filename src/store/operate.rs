@@ -3,16 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
-
 use sqlx::Postgres;
-use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
 
 use super::record::{Record, Status, storable};
 use super::{Store, StoreError, millis};
-use crate::gc::Garbage;
 use crate::key::Key;
 use crate::metrics;
 
@@ -31,8 +27,7 @@ impl Store {
     /// wait in the DLQ. Counted before the publish, so a crash between the two leaves a
     /// pin too many (the record is kept), never a letter whose record gc may delete.
     /// Not fenced: it records where a message is, not an outcome.
-    #[doc(hidden)]
-    pub async fn pin(&self, id: i64) -> Result<(), StoreError> {
+    pub(crate) async fn pin(&self, id: i64) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE processed_operations SET dead_letters = dead_letters + 1, updated_at = now()
              WHERE id = $1",
@@ -57,8 +52,7 @@ impl Store {
 
     /// Notes that the operation's dead letter now waits in the DLQ (published with a
     /// confirm): a later duplicate of a failure is then acked, not dead-lettered again.
-    #[doc(hidden)]
-    pub async fn mark_dead_lettered(&self, id: i64) -> Result<(), StoreError> {
+    pub(crate) async fn mark_dead_lettered(&self, id: i64) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE processed_operations SET dead_lettered_at = now(), updated_at = now()
              WHERE id = $1",
@@ -76,7 +70,7 @@ impl Store {
     /// unfinished record has no expiry, so this cannot let retention delete it; another
     /// letter of the key keeps its own pin). Returns the record as it is now, or `None`
     /// if there is none or it is completed.
-    pub async fn prepare_replay(
+    pub(crate) async fn prepare_replay(
         &self,
         key: &Key,
         letter_pins: bool,
@@ -102,7 +96,7 @@ impl Store {
     /// may expire the record again once none is left. Call it only after the dead
     /// letter is acked: a completed record unpinned while its dead letter still waits
     /// could expire before a replay, and the replay would then run the effect again.
-    pub async fn unpin(&self, key: &Key) -> Result<(), StoreError> {
+    pub(crate) async fn unpin(&self, key: &Key) -> Result<(), StoreError> {
         sqlx::query(&format!(
             "UPDATE processed_operations SET {ONE_LETTER_FEWER}, updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
@@ -125,7 +119,7 @@ impl Store {
     /// its record does not count (one a producer published into the DLQ itself,
     /// naming someone else's key) changes nothing. Like [`Store::unpin`], call it only
     /// after the dead letter is acked.
-    pub async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+    pub(crate) async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
             &format!(
                 "UPDATE processed_operations
@@ -216,7 +210,11 @@ impl Store {
     /// discarded, with no live lease, not updated for `older_than`. Its retry copy
     /// should have brought it back by then; a classic retry queue dead-letters at most
     /// once, so the copy may be lost, and nothing else brings the intent back.
-    pub async fn overdue(&self, operation: &str, older_than: Duration) -> Result<i64, StoreError> {
+    pub(crate) async fn overdue(
+        &self,
+        operation: &str,
+        older_than: Duration,
+    ) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar(
             "SELECT count(*) FROM processed_operations
              WHERE operation = $1 AND expires_at IS NULL AND dead_letters = 0
@@ -277,118 +275,10 @@ impl Store {
         .await?)
     }
 
-    /// Deletes up to `batch` expired records that no dead letter pins, in one short
-    /// statement. Rows locked by a worker at that moment are skipped, never waited for.
-    pub async fn gc_batch(&self, batch: i64) -> Result<u64, StoreError> {
-        Ok(self.gc_batch_from(Garbage::Records, batch, None).await?.0)
-    }
-
-    /// Deletes up to `batch` rows of `garbage` starting at `from`, the `expires_at` the
-    /// previous batch of the same run reached; returns the rows deleted and where this
-    /// batch ended. Records pinned by a dead letter and follow-ups not yet dispatched
-    /// are never deleted.
-    ///
-    /// Without the cursor every batch would scan the index from its start, over the
-    /// entries of every row deleted before it that vacuum has not removed yet: measured
-    /// on 2,000,000 expired records, the rate fell from 35,000 to 6,000 rows/s. The
-    /// bound is a plain range (`COALESCE`, not `$2 IS NULL OR …`), so that the generic
-    /// plan Postgres switches to after five runs still starts the index scan there.
-    pub async fn gc_batch_from(
-        &self,
-        garbage: Garbage,
-        batch: i64,
-        from: Option<DateTime<Utc>>,
-    ) -> Result<(u64, Option<DateTime<Utc>>), StoreError> {
-        let started = Instant::now();
-        let (table, keep) = (garbage.table(), garbage.kept());
-        let (deleted, reached): (i64, Option<DateTime<Utc>>) = sqlx::query_as(&format!(
-            "WITH gone AS (
-                 DELETE FROM {table}
-                 WHERE id IN (
-                     SELECT id FROM {table}
-                     WHERE expires_at <= now() AND NOT ({keep})
-                       AND expires_at >= COALESCE($2, '-infinity'::timestamptz)
-                     ORDER BY expires_at
-                     LIMIT $1
-                     FOR UPDATE SKIP LOCKED)
-                 RETURNING expires_at)
-             SELECT count(*), max(expires_at) FROM gone"
-        ))
-        .bind(batch)
-        .bind(from)
-        .fetch_one(&self.pool)
-        .await?;
-        metrics::store_round_trip("gc", started);
-        let deleted = u64::try_from(deleted).unwrap_or(0);
-        metrics::gc_deleted(garbage, deleted);
-        Ok((deleted, reached.or(from)))
-    }
-
-    /// Deletes every expired, unpinned record, `batch` rows per short transaction, back
-    /// to back until none is left; returns how many. Safe beside running workers, but
-    /// not paced: [`crate::gc::collect`] is what `idem gc` and workers use.
-    pub async fn gc(&self, batch: i64) -> Result<u64, StoreError> {
-        let mut total = 0;
-        let mut cursor = None;
-        loop {
-            let (deleted, reached) = self.gc_batch_from(Garbage::Records, batch, cursor).await?;
-            cursor = reached;
-            total += deleted;
-            if deleted < batch.max(1) as u64 {
-                return Ok(total);
-            }
-        }
-    }
-
-    /// Whether the server runs autovacuum (`autovacuum = on`).
-    pub async fn autovacuum_on(&self) -> Result<bool, StoreError> {
-        Ok(
-            sqlx::query_scalar("SELECT current_setting('autovacuum')::boolean")
-                .fetch_one(&self.pool)
-                .await?,
-        )
-    }
-
-    /// `VACUUM (ANALYZE)` of the table of `garbage`: makes the space of deleted rows
-    /// reusable and refreshes the planner's counts. Takes a lock that does not block
-    /// workers; reads the table and its indexes.
-    pub async fn vacuum(&self, garbage: Garbage) -> Result<(), StoreError> {
-        sqlx::query(&format!("VACUUM (ANALYZE) {}", garbage.table()))
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    /// Takes the leadership of garbage collection if no other process holds it: a
-    /// session advisory lock ([`GC_LOCK`]) on a connection kept for the purpose. The
-    /// lock ends with that session, so a leader that dies frees it at once.
-    pub async fn try_lead_gc(&self) -> Result<Option<GcLeader>, StoreError> {
-        let mut conn = self.pool.acquire().await?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(GC_LOCK)
-            .fetch_one(&mut *conn)
-            .await?;
-        Ok(got.then(|| GcLeader { conn: Some(conn) }))
-    }
-
-    /// Expired rows of `garbage` that gc may delete, and the age in seconds of the
-    /// oldest one. Counts through the `expires_at` index: cheap when gc keeps up.
-    pub async fn expired(&self, garbage: Garbage) -> Result<(i64, Option<f64>), StoreError> {
-        let (table, keep) = (garbage.table(), garbage.kept());
-        Ok(sqlx::query_as(&format!(
-            "SELECT count(*),
-                    extract(epoch FROM now() - min(expires_at))::float8
-             FROM {table}
-             WHERE expires_at <= now() AND NOT ({keep})"
-        ))
-        .fetch_one(&self.pool)
-        .await?)
-    }
-
     /// For each of `keys`, in order, whether its record is `completed`: one statement
     /// for all of them (through the unique index of keys), where [`Store::get`] would
     /// make a round trip each. The console's dead-letter page asks for up to 2,000.
-    pub async fn completed(&self, keys: &[Key]) -> Result<Vec<bool>, StoreError> {
+    pub(crate) async fn completed(&self, keys: &[Key]) -> Result<Vec<bool>, StoreError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -460,43 +350,4 @@ fn record_by_key<'q>(sql: &'q str, key: &'q Key) -> QueryAs<'q, Postgres, Record
         .bind(key.scope())
         .bind(key.operation())
         .bind(key.idempotency_key())
-}
-
-/// The advisory lock whose holder is the one process collecting garbage ("idem gc" in
-/// ASCII).
-pub const GC_LOCK: i64 = 0x0069_6465_6d20_6763;
-
-/// The leadership of garbage collection: while held, no other process's gc runs. Give it
-/// back with [`GcLeader::release`]; dropped without that, its connection is closed, so
-/// the lock cannot stay behind in the pool.
-#[derive(Debug)]
-pub struct GcLeader {
-    conn: Option<PoolConnection<Postgres>>,
-}
-
-impl GcLeader {
-    /// Unlocks and returns the connection to the pool.
-    pub async fn release(mut self) -> Result<(), StoreError> {
-        if let Some(mut conn) = self.conn.take() {
-            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(GC_LOCK)
-                .execute(&mut *conn)
-                .await;
-            if let Err(error) = unlocked {
-                // Never back into the pool with the lock still held: close it.
-                drop(conn.detach());
-                return Err(error.into());
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for GcLeader {
-    fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            // Closing the session ends the lock with it.
-            drop(conn.detach());
-        }
-    }
 }

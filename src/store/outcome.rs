@@ -116,7 +116,7 @@ static PENDING_SQL: LazyLock<String> = LazyLock::new(|| {
 impl Store {
     /// Extends the lease by the configured lease time (heartbeat) while a handler runs.
     /// Returns the new expiry, or [`StoreError::LeaseLost`] if another worker took over.
-    pub async fn heartbeat(&self, lease: &Lease) -> Result<DateTime<Utc>, StoreError> {
+    pub(crate) async fn heartbeat(&self, lease: &Lease) -> Result<DateTime<Utc>, StoreError> {
         let started = Instant::now();
         let expires: Option<DateTime<Utc>> = sqlx::query_scalar(HEARTBEAT_SQL.as_str())
             .bind(lease.id)
@@ -152,7 +152,7 @@ impl Store {
 
     /// Records success with `result`, if `lease` still owns the record. The record
     /// expires after the configured retention.
-    pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<(), StoreError> {
+    pub(crate) async fn complete(&self, lease: &Lease, result: &Value) -> Result<(), StoreError> {
         self.complete_in(&self.pool, lease, result).await
     }
 
@@ -162,7 +162,7 @@ impl Store {
     /// On [`StoreError::LeaseLost`] the caller must roll its transaction back: another
     /// worker owns the operation now. The row lock taken here is held until the caller
     /// commits, so a concurrent takeover waits for the commit and then sees `completed`.
-    pub async fn complete_in<'e>(
+    pub(crate) async fn complete_in<'e>(
         &self,
         executor: impl PgExecutor<'e>,
         lease: &Lease,
@@ -183,8 +183,10 @@ impl Store {
     /// Records many successes in one statement, each fenced by its own lease: returns,
     /// in order, whether each lease still owned its record (false: lease lost, nothing
     /// written for it). A lease is matched by its id *and* token.
-    #[doc(hidden)]
-    pub async fn complete_many(&self, items: &[(Lease, Value)]) -> Result<Vec<bool>, StoreError> {
+    pub(crate) async fn complete_many(
+        &self,
+        items: &[(Lease, Value)],
+    ) -> Result<Vec<bool>, StoreError> {
         let ids: Vec<i64> = items.iter().map(|(lease, _)| lease.id).collect();
         let tokens: Vec<i64> = items.iter().map(|(lease, _)| lease.token).collect();
         let results: Vec<&Value> = items.iter().map(|(_, result)| result).collect();
@@ -212,7 +214,7 @@ impl Store {
     /// replayed. `uncertain` says the effect may have happened all the same (the
     /// handler returned, but its result could not be stored): then, as for an operation
     /// that was ever `pending`, the next run of it starts with `reconcile`.
-    pub async fn fail(
+    pub(crate) async fn fail(
         &self,
         lease: &Lease,
         retryable: bool,
@@ -282,7 +284,7 @@ impl Store {
     /// Records an uncertain outcome with the provider's reference, if `lease` still owns
     /// the record, and gives the lease up: the next delivery reconciles instead of
     /// re-running.
-    pub async fn mark_pending(
+    pub(crate) async fn mark_pending(
         &self,
         lease: &Lease,
         external_ref: Option<&str>,

@@ -191,7 +191,7 @@ pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
 /// batch statement share a token value: a token identifies a lease only together with
 /// `id`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
+pub(crate) struct Lease {
     /// The record's primary key.
     pub id: i64,
     /// The fencing token.
@@ -207,7 +207,7 @@ pub struct Lease {
 
 /// What a claim found, deciding what the worker does with a delivery.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Claim {
+pub(crate) enum Claim {
     /// The caller owns the operation (new, taken over after an expired lease, or a
     /// retryable failure re-claimed): run the handler.
     Claimed(Lease),
@@ -252,7 +252,7 @@ pub enum Claim {
 /// Delivery details kept on a record for inspection (the trace id is also updated by a
 /// claim that takes the record over).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Origin {
+pub(crate) struct Origin {
     /// The broker message id of the first delivery.
     pub message_id: Option<String>,
     /// The correlation id, if the producer set one.
@@ -263,9 +263,8 @@ pub struct Origin {
 }
 
 /// One claim of a batch: the arguments of [`crate::Store::claim`] as one value.
-#[doc(hidden)]
 #[derive(Debug, Clone)]
-pub struct ClaimRequest {
+pub(crate) struct ClaimRequest {
     /// The key.
     pub key: Key,
     /// The payload's fingerprint.

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use crate::gc::Pace;
 use crate::outbox::OutboxConfig;
 use crate::retry::RetryPolicy;
+use crate::store::gc::Pace;
 use crate::topology::{self, QueueType};
 
 /// How a worker commits an operation (docs/DESIGN.md, "Two execution modes").
@@ -73,7 +73,7 @@ pub struct WorkerConfig {
     /// `idem gc`). Every worker may run it; one at a time across all processes
     /// collects (the one holding the gc advisory lock), the others skip the round.
     pub gc_every: Option<Duration>,
-    /// How fast that garbage collection goes (see [`crate::gc`]).
+    /// How fast that garbage collection goes (see [`crate::store::gc`]).
     pub gc_pace: Pace,
     /// Most claims (and most completions) written in one statement. Deliveries that
     /// arrive together share a statement and a commit; 1 turns batching off.

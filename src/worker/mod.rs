@@ -44,11 +44,10 @@ mod undecided;
 pub use config::{Mode, WorkerConfig};
 
 use crate::fault::Fault;
-use crate::gc::{self, Garbage, Pace};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
-use crate::outbox::relay::Relay;
-use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
+use crate::outbox::Relay;
+use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError, gc};
 use crate::tally::{self, Tally};
 use crate::topology::{self, Topology};
 use batch::Batcher;
@@ -212,7 +211,7 @@ impl<H: Handler> Worker<H> {
             shutdown.clone(),
         )));
         if let Some(every) = config.gc_every {
-            let gc = collect_garbage(
+            let gc = gc::collect_every(
                 store.clone(),
                 every,
                 config.gc_pace.clone(),
@@ -238,14 +237,14 @@ impl<H: Handler> Worker<H> {
         };
         let relay_wake = Arc::new(Notify::new());
         if config.outbox.relay {
-            let relay = Relay {
-                pool: store.pool().clone(),
-                amqp_url: config.amqp_url.clone(),
-                name: format!("{}-relay", config.name),
-                config: config.outbox.clone(),
-                retention: store.config().retention,
-                wake: relay_wake.clone(),
-            };
+            let relay = Relay::new(
+                store.pool().clone(),
+                &config.amqp_url,
+                config.outbox.clone(),
+                store.config().retention,
+            )
+            .named(format!("{}-relay", config.name))
+            .waking_on(relay_wake.clone());
             background.push(tokio::spawn(relay.run(shutdown.clone())));
         }
         let handler = Arc::new(handler);
@@ -420,70 +419,5 @@ async fn watch_overdue<H: Handler>(store: Store, after: Duration, shutdown: Canc
             _ = tokio::time::sleep(every) => {}
             _ = shutdown.cancelled() => return,
         }
-    }
-}
-
-/// Every `every` until shutdown, collects garbage at `pace` if this process can take
-/// the leadership of gc; another process holding it means this round is its.
-async fn collect_garbage(store: Store, every: Duration, pace: Pace, shutdown: CancellationToken) {
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = shutdown.cancelled() => return,
-        }
-        let leader = match store.try_lead_gc().await {
-            Ok(Some(leader)) => leader,
-            Ok(None) => {
-                info!("garbage collection skipped: another process holds the gc lock");
-                continue;
-            }
-            Err(error) => {
-                warn!(error = %crate::text::error_line(&error), "garbage collection failed");
-                continue;
-            }
-        };
-        for garbage in Garbage::ALL {
-            collect_one(&store, garbage, &pace, &shutdown).await;
-        }
-        if let Err(error) = leader.release().await {
-            warn!(error = %crate::text::error_line(&error), "garbage collection: unlock failed");
-        }
-    }
-}
-
-/// One gc round of `garbage`, logged; then its metrics.
-async fn collect_one(store: &Store, garbage: Garbage, pace: &Pace, shutdown: &CancellationToken) {
-    let what = garbage.as_str();
-    let progress = |p: gc::Progress| {
-        info!(
-            what,
-            deleted = p.deleted,
-            rows_per_s = p.rate() as u64,
-            "garbage collection going on"
-        );
-    };
-    let every_report = Duration::from_secs(10);
-    match gc::collect(store, garbage, pace, shutdown, every_report, progress).await {
-        Ok(0) => {}
-        Ok(deleted) => {
-            info!(what, deleted, "garbage collection");
-            match gc::tidy(store, garbage, deleted).await {
-                Ok(Some(took)) => info!(
-                    what,
-                    took_ms = took.as_millis() as u64,
-                    "vacuumed (autovacuum is off)"
-                ),
-                Ok(None) => {}
-                Err(error) => {
-                    warn!(what, error = %crate::text::error_line(&error), "vacuum failed")
-                }
-            }
-        }
-        Err(error) => {
-            warn!(what, error = %crate::text::error_line(&error), "garbage collection failed")
-        }
-    }
-    if let Ok((rows, oldest)) = store.expired(garbage).await {
-        crate::metrics::gc_expired(garbage, rows, oldest);
     }
 }

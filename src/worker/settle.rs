@@ -146,10 +146,8 @@ impl Settler<'_> {
                 "the producer's headers are left behind: with them the copy would not fit the broker's frame"
             );
         }
-        let without = trace::with_context(
-            copy.without_carried(dead_letter::ERROR_MAX),
-            context.as_ref(),
-        );
+        let without =
+            trace::with_context(copy.without_carried(headers::ERROR_MAX), context.as_ref());
         if fits(&without) {
             return without;
         }
@@ -178,7 +176,7 @@ impl Settler<'_> {
                 original_queue: self.queue,
             },
         );
-        let error = crate::text::cut(&order.error, dead_letter::ERROR_MAX);
+        let error = crate::text::cut(&order.error, headers::ERROR_MAX);
         warn!(reason = order.reason.as_str(), error = %error, "dead-lettering");
         if let Some(id) = order.pin {
             self.store.pin(id).await?;

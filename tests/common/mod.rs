@@ -635,3 +635,81 @@ pub async fn outage(pool: &PgPool, q: &TestQueue, url: &str, n: usize) -> u32 {
     assert!(dead as i64 >= acme, "every acme order is in the DLQ");
     dead
 }
+
+/// A record put in place by hand, as a worker would have left it: for the tests of what
+/// operators see and do (the `idem` command, the console), whose subject is not how
+/// records are made (the store's own tests, inside the crate, are).
+#[derive(Debug, Clone)]
+pub struct RecordFixture<'a> {
+    pub scope: &'a str,
+    pub operation: &'a str,
+    pub key: &'a str,
+    /// `processing`, `completed`, `failed` or `pending`.
+    pub status: &'a str,
+    /// The payload's fingerprint (hex); 64 `a`s when `None`.
+    pub fingerprint: Option<String>,
+    pub retryable: bool,
+    /// A lease this many seconds from now (negative: lapsed), or none.
+    pub lease_secs: Option<i64>,
+    pub owner: &'a str,
+    pub external_ref: Option<&'a str>,
+    pub correlation_id: Option<&'a str>,
+    /// `pending`, or failed after being uncertain.
+    pub reconcile_first: bool,
+    pub result: Option<Value>,
+    pub error: Option<Value>,
+}
+
+impl Default for RecordFixture<'_> {
+    fn default() -> Self {
+        Self {
+            scope: "acme",
+            operation: "orders.create",
+            key: "evt-fixture",
+            status: "processing",
+            fingerprint: None,
+            retryable: false,
+            lease_secs: None,
+            owner: "fixture",
+            external_ref: None,
+            correlation_id: None,
+            reconcile_first: false,
+            result: None,
+            error: None,
+        }
+    }
+}
+
+/// Inserts `record`; returns its id and lease token.
+pub async fn insert_record(pool: &PgPool, record: &RecordFixture<'_>) -> (i64, i64) {
+    let completed = record.status == "completed";
+    sqlx::query_as(
+        "INSERT INTO processed_operations
+           (scope, operation, idempotency_key, payload_sha256, status, retryable, attempts,
+            lease_token, lease_expires_at, owner, external_ref, correlation_id,
+            reconcile_first, result, error, completed_at, expires_at)
+         VALUES ($1, $2, $3, $4, $5, $6, 1,
+                 nextval('processed_operations_lease_token_seq'),
+                 now() + $7::bigint * interval '1 second', $8, $9, $10, $11, $12, $13,
+                 CASE WHEN $14 THEN now() END,
+                 CASE WHEN $14 THEN now() + interval '7 days' END)
+         RETURNING id, lease_token",
+    )
+    .bind(record.scope)
+    .bind(record.operation)
+    .bind(record.key)
+    .bind(record.fingerprint.clone().unwrap_or_else(|| "a".repeat(64)))
+    .bind(record.status)
+    .bind(record.retryable)
+    .bind(record.lease_secs)
+    .bind(record.owner)
+    .bind(record.external_ref)
+    .bind(record.correlation_id)
+    .bind(record.reconcile_first || record.status == "pending")
+    .bind(&record.result)
+    .bind(&record.error)
+    .bind(completed)
+    .fetch_one(pool)
+    .await
+    .expect("insert the record")
+}

@@ -7,7 +7,6 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use idem::gc::Garbage;
 use idem::{Store, StoreConfig};
 
 #[cfg(feature = "console")]
@@ -135,75 +134,58 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 /// `idem gc`: one collector at a time (the workers' background gc included), paced, with
 /// progress on long runs.
 async fn gc(cli: &Cli, args: &GcArgs) -> anyhow::Result<()> {
+    use idem::store::gc::{self, Report};
     let store = store(cli).await?;
-    let Some(leader) = store.try_lead_gc().await.context("gc")? else {
-        say!("another process is collecting garbage (it holds the gc lock); nothing to do");
-        return Ok(());
-    };
-    let pace = idem::gc::Pace {
+    let pace = gc::Pace {
         batch: args.batch.max(1),
         duty: args.duty,
         max_rows_per_s: args.max_rows_per_s,
-        ..idem::gc::Pace::default()
+        ..gc::Pace::default()
     };
     let stop = idem::shutdown::on_signal();
-    for garbage in Garbage::ALL {
-        if stop.is_cancelled() {
-            break;
+    let every = std::time::Duration::from_secs(args.progress_secs.max(1));
+    let mut expired = 0u64;
+    let tell = |report| match report {
+        Report::Expired { garbage, rows } => {
+            expired = u64::try_from(rows).unwrap_or(0);
+            say!("gc: {rows} expired {} to delete", garbage.as_str());
         }
-        collect(&store, garbage, &pace, &stop, args.progress_secs).await?;
-    }
-    leader.release().await.context("gc: unlock")?;
-    Ok(())
-}
-
-/// One kind of garbage, with progress lines and a summary.
-async fn collect(
-    store: &Store,
-    garbage: Garbage,
-    pace: &idem::gc::Pace,
-    stop: &idem::CancellationToken,
-    progress_secs: u64,
-) -> anyhow::Result<()> {
-    let what = garbage.as_str();
-    let (expired, _) = store
-        .expired(garbage)
-        .await
-        .with_context(|| format!("gc: count expired {what}"))?;
-    if expired > 0 {
-        say!("gc: {expired} expired {what} to delete");
-    }
-    let every = std::time::Duration::from_secs(progress_secs.max(1));
-    let progress = |p: idem::gc::Progress| {
-        let left = (expired as u64).saturating_sub(p.deleted);
-        say!(
-            "gc: deleted {} {what} in {:.0} s ({:.0} rows/s), about {left} left; last batch {} rows in {:.1} ms, then {:.1} ms rest",
+        Report::Progress {
+            garbage,
+            progress: p,
+        } => say!(
+            "gc: deleted {} {} in {:.0} s ({:.0} rows/s), about {} left; last batch {} rows in {:.1} ms, then {:.1} ms rest",
             p.deleted,
+            garbage.as_str(),
             p.elapsed.as_secs_f64(),
             p.rate(),
+            expired.saturating_sub(p.deleted),
             p.batch,
             p.batch_took.as_secs_f64() * 1000.0,
             p.rest.as_secs_f64() * 1000.0
-        );
-    };
-    let started = std::time::Instant::now();
-    let deleted = idem::gc::collect(store, garbage, pace, stop, every, progress)
-        .await
-        .context("gc")?;
-    let took = started.elapsed().as_secs_f64();
-    say!(
-        "deleted {deleted} expired {what} in {took:.1} s ({:.0} rows/s)",
-        deleted as f64 / took.max(1e-3)
-    );
-    if let Some(vacuum) = idem::gc::tidy(store, garbage, deleted)
-        .await
-        .context("gc: vacuum")?
-    {
-        say!(
+        ),
+        Report::Deleted {
+            garbage,
+            rows,
+            took,
+        } => say!(
+            "deleted {rows} expired {} in {:.1} s ({:.0} rows/s)",
+            garbage.as_str(),
+            took.as_secs_f64(),
+            rows as f64 / took.as_secs_f64().max(1e-3)
+        ),
+        Report::Vacuumed { garbage, took } => say!(
             "vacuumed {} in {:.1} s (the server runs without autovacuum)",
             garbage.table(),
-            vacuum.as_secs_f64()
-        );
+            took.as_secs_f64()
+        ),
+        _ => {}
+    };
+    if !gc::collect(&store, &pace, &stop, every, tell)
+        .await
+        .context("gc")?
+    {
+        say!("another process is collecting garbage (it holds the gc lock); nothing to do");
     }
     Ok(())
 }

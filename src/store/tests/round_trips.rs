@@ -1,14 +1,17 @@
 //! Round trips of the store's common path, counted from sqlx's statement log events.
 //!
-//! Alone in its test binary, with a global subscriber: tracing caches per call site
-//! whether anyone listens, so a thread-local subscriber beside other tests' threads
-//! can miss events.
+//! The counting subscriber is this test's thread's own (`#[sqlx::test]` runs the test
+//! on a current-thread runtime, so every statement of it is made on this thread), and
+//! the call sites' cached interest is rebuilt once it is set: tracing caches per call
+//! site whether anyone listens, and another test may have hit sqlx's first.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem::{Claim, Fingerprint, Key, Origin, Store, StoreConfig};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::store::{Claim, Origin, Store, StoreConfig};
 use serde_json::json;
 use sqlx::PgPool;
 use tracing::Subscriber;
@@ -28,13 +31,14 @@ fn take_and_assert(count: &AtomicUsize, n: usize, what: &str) {
     assert_eq!(count.swap(0, Ordering::SeqCst), n, "{what}");
 }
 
-#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
 async fn claim_and_completion_are_one_statement_each(pool: PgPool) {
     let count = Arc::new(AtomicUsize::new(0));
     let subscriber = tracing_subscriber::registry()
         .with(tracing_subscriber::filter::LevelFilter::TRACE)
         .with(Counter(count.clone()));
-    tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+    let _counting = tracing::subscriber::set_default(subscriber);
+    tracing::callsite::rebuild_interest_cache();
     let store = Store::new(
         pool.clone(),
         StoreConfig {
@@ -75,7 +79,7 @@ async fn claim_and_completion_are_one_statement_each(pool: PgPool) {
 
     // A batch of new keys: one statement for all of them, one for their completions.
     let inputs: Vec<_> = (0..50)
-        .map(|i| idem::store::ClaimRequest {
+        .map(|i| crate::store::ClaimRequest {
             key: Key::new("tenant-a", "orders.create", format!("batch-{i}")).unwrap(),
             fingerprint: fingerprint.clone(),
             origin: Origin::default(),
