@@ -126,10 +126,10 @@ pub(crate) fn outbox_failed() {
 
 /// Sets the outbox backlog: undispatched messages, those whose publish failed, and the
 /// oldest one's age.
-pub(crate) fn outbox_backlog(stats: &crate::outbox::OutboxStats) {
-    ::metrics::gauge!("idem_outbox_pending").set(stats.undispatched as f64);
-    ::metrics::gauge!("idem_outbox_failing").set(stats.failing as f64);
-    ::metrics::gauge!("idem_outbox_oldest_age_seconds").set(stats.oldest_age_s.unwrap_or(0.0));
+pub(crate) fn outbox_backlog(undispatched: i64, failing: i64, oldest_age_s: Option<f64>) {
+    ::metrics::gauge!("idem_outbox_pending").set(undispatched as f64);
+    ::metrics::gauge!("idem_outbox_failing").set(failing as f64);
+    ::metrics::gauge!("idem_outbox_oldest_age_seconds").set(oldest_age_s.unwrap_or(0.0));
 }
 
 /// Whether the broker connection is up, set by the worker.

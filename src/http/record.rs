@@ -85,7 +85,7 @@ pub(super) async fn record_beside_heartbeat(
     tx: Option<Transaction<'static, Postgres>>,
 ) -> Response {
     let recording = record(shared, lease, operation, response, tx);
-    match crate::worker::beside_heartbeat(&shared.store, lease, recording).await {
+    match crate::store::lease::beside_heartbeat(&shared.store, lease, recording).await {
         Ok(response) => response,
         Err(panic) => {
             warn!(error = %panic, "recording the answer panicked");

@@ -248,7 +248,7 @@ async fn reconcile(
     let found = match &route.reconcile {
         Some(reconcile) => {
             let asked = tokio::time::timeout(route.run_within, reconcile(request, external_ref));
-            match crate::worker::beside_heartbeat(store, lease, asked).await {
+            match crate::store::lease::beside_heartbeat(store, lease, asked).await {
                 Ok(Ok(found)) => Ok(found),
                 Ok(Err(_)) => Err(format!(
                     "the reconciler ran longer than {} ms",
@@ -300,7 +300,7 @@ where
     let slot = TxSlot::new(store.pool().clone());
     request.extensions_mut().insert(slot.clone());
     let running = tokio::time::timeout(within, call(inner, request));
-    let response = match crate::worker::beside_heartbeat(store, lease, running).await {
+    let response = match crate::store::lease::beside_heartbeat(store, lease, running).await {
         Ok(Ok(response)) => response,
         Ok(Err(_)) => {
             // Stopped: the route's future is dropped, and its transaction with it.

@@ -144,7 +144,11 @@ impl Relay {
             if stats_at.elapsed() >= STATS_EVERY {
                 stats_at = Instant::now();
                 match table::stats(&self.pool).await {
-                    Ok(stats) => metrics::outbox_backlog(&stats),
+                    Ok(stats) => metrics::outbox_backlog(
+                        stats.undispatched,
+                        stats.failing,
+                        stats.oldest_age_s,
+                    ),
                     Err(error) => debug!(error = %crate::text::error_line(&error), "outbox stats"),
                 }
             }

@@ -8,6 +8,7 @@
 //!   claim grants, what a claim found);
 //! - `claim`: the statements that decide whether a delivery may run;
 //! - `outcome`: the lease holder's fenced writes (heartbeat, complete, fail, pending);
+//! - `lease`: keeping a lease while work runs (heartbeats beside it, panics caught);
 //! - `operate`: what operators do (get, list, release, replay, discard);
 //! - [`gc`]: deleting what expired, paced, one process at a time;
 //! - `transactional`: a transactional-mode batch's lookups and inserts, in its own
@@ -22,6 +23,7 @@ use crate::fault::{self, Fault};
 
 mod claim;
 pub mod gc;
+pub(crate) mod lease;
 mod operate;
 mod outcome;
 mod record;

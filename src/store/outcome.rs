@@ -128,28 +128,6 @@ impl Store {
         expires.ok_or(StoreError::LeaseLost { token: lease.token })
     }
 
-    /// Extends `lease` every third of the lease time, forever, while the caller's work
-    /// runs beside it (`select!`, in the same task: a short run costs a timer, not a
-    /// task); once the lease is lost it only waits (the outcome write will be refused).
-    pub(crate) async fn keep_alive(&self, lease: &Lease) -> std::convert::Infallible {
-        let every = self.config.lease / 3;
-        loop {
-            tokio::time::sleep(every).await;
-            match self.heartbeat(lease).await {
-                Ok(_) => {}
-                Err(StoreError::LeaseLost { .. }) => {
-                    tracing::warn!(
-                        "heartbeat: lease lost to another owner; this run's outcome will be refused"
-                    );
-                    return std::future::pending().await;
-                }
-                Err(error) => {
-                    tracing::warn!(error = %crate::text::error_line(&error), "heartbeat failed; retrying")
-                }
-            }
-        }
-    }
-
     /// Records success with `result`, if `lease` still owns the record. The record
     /// expires after the configured retention.
     pub(crate) async fn complete(&self, lease: &Lease, result: &Value) -> Result<(), StoreError> {

@@ -8,6 +8,7 @@ use std::panic::AssertUnwindSafe;
 use futures_util::FutureExt;
 
 use crate::handler::HandlerError;
+use crate::store::lease::{beside_heartbeat, panic_text};
 use crate::store::{Lease, Store};
 
 /// Awaits a call into the handler; a panic becomes a transient failure that says what
@@ -34,30 +35,4 @@ pub(super) async fn guarded<T>(
     beside_heartbeat(store, lease, call)
         .await
         .unwrap_or_else(|panic| Err(HandlerError::transient(panic)))
-}
-
-/// Awaits `work` while heartbeats keep `lease` alive, with a panic caught and told as
-/// text (an HTTP route's call, as well as a handler's).
-pub(crate) async fn beside_heartbeat<F: Future>(
-    store: &Store,
-    lease: &Lease,
-    work: F,
-) -> Result<F::Output, String> {
-    let work = AssertUnwindSafe(work).catch_unwind();
-    let beat = store.keep_alive(lease);
-    tokio::pin!(work, beat);
-    tokio::select! {
-        biased;
-        done = &mut work => done.map_err(|panic| panic_text(&panic)),
-        never = &mut beat => match never {},
-    }
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    let text = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    format!("handler panicked: {text}")
 }

@@ -34,8 +34,6 @@ mod decision;
 mod execute;
 mod follow_ups;
 mod guard;
-#[cfg(feature = "http")]
-pub(crate) use guard::beside_heartbeat;
 mod session;
 mod settle;
 mod transactional;
