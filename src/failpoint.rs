@@ -27,4 +27,4 @@ pub(crate) fn hit(name: &str) {
 /// Does nothing: built without the `failpoints` feature.
 #[cfg(not(feature = "failpoints"))]
 #[inline(always)]
-pub fn hit(_name: &str) {}
+pub(crate) fn hit(_name: &str) {}

@@ -80,6 +80,7 @@ pub(crate) const FROM_DATABASE: &str = "database: ";
 
 /// What a client may see of an error text: the text itself, unless it came from the
 /// database ([`FROM_DATABASE`]), which is cut to its SQLSTATE.
+#[cfg(any(test, feature = "http"))]
 pub(crate) fn public(text: &str) -> std::borrow::Cow<'_, str> {
     let Some(said) = text.strip_prefix(FROM_DATABASE) else {
         return std::borrow::Cow::Borrowed(text);

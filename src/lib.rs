@@ -75,6 +75,10 @@ mod handler;
 pub mod headers;
 #[cfg(feature = "http")]
 pub mod http;
+// The HTTP layer's decision table is pure: its tests run without the feature too.
+#[cfg(all(test, not(feature = "http")))]
+#[path = "http/decision.rs"]
+mod http_decision;
 mod key;
 pub mod metrics;
 pub mod outbox;

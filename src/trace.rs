@@ -104,6 +104,7 @@ impl TraceContext {
     }
 
     /// The `tracestate` value, if any.
+    #[cfg(any(test, feature = "otel"))]
     pub(crate) fn tracestate(&self) -> Option<&str> {
         self.tracestate.as_deref()
     }
@@ -114,6 +115,7 @@ impl TraceContext {
     }
 
     /// The parent span's id: 16 lower-case hex digits.
+    #[cfg(any(test, feature = "otel"))]
     pub(crate) fn span_id(&self) -> &str {
         &self.traceparent[36..52]
     }

@@ -67,6 +67,8 @@ use crate::handler::{HandlerError, Reconciliation};
 use crate::key::Key;
 use crate::store::Store;
 
+mod claimed;
+mod decision;
 mod problem;
 mod record;
 mod request;

@@ -5,71 +5,25 @@ use std::future::Future;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use backon::{ExponentialBuilder, Retryable};
 use sqlx::{Postgres, Transaction};
 use tracing::{debug, warn};
 
 use super::Shared;
+use super::decision::{self, Verdict};
 use super::problem::{Decided, Failure, Problem};
 use super::request::{Unread, read_limited};
 use super::stored::StoredResponse;
-use crate::handler::HandlerError;
 use crate::metrics;
 use crate::store::{Lease, Store, StoreError, StoredError};
-
-/// What the layer does with the route's answer to a claimed request.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) enum Verdict {
-    /// Store the answer; commit the handler's writes with it.
-    Store,
-    /// Store the answer (the request was decided: a permanent error), but roll the
-    /// handler's writes back.
-    StoreWithoutWrites,
-    /// Roll back and leave the key free for a retry: a transient error, an answer of
-    /// 500 or more, or a refusal (4xx) the handler did not mark as its decision.
-    Free(String),
-    /// Roll back and keep the key `pending` (an uncertain outcome).
-    Pending {
-        external_ref: Option<String>,
-        error: String,
-    },
-}
-
-/// Decides from the answer's status, the handler's error if it returned one, and
-/// whether it marked the answer [`Decided`].
-pub(super) fn verdict(
-    status: StatusCode,
-    failure: Option<&HandlerError>,
-    decided: bool,
-) -> Verdict {
-    match failure {
-        Some(HandlerError::Transient(error)) => Verdict::Free(error.clone()),
-        Some(HandlerError::Uncertain {
-            external_ref,
-            error,
-        }) => Verdict::Pending {
-            external_ref: external_ref.clone(),
-            error: error.clone(),
-        },
-        Some(HandlerError::Permanent(_)) => Verdict::StoreWithoutWrites,
-        None if decided => Verdict::Store,
-        // A 4xx is an extractor's rejection (a missing Content-Type, a body that does
-        // not parse), middleware's (401, 429) or a refusal that should change nothing:
-        // a retry that fixes it must be able to run.
-        None if status.is_client_error() || status.is_server_error() => {
-            Verdict::Free(format!("the route answered {status}"))
-        }
-        None => Verdict::Store,
-    }
-}
 
 /// The verdict on `response`.
 pub(super) fn verdict_of(response: &Response) -> Verdict {
     let extensions = response.extensions();
-    verdict(
-        response.status(),
+    decision::verdict(
+        response.status().as_u16(),
         extensions.get::<Failure>().map(|f| &f.0),
         extensions.get::<Decided>().is_some(),
     )
@@ -216,45 +170,4 @@ pub(super) fn store_unavailable(operation: &str, what: &str, error: &StoreError)
             Duration::from_secs(1),
         ),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_verdict_follows_the_status_and_the_handlers_error() {
-        assert_eq!(verdict(StatusCode::CREATED, None, false), Verdict::Store);
-        assert!(matches!(
-            verdict(StatusCode::NOT_FOUND, None, false),
-            Verdict::Free(_)
-        ));
-        assert!(matches!(
-            verdict(StatusCode::TOO_MANY_REQUESTS, None, false),
-            Verdict::Free(_)
-        ));
-        assert_eq!(verdict(StatusCode::NOT_FOUND, None, true), Verdict::Store);
-        assert!(matches!(
-            verdict(StatusCode::BAD_GATEWAY, None, false),
-            Verdict::Free(_)
-        ));
-        let transient = HandlerError::transient("db busy");
-        assert_eq!(
-            verdict(StatusCode::SERVICE_UNAVAILABLE, Some(&transient), false),
-            Verdict::Free("db busy".into())
-        );
-        let permanent = HandlerError::permanent("card refused");
-        assert_eq!(
-            verdict(StatusCode::UNPROCESSABLE_ENTITY, Some(&permanent), false),
-            Verdict::StoreWithoutWrites
-        );
-        let uncertain = HandlerError::uncertain(Some("ch_1".into()), "timeout");
-        assert_eq!(
-            verdict(StatusCode::BAD_GATEWAY, Some(&uncertain), false),
-            Verdict::Pending {
-                external_ref: Some("ch_1".into()),
-                error: "timeout".into()
-            }
-        );
-    }
 }

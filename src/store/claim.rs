@@ -195,7 +195,7 @@ SELECT 'existing', scope, operation, idempotency_key, {EXISTING_COLUMNS} FROM cu
 });
 
 /// What an HTTP request's claim found.
-#[cfg(feature = "http")]
+#[cfg(any(test, feature = "http"))]
 #[derive(Debug)]
 pub(crate) enum RequestClaim {
     /// As for a message.

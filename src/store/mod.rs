@@ -32,7 +32,7 @@ mod transactional;
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "http")]
+#[cfg(any(test, feature = "http"))]
 pub(crate) use claim::RequestClaim;
 pub(crate) use record::{Claim, ClaimRequest, Lease, Origin};
 pub use record::{Record, Status, UnknownStatus};

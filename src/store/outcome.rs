@@ -130,6 +130,7 @@ impl Store {
 
     /// Records success with `result`, if `lease` still owns the record. The record
     /// expires after the configured retention.
+    #[cfg(any(test, feature = "http"))]
     pub(crate) async fn complete(&self, lease: &Lease, result: &Value) -> Result<(), StoreError> {
         self.complete_in(&self.pool, lease, result).await
     }
