@@ -79,7 +79,7 @@ impl Claimed {
             Ok(response) => response,
             Err(error) => {
                 warn!(error = %error, "a claimed request's task failed");
-                Problem::Internal.answer("the request's task failed; retry with the same key")
+                Problem::INTERNAL.answer("the request's task failed; retry with the same key")
             }
         }
     }
@@ -150,35 +150,56 @@ where
     let slot = TxSlot::new(store.pool().clone());
     request.extensions_mut().insert(slot.clone());
     let running = tokio::time::timeout(within, call(inner, request));
-    let response = match beside_heartbeat(store, lease, running).await {
-        Ok(Ok(response)) => response,
-        Ok(Err(_)) => {
-            // Stopped: the route's future is dropped, and its transaction with it.
-            if let Left::Transaction(tx) = slot.take() {
-                rollback(tx).await;
-            }
+    let stopped = match beside_heartbeat(store, lease, running).await {
+        Ok(Ok(response)) => return record_answer(shared, &slot, lease, operation, response).await,
+        Ok(Err(_)) => Stopped::TimedOut(within),
+        Err(panic) => Stopped::Panicked(panic),
+    };
+    // The route's future is gone (dropped at its bound, or unwound by a panic), and its
+    // transaction went back to the slot with it.
+    if let Left::Transaction(tx) = slot.take() {
+        rollback(tx).await;
+    }
+    let (why, outcome, answer) = match stopped {
+        Stopped::TimedOut(within) => {
             let why = format!("the route ran longer than {} ms", within.as_millis());
-            warn!(error = %why, "the route was stopped");
-            free(store, lease, &why).await;
-            let problem = Problem::TimedOut.retry_after(
+            let answer = Problem::TIMED_OUT.retry_after(
                 format!(
                     "{why} and was stopped; its writes were rolled back; retry with the same key"
                 ),
                 Duration::from_secs(1),
             );
-            return answered(operation, "timed_out", problem);
+            warn!(error = %why, "the route was stopped");
+            (why, "timed_out", answer)
         }
-        Err(panic) => {
-            // The handler's transaction went back to the slot as the panic unwound.
-            if let Left::Transaction(tx) = slot.take() {
-                rollback(tx).await;
-            }
+        Stopped::Panicked(panic) => {
             warn!(error = %panic, "the route panicked");
-            free(store, lease, &panic).await;
-            let problem = Problem::Internal.answer("the request failed; retry with the same key");
-            return answered(operation, "failed", problem);
+            let answer = Problem::INTERNAL.answer("the request failed; retry with the same key");
+            (panic, "failed", answer)
         }
     };
+    free(store, lease, &why).await;
+    answered(operation, outcome, answer)
+}
+
+/// How a route's run ended without an answer.
+enum Stopped {
+    /// It ran past its bound and was dropped.
+    TimedOut(Duration),
+    /// It panicked (what it said).
+    Panicked(String),
+}
+
+/// Records what the route answered, as its verdict says: stored with the handler's
+/// writes (or without them), the key freed, or kept pending.
+async fn record_answer(
+    shared: &Shared,
+    slot: &TxSlot,
+    lease: &Lease,
+    operation: &str,
+    response: Response,
+) -> Response {
+    let store = &shared.store;
     let verdict = verdict_of(&response);
     let tx = match (slot.take(), &verdict) {
         (Left::Transaction(tx), Verdict::Store) => Some(tx),
@@ -187,13 +208,9 @@ where
             None
         }
         (Left::Kept, Verdict::Store | Verdict::StoreWithoutWrites) => {
-            free(
-                store,
-                lease,
-                "the handler kept its transaction past its answer",
-            )
-            .await;
-            let problem = Problem::TransactionKept.answer(
+            let why = "the handler kept its transaction past its answer";
+            free(store, lease, why).await;
+            let problem = Problem::TRANSACTION_KEPT.answer(
                 "the handler's writes could not be committed: its transaction outlived its \
                  answer; the key is free for a retry",
             );

@@ -15,142 +15,138 @@ use crate::handler::HandlerError;
 /// The media type of every answer the layer makes itself.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// One problem: what the client did (or met), and what to do next.
+/// One problem: what the client did (or met), and what to do next: its status, the
+/// `type` slug (`urn:idem:problem:<slug>`) and the title. Each case is a constant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Problem {
-    /// The route requires an `Idempotency-Key` and the request has none.
-    MissingKey,
-    /// The key (or the scope and route it belongs to) is not a valid key.
-    InvalidKey,
-    /// The same key was used with another request body or URL.
-    KeyReused,
-    /// The first request with this key is still running.
-    InProgress,
-    /// The first request's outcome is uncertain and awaits reconciliation.
-    OutcomeUncertain,
-    /// The first request with this key failed for good.
-    FailedForGood,
-    /// Another request took the key over while this one ran.
-    TakenOver,
-    /// The request body is larger than the route accepts.
-    BodyTooLarge,
-    /// The request body could not be read.
-    UnreadableBody,
-    /// The response is larger than the layer stores.
-    ResponseTooLarge,
-    /// The idempotency store could not be reached.
-    StoreUnavailable,
-    /// The handler kept its transaction past its response.
-    TransactionKept,
-    /// The stored response could not be read back.
-    UnreadableStoredResponse,
-    /// An extractor of the layer's was used on a route without the layer.
-    NotBehindLayer,
-    /// A poll found no answer to wait for.
-    NoAnswer,
-    /// The route panicked, or the request's task failed.
-    Internal,
-    /// The route ran longer than its bound and was stopped.
-    TimedOut,
+pub(crate) struct Problem {
+    status: StatusCode,
+    slug: &'static str,
+    title: &'static str,
 }
 
 impl Problem {
-    /// The status, the `type` slug and the title.
-    fn describe(self) -> (StatusCode, &'static str, &'static str) {
-        use Problem::*;
-        match self {
-            MissingKey => (
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-missing",
-                "Idempotency-Key is missing",
-            ),
-            InvalidKey => (
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-invalid",
-                "Idempotency-Key is not a valid key",
-            ),
-            KeyReused => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "Idempotency-Key is already used for another request",
-            ),
-            InProgress => (
-                StatusCode::CONFLICT,
-                "request-in-progress",
-                "A request with this Idempotency-Key is being processed",
-            ),
-            OutcomeUncertain => (
-                StatusCode::CONFLICT,
-                "outcome-uncertain",
-                "The outcome of the request with this Idempotency-Key is uncertain",
-            ),
-            FailedForGood => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "request-failed",
-                "The request with this Idempotency-Key failed for good",
-            ),
-            TakenOver => (
-                StatusCode::CONFLICT,
-                "request-taken-over",
-                "Another request took this Idempotency-Key over",
-            ),
-            BodyTooLarge => (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
-                "The request body is too large",
-            ),
-            UnreadableBody => (
-                StatusCode::BAD_REQUEST,
-                "body-unreadable",
-                "The request body could not be read",
-            ),
-            ResponseTooLarge => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "response-too-large",
-                "The response is too large to be stored for replay",
-            ),
-            StoreUnavailable => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "idempotency-store-unavailable",
-                "The idempotency store is unavailable",
-            ),
-            TransactionKept => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "transaction-kept",
-                "The handler kept its transaction past its response",
-            ),
-            UnreadableStoredResponse => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "stored-response-unreadable",
-                "The stored response could not be read back",
-            ),
-            Internal => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal-error",
-                "The request failed",
-            ),
-            TimedOut => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "request-timed-out",
-                "The request ran too long and was stopped",
-            ),
-            NoAnswer => (
-                StatusCode::NOT_FOUND,
-                "no-answer",
-                "There is no answer to wait for under this Idempotency-Key",
-            ),
-            NotBehindLayer => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "route-without-idempotency-layer",
-                "The route has no idempotency layer",
-            ),
-        }
-    }
+    /// The route requires an `Idempotency-Key` and the request has none.
+    pub(crate) const MISSING_KEY: Problem = Problem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "idempotency-key-missing",
+        title: "Idempotency-Key is missing",
+    };
+
+    /// The key (or the scope and route it belongs to) is not a valid key.
+    pub(crate) const INVALID_KEY: Problem = Problem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "idempotency-key-invalid",
+        title: "Idempotency-Key is not a valid key",
+    };
+
+    /// The same key was used with another request body or URL.
+    pub(crate) const KEY_REUSED: Problem = Problem {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        slug: "idempotency-key-reused",
+        title: "Idempotency-Key is already used for another request",
+    };
+
+    /// The first request with this key is still running.
+    pub(crate) const IN_PROGRESS: Problem = Problem {
+        status: StatusCode::CONFLICT,
+        slug: "request-in-progress",
+        title: "A request with this Idempotency-Key is being processed",
+    };
+
+    /// The first request's outcome is uncertain and awaits reconciliation.
+    pub(crate) const OUTCOME_UNCERTAIN: Problem = Problem {
+        status: StatusCode::CONFLICT,
+        slug: "outcome-uncertain",
+        title: "The outcome of the request with this Idempotency-Key is uncertain",
+    };
+
+    /// The first request with this key failed for good.
+    pub(crate) const FAILED_FOR_GOOD: Problem = Problem {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        slug: "request-failed",
+        title: "The request with this Idempotency-Key failed for good",
+    };
+
+    /// Another request took the key over while this one ran.
+    pub(crate) const TAKEN_OVER: Problem = Problem {
+        status: StatusCode::CONFLICT,
+        slug: "request-taken-over",
+        title: "Another request took this Idempotency-Key over",
+    };
+
+    /// The request body is larger than the route accepts.
+    pub(crate) const BODY_TOO_LARGE: Problem = Problem {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        slug: "body-too-large",
+        title: "The request body is too large",
+    };
+
+    /// The request body could not be read.
+    pub(crate) const UNREADABLE_BODY: Problem = Problem {
+        status: StatusCode::BAD_REQUEST,
+        slug: "body-unreadable",
+        title: "The request body could not be read",
+    };
+
+    /// The response is larger than the layer stores.
+    pub(crate) const RESPONSE_TOO_LARGE: Problem = Problem {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        slug: "response-too-large",
+        title: "The response is too large to be stored for replay",
+    };
+
+    /// The idempotency store could not be reached.
+    pub(crate) const STORE_UNAVAILABLE: Problem = Problem {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        slug: "idempotency-store-unavailable",
+        title: "The idempotency store is unavailable",
+    };
+
+    /// The handler kept its transaction past its response.
+    pub(crate) const TRANSACTION_KEPT: Problem = Problem {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        slug: "transaction-kept",
+        title: "The handler kept its transaction past its response",
+    };
+
+    /// The stored response could not be read back.
+    pub(crate) const UNREADABLE_STORED_RESPONSE: Problem = Problem {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        slug: "stored-response-unreadable",
+        title: "The stored response could not be read back",
+    };
+
+    /// An extractor of the layer's was used on a route without the layer.
+    pub(crate) const NOT_BEHIND_LAYER: Problem = Problem {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        slug: "route-without-idempotency-layer",
+        title: "The route has no idempotency layer",
+    };
+
+    /// A poll found no answer to wait for.
+    pub(crate) const NO_ANSWER: Problem = Problem {
+        status: StatusCode::NOT_FOUND,
+        slug: "no-answer",
+        title: "There is no answer to wait for under this Idempotency-Key",
+    };
+
+    /// The route panicked, or the request's task failed.
+    pub(crate) const INTERNAL: Problem = Problem {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        slug: "internal-error",
+        title: "The request failed",
+    };
+
+    /// The route ran longer than its bound and was stopped.
+    pub(crate) const TIMED_OUT: Problem = Problem {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        slug: "request-timed-out",
+        title: "The request ran too long and was stopped",
+    };
 
     /// The answer, with `detail` saying what happened to this request.
     pub(crate) fn answer(self, detail: impl Into<String>) -> Response {
-        let (status, slug, title) = self.describe();
-        problem(status, slug, title, &detail.into())
+        problem(self.status, self.slug, self.title, &detail.into())
     }
 
     /// The answer with a `Retry-After` of whole seconds (at least 1).

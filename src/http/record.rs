@@ -43,7 +43,7 @@ pub(super) async fn record_beside_heartbeat(
         Ok(response) => response,
         Err(panic) => {
             warn!(error = %panic, "recording the answer panicked");
-            Problem::Internal.answer("the request failed; retry with the same key")
+            Problem::INTERNAL.answer("the request failed; retry with the same key")
         }
     }
 }
@@ -74,7 +74,7 @@ pub(super) async fn record(
             };
             free(store, lease, &detail).await;
             let detail = format!("{detail}; nothing was stored, the key is free for a retry");
-            let problem = Problem::ResponseTooLarge.answer(detail);
+            let problem = Problem::RESPONSE_TOO_LARGE.answer(detail);
             return answered(operation, "response_too_large", problem);
         }
     };
@@ -102,7 +102,7 @@ pub(super) async fn record(
         Err(StoreError::LeaseLost { .. }) => answered(
             operation,
             "taken_over",
-            Problem::TakenOver.answer(
+            Problem::TAKEN_OVER.answer(
                 "this request outlived its lease and another request with the same key took \
                  it over; this one's writes were rolled back; retry to get that one's answer",
             ),
@@ -165,7 +165,7 @@ pub(super) fn store_unavailable(operation: &str, what: &str, error: &StoreError)
     answered(
         operation,
         "store_unavailable",
-        Problem::StoreUnavailable.retry_after(
+        Problem::STORE_UNAVAILABLE.retry_after(
             format!("{what}; retry with the same key"),
             Duration::from_secs(1),
         ),

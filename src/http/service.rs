@@ -89,9 +89,9 @@ fn keyed(shared: &Shared, route: &Route, parts: &Parts) -> Result<Option<Keyed>,
         Ok(Some(header)) => header,
         Ok(None) => {
             let detail = format!("{operation} requires an Idempotency-Key header");
-            return refused("missing_key", Problem::MissingKey.answer(detail));
+            return refused("missing_key", Problem::MISSING_KEY.answer(detail));
         }
-        Err(detail) => return refused("invalid_key", Problem::InvalidKey.answer(detail)),
+        Err(detail) => return refused("invalid_key", Problem::INVALID_KEY.answer(detail)),
     };
     match Key::new(scope, operation.clone(), header) {
         Ok(key) => Ok(Some(Keyed {
@@ -99,7 +99,10 @@ fn keyed(shared: &Shared, route: &Route, parts: &Parts) -> Result<Option<Keyed>,
             operation,
             label,
         })),
-        Err(error) => refused("invalid_key", Problem::InvalidKey.answer(error.to_string())),
+        Err(error) => refused(
+            "invalid_key",
+            Problem::INVALID_KEY.answer(error.to_string()),
+        ),
     }
 }
 
@@ -143,10 +146,10 @@ where
         Ok(bytes) => bytes,
         Err(Unread::TooLarge) => {
             let detail = format!("the body exceeds {} bytes", shared.max_body);
-            return answered(&label, "too_large", Problem::BodyTooLarge.answer(detail));
+            return answered(&label, "too_large", Problem::BODY_TOO_LARGE.answer(detail));
         }
         Err(Unread::Broken(error)) => {
-            let problem = Problem::UnreadableBody.answer(error);
+            let problem = Problem::UNREADABLE_BODY.answer(error);
             return answered(&label, "unreadable_body", problem);
         }
     };
@@ -191,14 +194,14 @@ fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
         Answer::Replay(result) => {
             match StoredResponse::from_json(result).and_then(|s| s.replay()) {
                 Ok(response) => answered(label, "replayed", response),
-                Err(error) => Problem::UnreadableStoredResponse.answer(error.to_string()),
+                Err(error) => Problem::UNREADABLE_STORED_RESPONSE.answer(error.to_string()),
             }
         }
         Answer::InProgress => {
             let location = route.location.as_ref().map(|location| location(&keyed.key));
             let response = match location.as_deref().map(str::parse) {
                 Some(Ok(location)) => accepted(Some(location), IN_PROGRESS_RETRY_AFTER),
-                _ => Problem::InProgress.retry_after(
+                _ => Problem::IN_PROGRESS.retry_after(
                     "the first request with this key is still running; retry after it",
                     IN_PROGRESS_RETRY_AFTER,
                 ),
@@ -209,7 +212,7 @@ fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
         Answer::KeyReused => answered(
             label,
             "conflict",
-            Problem::KeyReused.answer(
+            Problem::KEY_REUSED.answer(
                 "this key was first used with another body or URL; use a new key for a new \
                  request",
             ),
@@ -217,7 +220,7 @@ fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
         Answer::FailedForGood => answered(
             label,
             "failed",
-            Problem::FailedForGood
+            Problem::FAILED_FOR_GOOD
                 .answer("the request with this key failed for good; use a new key"),
         ),
     }
@@ -228,7 +231,7 @@ pub(super) fn uncertain(operation: &str) -> Response {
     answered(
         operation,
         "pending",
-        Problem::OutcomeUncertain.retry_after(
+        Problem::OUTCOME_UNCERTAIN.retry_after(
             "the outcome of the first request with this key is uncertain and awaits \
              reconciliation",
             PENDING_RETRY_AFTER,
@@ -252,7 +255,7 @@ where
             Ok(()) => response,
             Err(error) => {
                 warn!(error = %crate::text::error_line(&error), "cannot commit the request's writes");
-                Problem::StoreUnavailable.retry_after(
+                Problem::STORE_UNAVAILABLE.retry_after(
                     "cannot commit the request's writes; retry the request",
                     Duration::from_secs(1),
                 )
@@ -262,7 +265,7 @@ where
             rollback(tx).await;
             response
         }
-        Left::Kept if commit => Problem::TransactionKept.answer(
+        Left::Kept if commit => Problem::TRANSACTION_KEPT.answer(
             "the handler's writes could not be committed: its transaction outlived its answer",
         ),
         Left::Kept | Left::Nothing => response,
@@ -276,27 +279,27 @@ pub(super) async fn poll(shared: &Shared, key: &Key) -> Response {
         Err(error) => return store_unavailable(key.operation(), "cannot read the key", &error),
     };
     let Some(record) = record else {
-        return Problem::NoAnswer.answer("no request with this key is known");
+        return Problem::NO_ANSWER.answer("no request with this key is known");
     };
     let lease_live = record.lease_expires_at.is_some_and(|at| at > Utc::now());
     match record.status {
         Status::Completed => {
             match StoredResponse::from_json(record.result).and_then(|s| s.replay()) {
                 Ok(response) => response,
-                Err(error) => Problem::UnreadableStoredResponse.answer(error.to_string()),
+                Err(error) => Problem::UNREADABLE_STORED_RESPONSE.answer(error.to_string()),
             }
         }
         Status::Processing if lease_live => accepted(None, IN_PROGRESS_RETRY_AFTER),
         // Its server died: only the request itself, sent again, can take it over.
-        Status::Processing => Problem::NoAnswer
+        Status::Processing => Problem::NO_ANSWER
             .answer("the request with this key stopped without an answer; send it again"),
         // Being reconciled: worth waiting for.
         Status::Pending if lease_live => accepted(None, PENDING_RETRY_AFTER),
-        Status::Pending => Problem::OutcomeUncertain.retry_after(
+        Status::Pending => Problem::OUTCOME_UNCERTAIN.retry_after(
             "the outcome of the request with this key is uncertain and awaits reconciliation",
             PENDING_RETRY_AFTER,
         ),
-        Status::Failed => Problem::NoAnswer
+        Status::Failed => Problem::NO_ANSWER
             .answer("the request with this key failed without an answer to keep; send it again"),
     }
 }

@@ -91,7 +91,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
         let Some(slot) = parts.extensions.get::<TxSlot>().cloned() else {
-            return Err(Problem::NotBehindLayer.answer(
+            return Err(Problem::NOT_BEHIND_LAYER.answer(
                 "this route has no idempotency layer to lend a transaction (add \
                  Idempotency::required or ::optional to it)",
             ));
@@ -99,7 +99,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
         let pool = {
             let mut state = slot.0.lock().unwrap_or_else(PoisonError::into_inner);
             if state.lent {
-                return Err(Problem::TransactionKept
+                return Err(Problem::TRANSACTION_KEPT
                     .answer("the request's transaction can be extracted once per request"));
             }
             state.lent = true;
@@ -110,7 +110,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
             Err(error) => {
                 // Not lent after all: the layer must not wait for it.
                 slot.0.lock().unwrap_or_else(PoisonError::into_inner).lent = false;
-                Err(Problem::StoreUnavailable.retry_after(
+                Err(Problem::STORE_UNAVAILABLE.retry_after(
                     format!(
                         "cannot begin the request's transaction: {}",
                         crate::text::error_line(&error)
@@ -183,7 +183,7 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotentRequest {
             .get::<IdempotentRequest>()
             .cloned()
             .ok_or_else(|| {
-                Problem::MissingKey.answer("this request has no Idempotency-Key to tell about")
+                Problem::MISSING_KEY.answer("this request has no Idempotency-Key to tell about")
             })
     }
 }
