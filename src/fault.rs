@@ -25,7 +25,7 @@ use std::fmt;
 
 /// Who caused an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// The data: the same message fails the same way every time.
     Message,
     /// The database is unreachable, restarting, overloaded or asked us to try again:

@@ -16,7 +16,7 @@ use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
 use super::guard::guarded;
 use super::settle::{Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
-use super::{Shared, WorkerError};
+use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
@@ -29,10 +29,10 @@ use crate::trace::{self, TraceContext};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
 /// [`undecided`].
-pub(super) async fn process<H: Handler>(shared: &Shared<H>, links: &Links, delivery: Delivery) {
+pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, delivery: Delivery) {
     let span = info_span!(
         "delivery",
-        queue = %shared.config.queue,
+        queue = %runtime.config.queue,
         operation = H::OPERATION,
         scope = field::Empty,
         key = field::Empty,
@@ -42,8 +42,8 @@ pub(super) async fn process<H: Handler>(shared: &Shared<H>, links: &Links, deliv
         otel.kind = field::Empty,
     );
     let incoming = TraceContext::from_properties(&delivery.properties);
-    if trace::continue_trace(&span, incoming.as_ref(), &shared.process_span, "consumer") {
-        trace::consumer_attributes(&span, &shared.config.queue, H::OPERATION, &delivery);
+    if trace::continue_trace(&span, incoming.as_ref(), &runtime.process_span, "consumer") {
+        trace::consumer_attributes(&span, &runtime.config.queue, H::OPERATION, &delivery);
     }
     let received = Instant::now();
     let settler = Settler {
@@ -52,18 +52,18 @@ pub(super) async fn process<H: Handler>(shared: &Shared<H>, links: &Links, deliv
         dead_lettered: AtomicBool::new(false),
         links,
         operation: H::OPERATION,
-        store: &shared.store,
+        store: &runtime.store,
         delivery: &delivery,
-        queue: &shared.config.queue,
-        tally: shared.tally.as_deref(),
+        queue: &runtime.config.queue,
+        tally: runtime.tally.as_deref(),
     };
     async {
-        let outcome = match decide(shared, &settler).await {
+        let outcome = match decide(runtime, &settler).await {
             Ok(outcome) => {
-                shared.undecided.decided(&settler.delivery.data);
+                runtime.undecided.decided(&settler.delivery.data);
                 outcome
             }
-            Err(error) => undecided(shared, &settler, error).await,
+            Err(error) => undecided(runtime, &settler, error).await,
         };
         settler.count(outcome.as_str());
         let span = Span::current();
@@ -87,18 +87,18 @@ pub(super) async fn process<H: Handler>(shared: &Shared<H>, links: &Links, deliv
 /// gets decided (an outage), unless the safety net gives the delivery up as
 /// `undecidable`: it failed again and again while the store decided others.
 async fn undecided<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     settler: &Settler<'_>,
-    error: WorkerError,
+    error: Failure,
 ) -> Outcome {
     let fault = error.fault();
     let line = crate::text::error_line(&error);
     let verdict = match &error {
-        WorkerError::Store(store) if fault == Fault::Message => Some(refused(store)),
+        Failure::Store(store) if fault == Fault::Message => Some(refused(store)),
         _ if fault == Fault::Message => Some(decision::malformed(line.clone())),
         // Outages (deadlock victims, pool timeouts, a broken connection) heal by
         // waiting: only errors of unknown cause count against the delivery.
-        _ if fault == Fault::Unknown && shared.undecided.failed(&settler.delivery.data) => {
+        _ if fault == Fault::Unknown && runtime.undecided.failed(&settler.delivery.data) => {
             Some(decision::undecidable(line.clone()))
         }
         _ => None,
@@ -110,7 +110,7 @@ async fn undecided<H: Handler>(
         }
     }
     error!(error = %line, %fault, "delivery not decided; requeueing it");
-    tokio::time::sleep(shared.undecided.pause()).await;
+    tokio::time::sleep(runtime.undecided.pause()).await;
     settler.requeue();
     Outcome::Requeued
 }
@@ -166,10 +166,10 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
 /// Walks the decision table for one delivery: claim, then run or reconcile as the
 /// decision says, until it says how to settle.
 async fn decide<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     settler: &Settler<'_>,
-) -> Result<Outcome, WorkerError> {
-    let (mut parsed, message) = match parse(&*shared.handler, &settler.delivery.data) {
+) -> Result<Outcome, Failure> {
+    let (mut parsed, message) = match parse(&*runtime.handler, &settler.delivery.data) {
         Ok(parsed) => parsed,
         Err(why) => return settle(settler, decision::malformed(why), None).await,
     };
@@ -197,27 +197,35 @@ async fn decide<H: Handler>(
     };
     parsed.correlation_id = request.origin.correlation_id.clone();
     let retries = Retries {
-        policy: &shared.config.retry,
+        policy: &runtime.config.retry,
         used: settler.retries(),
     };
-    if let Some(transactions) = &shared.transactions {
+    if let Some(transactions) = &runtime.transactions {
         drop(message); // the batch deserializes its own
         let request = TxRequest {
             claim: request,
             value: parsed.value.clone(),
             trace: trace::outgoing(&span, settler.trace.as_ref()),
         };
-        return in_transaction(shared, transactions, settler, request, &parsed.key, retries).await;
+        return in_transaction(
+            runtime,
+            transactions,
+            settler,
+            request,
+            &parsed.key,
+            retries,
+        )
+        .await;
     }
-    let mut immediate = shared.config.retry.immediate_backoff();
+    let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
-    let mut step = claim(shared, &request, retries).await?;
+    let mut step = claim(runtime, &request, retries).await?;
     loop {
         step = match step {
             Step::Run(lease) => {
                 attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
-                let ran = run(shared, settler, &parsed, message.take(), &lease).await?;
+                let ran = run(runtime, settler, &parsed, message.take(), &lease).await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::Reconcile {
@@ -227,7 +235,7 @@ async fn decide<H: Handler>(
                 attempt_on(&span, &lease);
                 let external_ref = external_ref.as_deref();
                 let ran = reconcile(
-                    shared,
+                    runtime,
                     settler,
                     &parsed,
                     message.take(),
@@ -243,7 +251,7 @@ async fn decide<H: Handler>(
                     "transient failure, retrying in process"
                 );
                 tokio::time::sleep(after).await;
-                claim(shared, &request, retries).await?
+                claim(runtime, &request, retries).await?
             }
             Step::Settle(verdict) => return settle(settler, verdict, Some(&parsed.key)).await,
         };
@@ -260,14 +268,14 @@ fn attempt_on(span: &Span, lease: &Lease) {
 /// Transactional mode: the delivery goes into its batch's transaction, which claims,
 /// runs and records it; what it answers decides, as in leased mode.
 async fn in_transaction<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     transactions: &Batcher<TxRequest, TxAnswer>,
     settler: &Settler<'_>,
     request: TxRequest,
     key: &Key,
     retries: Retries<'_>,
-) -> Result<Outcome, WorkerError> {
-    let mut immediate = shared.config.retry.immediate_backoff();
+) -> Result<Outcome, Failure> {
+    let mut immediate = runtime.config.retry.immediate_backoff();
     loop {
         let answer = transactions
             .call(request.clone())
@@ -276,7 +284,7 @@ async fn in_transaction<H: Handler>(
         let step = match answer {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
             Ok(TxAnswer::Ran(ran, follow_ups)) => {
-                shared
+                runtime
                     .follow_ups
                     .send(&settler.links.follow_ups, follow_ups)
                     .await;
@@ -303,11 +311,11 @@ async fn in_transaction<H: Handler>(
 /// Claims the key and decides by what the claim found. A claim the database refuses
 /// for the message's own data (a property Postgres cannot store) ends as malformed.
 async fn claim<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     request: &ClaimRequest,
     retries: Retries<'_>,
-) -> Result<Step, WorkerError> {
-    let claimed = shared
+) -> Result<Step, Failure> {
+    let claimed = runtime
         .claims
         .call(request.clone())
         .instrument(info_span!("claim"))
@@ -324,7 +332,7 @@ async fn settle(
     settler: &Settler<'_>,
     verdict: Verdict,
     key: Option<&Key>,
-) -> Result<Outcome, WorkerError> {
+) -> Result<Outcome, Failure> {
     if verdict.outcome == Outcome::LeaseLost {
         warn!("lease lost to another worker; its outcome decides");
     }
@@ -339,69 +347,69 @@ async fn settle(
 /// first), and a fresh context for a run under `lease` in `span`: its follow-ups carry
 /// that span's trace context.
 fn prepare<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     settler: &Settler<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
     span: &Span,
-) -> Result<(H::Message, Context), WorkerError> {
+) -> Result<(H::Message, Context), Failure> {
     let message = match message {
         Some(message) => message,
-        None => H::Message::deserialize(&*parsed.value).map_err(WorkerError::Reparse)?,
+        None => H::Message::deserialize(&*parsed.value).map_err(Failure::Reparse)?,
     };
     let ctx = Context::new(
         parsed.key.clone(),
         lease.attempt,
         lease.takeover,
-        shared.store.pool().clone(),
+        runtime.store.pool().clone(),
     )
     .for_follow_ups(
         parsed.correlation_id.clone(),
         trace::outgoing(span, settler.trace.as_ref()),
-        shared.config.outbox.handoff,
+        runtime.config.outbox.handoff,
     );
     Ok((message, ctx))
 }
 
 /// Runs the handler under `lease` with a heartbeat, and records its outcome.
 async fn run<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     settler: &Settler<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
-) -> Result<Ran, WorkerError> {
+) -> Result<Ran, Failure> {
     let span = info_span!("handler");
-    let (message, mut ctx) = prepare(shared, settler, parsed, message, lease, &span)?;
+    let (message, mut ctx) = prepare(runtime, settler, parsed, message, lease, &span)?;
     if lease.takeover {
         metrics::delivery(H::OPERATION, "takeover");
     }
     let started = Instant::now();
-    let handling = shared.handler.handle(message, &mut ctx);
-    let result = guarded(&shared.store, lease, handling)
+    let handling = runtime.handler.handle(message, &mut ctx);
+    let result = guarded(&runtime.store, lease, handling)
         .instrument(span)
         .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
-    record(shared, settler, &mut ctx, lease, result, false)
+    record(runtime, settler, &mut ctx, lease, result, false)
         .instrument(info_span!("completion"))
         .await
 }
 
 /// Asks the handler what became of a pending operation, and acts on the answer.
 async fn reconcile<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     settler: &Settler<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
     external_ref: Option<&str>,
-) -> Result<Ran, WorkerError> {
+) -> Result<Ran, Failure> {
     let span = info_span!("reconcile");
-    let (message, mut ctx) = prepare(shared, settler, parsed, message, lease, &span)?;
-    let reconciling = shared.handler.reconcile(&message, external_ref, &mut ctx);
-    let reconciled = guarded(&shared.store, lease, reconciling)
+    let (message, mut ctx) = prepare(runtime, settler, parsed, message, lease, &span)?;
+    let reconciling = runtime.handler.reconcile(&message, external_ref, &mut ctx);
+    let reconciled = guarded(&runtime.store, lease, reconciling)
         .instrument(span)
         .await;
     let answer = match decision::reconciled(reconciled) {
@@ -409,11 +417,11 @@ async fn reconcile<H: Handler>(
         Reconciled::NotApplied => {
             info!("reconcile: not applied, running the handler again");
             drop(ctx);
-            return run(shared, settler, parsed, Some(message), lease).await;
+            return run(runtime, settler, parsed, Some(message), lease).await;
         }
         Reconciled::Failed(error) => Err(error),
     };
-    record(shared, settler, &mut ctx, lease, answer, true)
+    record(runtime, settler, &mut ctx, lease, answer, true)
         .instrument(info_span!("completion"))
         .await
 }
@@ -422,14 +430,14 @@ async fn reconcile<H: Handler>(
 /// together with the `completed` record, then publishes the follow-up messages it
 /// staged.
 async fn record<H: Handler>(
-    shared: &Shared<H>,
+    runtime: &Runtime<H>,
     settler: &Settler<'_>,
     ctx: &mut Context,
     lease: &Lease,
     result: Result<H::Output, HandlerError>,
     reconciled: bool,
-) -> Result<Ran, WorkerError> {
-    let store = &shared.store;
+) -> Result<Ran, Failure> {
+    let store = &runtime.store;
     let tx = ctx.take_tx();
     let output = match result {
         Ok(output) => serde_json::to_value(output)
@@ -448,7 +456,7 @@ async fn record<H: Handler>(
     };
     let done = Ran::Completed { reconciled };
     let completed: Result<bool, StoreError> = match tx {
-        None => shared.completions.call((lease.clone(), output)).await,
+        None => runtime.completions.call((lease.clone(), output)).await,
         Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
             Ok(()) => {
                 failpoint::hit("before-commit");
@@ -482,7 +490,7 @@ async fn record<H: Handler>(
     };
     if matches!(ran, Ran::Completed { .. }) {
         failpoint::hit("after-complete");
-        shared
+        runtime
             .follow_ups
             .send(&settler.links.follow_ups, ctx.take_staged())
             .await;
@@ -493,7 +501,7 @@ async fn record<H: Handler>(
 /// The handler returned but its result cannot be stored (it does not serialize, or
 /// Postgres refuses it): a failure for good, and an uncertain one, since the effect
 /// happened but nothing records it. Dead-lettered; a replay reconciles first.
-async fn unstorable(store: &Store, lease: &Lease, why: String) -> Result<Ran, WorkerError> {
+async fn unstorable(store: &Store, lease: &Lease, why: String) -> Result<Ran, Failure> {
     record_failure(store, lease, HandlerError::Permanent(why), true).await
 }
 
@@ -504,7 +512,7 @@ async fn record_failure(
     lease: &Lease,
     error: HandlerError,
     uncertain: bool,
-) -> Result<Ran, WorkerError> {
+) -> Result<Ran, Failure> {
     let text = error.message().to_owned();
     let written = match &error {
         HandlerError::Transient(_) | HandlerError::Permanent(_) => {

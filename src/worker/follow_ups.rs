@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tracing::{debug, warn};
 
 use super::batch::Batcher;
-use super::{WorkerConfig, WorkerError, batched};
+use super::{Failure, WorkerConfig, batched};
 use crate::failpoint;
 use crate::outbox::{self, OutboxConfig, OutboxRow};
 use crate::store::Store;
@@ -91,7 +91,7 @@ impl FollowUps {
 
     /// Takes the rows `ids` (unless a relay was first), publishes them in order and
     /// marks them; returns how many went out.
-    async fn dispatch(&self, channel: &FollowUpChannel, ids: &[i64]) -> Result<usize, WorkerError> {
+    async fn dispatch(&self, channel: &FollowUpChannel, ids: &[i64]) -> Result<usize, Failure> {
         let channel = channel.get().await?;
         let rows = self.takes.call(ids.to_vec()).await?;
         // Some taken by a relay: the rest may have to wait for them.

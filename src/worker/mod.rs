@@ -22,12 +22,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 mod acks;
+mod background;
 mod batch;
 mod config;
 mod decision;
@@ -44,21 +45,37 @@ pub use config::{Mode, WorkerConfig};
 use crate::fault::Fault;
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
-use crate::outbox::Relay;
-use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError, gc};
-use crate::tally::{self, Tally};
+use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
+use crate::tally::Tally;
 use crate::topology::{self, Topology};
+use background::Background;
 use batch::Batcher;
 use follow_ups::FollowUps;
 use session::{Session, SessionError};
 use transactional::{TxAnswer, TxRequest};
 use undecided::Undecided;
 
-/// Why a delivery could not be decided (it is requeued), or why a session ended (the
-/// worker reconnects).
+/// Why [`Worker::run`] returned before its shutdown: the broker refused the worker's
+/// queues or access for a reason retrying cannot fix. Every other error heals: the
+/// worker retries it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum WorkerError {
+    /// A queue that exists with other arguments (406 PRECONDITION_FAILED), or a user
+    /// without the permissions (403 ACCESS_REFUSED).
+    #[error("the broker refused to serve queue {queue}: {reason}")]
+    Refused {
+        /// The worker's queue.
+        queue: String,
+        /// What the broker said; it names the queue and the argument that differs.
+        reason: String,
+    },
+}
+
+/// Why a delivery could not be decided (it is requeued), or why a session ended (the
+/// worker reconnects, unless the broker refused it).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Failure {
     /// The broker failed or could not be reached.
     #[error("broker")]
     Broker(#[source] lapin::Error),
@@ -75,51 +92,42 @@ pub enum WorkerError {
     /// whose `Message` type deserializes differently from the same JSON).
     #[error("the message no longer deserializes for another run")]
     Reparse(#[source] serde_json::Error),
-    /// The broker refused the worker's queues or access for a reason retrying cannot
-    /// fix: a queue that exists with other arguments (406 PRECONDITION_FAILED), or a
-    /// user without the permissions (403 ACCESS_REFUSED). The worker stops with it.
+    /// The broker refused the worker's queues or access: the worker stops with it.
     #[error("the broker refused to serve queue {queue}: {reason}")]
-    Refused {
-        /// The worker's queue.
-        queue: String,
-        /// What the broker said; it names the queue and the argument that differs.
-        reason: String,
-    },
+    Refused { queue: String, reason: String },
 }
 
-impl WorkerError {
-    /// Whose fault the error is: the store's errors by their cause; the broker's are
+impl Failure {
+    /// Whose fault the failure is: the store's errors by their cause; the broker's are
     /// outages (the connection heals); a message that no longer deserializes is the
     /// message's; a refused topology is nobody's the worker knows.
-    pub fn fault(&self) -> Fault {
+    pub(crate) fn fault(&self) -> Fault {
         match self {
-            WorkerError::Store(error) => error.fault(),
-            WorkerError::Broker(_) | WorkerError::Publish(_) | WorkerError::ConsumerCancelled => {
-                Fault::Outage
-            }
-            WorkerError::Reparse(_) => Fault::Message,
-            WorkerError::Refused { .. } => Fault::Unknown,
+            Failure::Store(error) => error.fault(),
+            Failure::Broker(_) | Failure::Publish(_) | Failure::ConsumerCancelled => Fault::Outage,
+            Failure::Reparse(_) => Fault::Message,
+            Failure::Refused { .. } => Fault::Unknown,
         }
     }
 
-    /// The broker's answer to declaring or consuming `queue`, as an error: a refusal
-    /// that retrying cannot fix becomes [`WorkerError::Refused`].
+    /// The broker's answer to declaring or consuming `queue`, as a failure: a refusal
+    /// that retrying cannot fix becomes [`Failure::Refused`].
     fn opening(error: lapin::Error, queue: &str) -> Self {
         if let lapin::ErrorKind::ProtocolError(amqp) = error.kind()
             && matches!(amqp.get_id(), 403 | 406)
         {
-            return WorkerError::Refused {
+            return Failure::Refused {
                 queue: queue.to_owned(),
                 reason: amqp.get_message().to_string(),
             };
         }
-        WorkerError::Broker(error)
+        Failure::Broker(error)
     }
 }
 
-impl From<lapin::Error> for WorkerError {
+impl From<lapin::Error> for Failure {
     fn from(error: lapin::Error) -> Self {
-        WorkerError::Broker(error)
+        Failure::Broker(error)
     }
 }
 
@@ -133,7 +141,7 @@ pub struct Worker<H: Handler> {
 }
 
 /// What every delivery's task shares.
-struct Shared<H> {
+struct Runtime<H> {
     handler: Arc<H>,
     store: Store,
     config: WorkerConfig,
@@ -200,51 +208,28 @@ impl<H: Handler> Worker<H> {
         if let Err(error) = store.note_queue(&config.queue, H::OPERATION).await {
             warn!(error = %crate::text::error_line(&error), "the queue's operation not noted for operators");
         }
-        // Background tasks, awaited on the way out so that their connections are
-        // closed when `run` returns.
-        let mut background = Vec::new();
-        background.push(tokio::spawn(watch_overdue::<H>(
-            store.clone(),
-            config.overdue_after(store.config().lease),
-            shutdown.clone(),
-        )));
-        if let Some(every) = config.gc_every {
-            let gc = gc::collect_every(
-                store.clone(),
-                every,
-                config.gc_pace.clone(),
-                shutdown.clone(),
-            );
-            background.push(tokio::spawn(gc));
-        }
-        // The tally's flushes stop on their own token, so that every way out of `run`
-        // (a refused topology too) ends them between two flushes, never in one.
-        let tally_stop = shutdown.child_token();
-        let (tally, flushes) = match config.tally_every {
-            Some(every) => {
-                let tally = Arc::new(Tally::new(&config.queue, store.config().retention));
-                let flushes = tally::flush_every(
-                    tally.clone(),
-                    store.pool().clone(),
-                    every,
-                    tally_stop.clone(),
-                );
-                (Some(tally), Some(tokio::spawn(flushes)))
-            }
-            None => (None, None),
+        let background = Background::start::<H>(&store, &config, &shutdown);
+        let runtime = Arc::new(Runtime::new(handler, store, config, &background));
+        let session = Session {
+            runtime: runtime.clone(),
+            topology,
+            broker,
         };
-        let relay_wake = Arc::new(Notify::new());
-        if config.outbox.relay {
-            let relay = Relay::new(
-                store.pool().clone(),
-                &config.amqp_url,
-                config.outbox.clone(),
-                store.config().retention,
-            )
-            .named(format!("{}-relay", config.name))
-            .waking_on(relay_wake.clone());
-            background.push(tokio::spawn(relay.run(shutdown.clone())));
+        let refused = consume(&session, &shutdown).await;
+        background.stop(&runtime, refused.is_some()).await;
+        info!("worker stopped");
+        match refused {
+            Some((queue, reason)) => Err(WorkerError::Refused { queue, reason }),
+            None => Ok(()),
         }
+    }
+}
+
+impl<H: Handler> Runtime<H> {
+    /// What the deliveries of a worker share: its handler, store and settings, the
+    /// batching loops of its claims, completions and (transactional mode) batches, and
+    /// the background's tally and relay.
+    fn new(handler: H, store: Store, config: WorkerConfig, background: &Background) -> Self {
         let handler = Arc::new(handler);
         let transactions = (config.mode == Mode::Transactional).then(|| {
             let handler = handler.clone();
@@ -261,7 +246,7 @@ impl<H: Handler> Worker<H> {
                 async move { transactional::run(&*handler, &store, &requests, handoff).await }
             })
         });
-        let shared = Arc::new(Shared {
+        Self {
             transactions,
             claims: batched(&store, &config, |store, requests| async move {
                 store.claim_many(&requests).await
@@ -270,95 +255,50 @@ impl<H: Handler> Worker<H> {
                 store.complete_many(&items).await
             }),
             undecided: Undecided::new(config.undecidable_after),
-            follow_ups: FollowUps::new(&store, &config, relay_wake),
+            follow_ups: FollowUps::new(&store, &config, background.relay_wake.clone()),
             process_span: format!("process {}", config.queue),
-            tally,
+            tally: background.tally.clone(),
             handler,
             store,
             config,
-        });
-        let session = Session {
-            shared: shared.clone(),
-            topology,
-            broker,
-        };
-        let tasks = TaskTracker::new();
-        let permits = Arc::new(Semaphore::new(shared.config.concurrency.max(1)));
-        let mut reconnects = session::Reconnects::new(shared.config.max_reconnect_delay);
-        // Whether a session already waited for the handlers in flight on shutdown.
-        let mut drained = false;
-        while !shutdown.is_cancelled() {
-            let result = session.run(&shutdown, &tasks, &permits).await;
-            session.broker.set(false);
-            let SessionError { lived, error } = match result {
-                Ok(()) => {
-                    drained = true;
-                    break;
-                }
-                Err(lost) => lost,
-            };
-            if let WorkerError::Refused { .. } = error {
-                drain(&tasks, shared.config.shutdown_timeout).await;
-                for task in background {
-                    task.abort();
-                }
-                last_flush(&shared, tally_stop, flushes).await;
-                return Err(error);
-            }
-            let delay = reconnects.after(lived);
-            warn!(error = %crate::text::error_line(&error), retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
-            tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
-                _ = shutdown.cancelled() => {}
-            }
         }
-        // Stopped while reconnecting: handlers from the dropped connection may still be
-        // running; let them finish (their acks go nowhere, their outcomes count).
-        if !drained {
-            drain(&tasks, shared.config.shutdown_timeout).await;
-        }
-        for task in background {
-            let _ = task.await;
-        }
-        last_flush(&shared, tally_stop, flushes).await;
-        info!("worker stopped");
-        Ok(())
     }
 }
 
-/// How long a stopping worker waits to write its last delivery counts: with the
-/// database gone, a flush would wait out the pool's acquire timeout, or longer for a
-/// connection that went silent.
-const LAST_FLUSH_WITHIN: Duration = Duration::from_secs(5);
-
-/// Stops the tally's periodic flushes (after the one in progress, if any) and writes
-/// the outcomes decided since, now that no delivery is in flight (handlers abandoned by
-/// a shutdown timeout count nowhere), giving up after [`LAST_FLUSH_WITHIN`].
-async fn last_flush<H>(
-    shared: &Shared<H>,
-    stop: CancellationToken,
-    flushes: Option<tokio::task::JoinHandle<()>>,
-) {
-    stop.cancel();
-    let last = async {
-        if let Some(flushes) = flushes {
-            let _ = flushes.await;
+/// Runs sessions, one broker connection at a time, reconnecting with backoff, until
+/// `shutdown`; then lets the handlers in flight finish. Returns the queue and the
+/// reason when the broker refused the topology for good.
+async fn consume<H: Handler>(
+    session: &Session<H>,
+    shutdown: &CancellationToken,
+) -> Option<(String, String)> {
+    let config = &session.runtime.config;
+    let tasks = TaskTracker::new();
+    let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
+    let mut reconnects = session::Reconnects::new(config.max_reconnect_delay);
+    while !shutdown.is_cancelled() {
+        let result = session.run(shutdown, &tasks, &permits).await;
+        session.broker.set(false);
+        let SessionError { lived, error } = match result {
+            // The session drained the handlers in flight itself.
+            Ok(()) => return None,
+            Err(lost) => lost,
+        };
+        if let Failure::Refused { queue, reason } = error {
+            drain(&tasks, config.shutdown_timeout).await;
+            return Some((queue, reason));
         }
-        match &shared.tally {
-            Some(tally) => tally.flush(shared.store.pool()).await.map(drop),
-            None => Ok(()),
+        let delay = reconnects.after(lived);
+        warn!(error = %crate::text::error_line(&error), retry_in_ms = delay.as_millis() as u64, "broker connection lost, reconnecting");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.cancelled() => {}
         }
-    };
-    match tokio::time::timeout(LAST_FLUSH_WITHIN, last).await {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => {
-            warn!(error = %crate::text::error_line(&error), "delivery outcomes of the last seconds not written");
-        }
-        Err(_) => warn!(
-            within_s = LAST_FLUSH_WITHIN.as_secs(),
-            "delivery outcomes of the last seconds not written: the database did not answer"
-        ),
     }
+    // Stopped while reconnecting: handlers from the dropped connection may still be
+    // running; let them finish (their acks go nowhere, their outcomes count).
+    drain(&tasks, config.shutdown_timeout).await;
+    None
 }
 
 /// A batching loop of `config`'s size, linger and parallelism around a store call.
@@ -386,36 +326,5 @@ async fn drain(tasks: &TaskTracker, timeout: Duration) {
             running = tasks.len(),
             "shutdown timeout: handlers still running are abandoned; their messages will be redelivered"
         );
-    }
-}
-
-/// Until shutdown, counts the records of `H`'s operation whose next delivery is overdue
-/// by `after` (`Store::overdue`): the gauge `idem_retries_overdue`, and a warning while
-/// there are any. Looks every half of `after`, between 1 s and a minute.
-async fn watch_overdue<H: Handler>(store: Store, after: Duration, shutdown: CancellationToken) {
-    let every = (after / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
-    loop {
-        match store.overdue(H::OPERATION, after).await {
-            Ok(records) => {
-                crate::metrics::retries_overdue(H::OPERATION, records);
-                if records > 0 {
-                    warn!(
-                        operation = H::OPERATION,
-                        records,
-                        after_s = after.as_secs(),
-                        "retries overdue: retryable or pending records whose next delivery has not come; \
-                         a retry copy may have been lost (classic retry queues dead-letter at most once): \
-                         idem ops list --status failed (or pending)"
-                    );
-                }
-            }
-            Err(error) => {
-                tracing::debug!(error = %crate::text::error_line(&error), "overdue retries not counted")
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = shutdown.cancelled() => return,
-        }
     }
 }

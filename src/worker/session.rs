@@ -18,14 +18,14 @@ use tracing::{info, warn};
 use super::acks::Acks;
 use super::follow_ups::FollowUpChannel;
 use super::settle::Links;
-use super::{Shared, WorkerError, drain, execute};
+use super::{Failure, Runtime, drain, execute};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::topology::{self, Topology};
 
 /// The broker side of a running worker: one connection at a time.
 pub(super) struct Session<H> {
-    pub(super) shared: Arc<Shared<H>>,
+    pub(super) runtime: Arc<Runtime<H>>,
     pub(super) topology: Topology,
     pub(super) broker: BrokerHealth,
 }
@@ -72,14 +72,14 @@ impl Reconnects {
 
 impl<H: Handler> Session<H> {
     /// Connects, declares the topology and starts consuming.
-    async fn open(&self) -> Result<Open, WorkerError> {
+    async fn open(&self) -> Result<Open, Failure> {
         self.try_open()
             .await
-            .map_err(|error| WorkerError::opening(error, &self.shared.config.queue))
+            .map_err(|error| Failure::opening(error, &self.runtime.config.queue))
     }
 
     async fn try_open(&self) -> Result<Open, lapin::Error> {
-        let config = &self.shared.config;
+        let config = &self.runtime.config;
         let connection = topology::connect(&config.amqp_url, &config.name).await?;
         let declared = self.topology.declare(&connection).await?;
         for queue in &declared.older {
@@ -121,7 +121,7 @@ impl<H: Handler> Session<H> {
         tasks: &TaskTracker,
         permits: &Arc<Semaphore>,
     ) -> Result<(), SessionError> {
-        let config = &self.shared.config;
+        let config = &self.runtime.config;
         let Open {
             connection,
             consume,
@@ -144,7 +144,7 @@ impl<H: Handler> Session<H> {
         self.broker.set(true);
 
         let consuming = Instant::now();
-        let lost = |error: WorkerError| SessionError {
+        let lost = |error: Failure| SessionError {
             lived: Some(consuming.elapsed()),
             error,
         };
@@ -163,15 +163,15 @@ impl<H: Handler> Session<H> {
             match next {
                 Some(Ok(delivery)) => {
                     acks.delivered(delivery.delivery_tag);
-                    let shared = self.shared.clone();
+                    let runtime = self.runtime.clone();
                     let links = links.clone();
                     tasks.spawn(async move {
-                        execute::process(&shared, &links, delivery).await;
+                        execute::process(&runtime, &links, delivery).await;
                         drop(permit);
                     });
                 }
                 Some(Err(error)) => return Err(lost(error.into())),
-                None => return Err(lost(WorkerError::ConsumerCancelled)),
+                None => return Err(lost(Failure::ConsumerCancelled)),
             }
         }
 
@@ -203,7 +203,7 @@ struct Open {
 pub(super) struct SessionError {
     /// How long the session consumed, if it got that far (see [`Reconnects`]).
     pub(super) lived: Option<Duration>,
-    pub(super) error: WorkerError,
+    pub(super) error: Failure,
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use lapin::message::Delivery;
 use lapin::{BasicProperties, Channel};
 use tracing::{Span, warn};
 
-use super::WorkerError;
+use super::Failure;
 use super::acks::Acks;
 use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
@@ -79,7 +79,7 @@ impl Settler<'_> {
     }
 
     /// Does what the decision said. `key` is the message's key, if it had a valid one.
-    pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), WorkerError> {
+    pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), Failure> {
         match action {
             Settle::Ack => self.ack(),
             Settle::Retry { delay, retries } => {
@@ -116,7 +116,7 @@ impl Settler<'_> {
         queue: &str,
         copy: &Outgoing,
         without_carried: bool,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), Failure> {
         let properties = self.fitted(copy, without_carried);
         topology::publish_confirmed(&self.links.publish, queue, &self.delivery.data, properties)
             .await?;
@@ -160,11 +160,7 @@ impl Settler<'_> {
     /// whose record gc may delete; a crash after the publish leaves the record not yet
     /// marked, so the redelivery publishes again: a DLQ may hold a key twice, each
     /// letter with its pin, and never loses one.
-    async fn dead_letter(
-        &self,
-        order: &DeadLetterOrder,
-        key: Option<&Key>,
-    ) -> Result<(), WorkerError> {
+    async fn dead_letter(&self, order: &DeadLetterOrder, key: Option<&Key>) -> Result<(), Failure> {
         let copy = dead_letter::dead_letter(
             &self.delivery.properties,
             &DeadLetter {
@@ -185,7 +181,7 @@ impl Settler<'_> {
         let published = match self.publish(&dlq, &copy, false).await {
             // The broker answered and did not take it: the same letter without the
             // producer's headers, which are the one part of it idem did not make.
-            Err(WorkerError::Publish(PublishError::Refused { why, .. })) if copy.carried() > 0 => {
+            Err(Failure::Publish(PublishError::Refused { why, .. })) if copy.carried() > 0 => {
                 warn!(why = %why, "dead letter refused; publishing it without the producer's headers");
                 self.publish(&dlq, &copy, true).await
             }
@@ -193,8 +189,7 @@ impl Settler<'_> {
         };
         if let Err(error) = published {
             // A letter no queue holds needs no pin; one that may have landed keeps it.
-            if let (Some(id), WorkerError::Publish(PublishError::Refused { .. })) =
-                (order.pin, &error)
+            if let (Some(id), Failure::Publish(PublishError::Refused { .. })) = (order.pin, &error)
                 && let Err(e) = self.store.unpin_refused(id).await
             {
                 warn!(error = %crate::text::error_line(&e), "the refused dead letter's pin stays");

@@ -1,0 +1,169 @@
+//! What a worker runs beside its deliveries, started with it and stopped after its last
+//! delivery: the watch for overdue retries, garbage collection (`gc_every`), the
+//! tally's flushes (`tally_every`) and the outbox relay (`outbox.relay`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use super::{Runtime, WorkerConfig};
+use crate::handler::Handler;
+use crate::outbox::Relay;
+use crate::store::{Store, gc};
+use crate::tally::{self, Tally};
+
+/// The background tasks of one worker.
+pub(super) struct Background {
+    /// Awaited on the way out so that their connections are closed when `run` returns
+    /// (aborted when the broker refused the topology).
+    tasks: Vec<JoinHandle<()>>,
+    /// The deliveries' outcomes per minute, for the console (none when `tally_every` is
+    /// `None`).
+    pub(super) tally: Option<Arc<Tally>>,
+    /// The tally's flushes stop on their own token, so that every way out of `run` (a
+    /// refused topology too) ends them between two flushes, never in one.
+    tally_stop: CancellationToken,
+    flushes: Option<JoinHandle<()>>,
+    /// Wakes the relay when a publish of this process failed.
+    pub(super) relay_wake: Arc<Notify>,
+}
+
+impl Background {
+    /// Starts what `config` asks for beside a worker of `H` on `store`.
+    pub(super) fn start<H: Handler>(
+        store: &Store,
+        config: &WorkerConfig,
+        shutdown: &CancellationToken,
+    ) -> Self {
+        let overdue = watch_overdue::<H>(
+            store.clone(),
+            config.overdue_after(store.config().lease),
+            shutdown.clone(),
+        );
+        let mut tasks = vec![tokio::spawn(overdue)];
+        if let Some(every) = config.gc_every {
+            let gc = gc::collect_every(
+                store.clone(),
+                every,
+                config.gc_pace.clone(),
+                shutdown.clone(),
+            );
+            tasks.push(tokio::spawn(gc));
+        }
+        let tally_stop = shutdown.child_token();
+        let (tally, flushes) = match config.tally_every {
+            Some(every) => {
+                let tally = Arc::new(Tally::new(&config.queue, store.config().retention));
+                let pool = store.pool().clone();
+                let flushes = tally::flush_every(tally.clone(), pool, every, tally_stop.clone());
+                (Some(tally), Some(tokio::spawn(flushes)))
+            }
+            None => (None, None),
+        };
+        let relay_wake = Arc::new(Notify::new());
+        if config.outbox.relay {
+            let relay = Relay::new(
+                store.pool().clone(),
+                &config.amqp_url,
+                config.outbox.clone(),
+                store.config().retention,
+            )
+            .named(format!("{}-relay", config.name))
+            .waking_on(relay_wake.clone());
+            tasks.push(tokio::spawn(relay.run(shutdown.clone())));
+        }
+        Self {
+            tasks,
+            tally,
+            tally_stop,
+            flushes,
+            relay_wake,
+        }
+    }
+
+    /// Stops the background once no delivery runs any more: waits for its tasks (they
+    /// end with the shutdown), or aborts them when the worker stops `refused`; then the
+    /// tally's last flush.
+    pub(super) async fn stop<H>(self, runtime: &Runtime<H>, refused: bool) {
+        for task in self.tasks {
+            if refused {
+                task.abort();
+            } else {
+                let _ = task.await;
+            }
+        }
+        let pool = runtime.store.pool();
+        last_flush(self.tally.as_deref(), pool, self.tally_stop, self.flushes).await;
+    }
+}
+
+/// How long a stopping worker waits to write its last delivery counts: with the
+/// database gone, a flush would wait out the pool's acquire timeout, or longer for a
+/// connection that went silent.
+const LAST_FLUSH_WITHIN: Duration = Duration::from_secs(5);
+
+/// Stops the tally's periodic flushes (after the one in progress, if any) and writes
+/// the outcomes decided since, now that no delivery is in flight (handlers abandoned by
+/// a shutdown timeout count nowhere), giving up after [`LAST_FLUSH_WITHIN`].
+async fn last_flush(
+    tally: Option<&Tally>,
+    pool: &sqlx::PgPool,
+    stop: CancellationToken,
+    flushes: Option<JoinHandle<()>>,
+) {
+    stop.cancel();
+    let last = async {
+        if let Some(flushes) = flushes {
+            let _ = flushes.await;
+        }
+        match tally {
+            Some(tally) => tally.flush(pool).await.map(drop),
+            None => Ok(()),
+        }
+    };
+    match tokio::time::timeout(LAST_FLUSH_WITHIN, last).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => {
+            warn!(error = %crate::text::error_line(&error), "delivery outcomes of the last seconds not written");
+        }
+        Err(_) => warn!(
+            within_s = LAST_FLUSH_WITHIN.as_secs(),
+            "delivery outcomes of the last seconds not written: the database did not answer"
+        ),
+    }
+}
+
+/// Until shutdown, counts the records of `H`'s operation whose next delivery is overdue
+/// by `after` (`Store::overdue`): the gauge `idem_retries_overdue`, and a warning while
+/// there are any. Looks every half of `after`, between 1 s and a minute.
+async fn watch_overdue<H: Handler>(store: Store, after: Duration, shutdown: CancellationToken) {
+    let every = (after / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    loop {
+        match store.overdue(H::OPERATION, after).await {
+            Ok(records) => {
+                crate::metrics::retries_overdue(H::OPERATION, records);
+                if records > 0 {
+                    warn!(
+                        operation = H::OPERATION,
+                        records,
+                        after_s = after.as_secs(),
+                        "retries overdue: retryable or pending records whose next delivery has not come; \
+                         a retry copy may have been lost (classic retry queues dead-letter at most once): \
+                         idem ops list --status failed (or pending)"
+                    );
+                }
+            }
+            Err(error) => {
+                tracing::debug!(error = %crate::text::error_line(&error), "overdue retries not counted")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
