@@ -12,19 +12,18 @@ use serde_json::Value;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use super::batch::Batcher;
-use super::decision::{self, Outcome, Ran, Reconciled, Retries, Step, Verdict};
-use super::guard::guarded;
+use super::decision::{self, Outcome, Retries, Step, Verdict};
+use super::handle;
 use super::settle::{Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
-use crate::handler::{Context, Handler, HandlerError};
+use crate::handler::Handler;
 use crate::headers;
 use crate::key::Key;
-use crate::metrics;
-use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, StoredError, storable};
+use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
 use crate::trace::{self, TraceContext};
 
 /// Decides one delivery inside its span; one that could not be decided goes to
@@ -58,7 +57,7 @@ pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, del
         tally: runtime.tally.as_deref(),
     };
     async {
-        let outcome = match decide(runtime, &settler).await {
+        let outcome = match walk(runtime, &settler).await {
             Ok(outcome) => {
                 runtime.undecided.decided(&settler.delivery.data);
                 outcome
@@ -131,12 +130,12 @@ fn rounded_ms(elapsed: Duration) -> f64 {
 
 /// A message that passed parsing; the typed message travels beside it, since the
 /// handler consumes it.
-struct Parsed {
-    value: Arc<Value>,
-    key: Key,
-    fingerprint: Fingerprint,
+pub(super) struct Parsed {
+    pub(super) value: Arc<Value>,
+    pub(super) key: Key,
+    pub(super) fingerprint: Fingerprint,
     /// The message's correlation id, carried on to its follow-up messages.
-    correlation_id: Option<String>,
+    pub(super) correlation_id: Option<String>,
 }
 
 fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), String> {
@@ -165,10 +164,7 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
 
 /// Walks the decision table for one delivery: claim, then run or reconcile as the
 /// decision says, until it says how to settle.
-async fn decide<H: Handler>(
-    runtime: &Runtime<H>,
-    settler: &Settler<'_>,
-) -> Result<Outcome, Failure> {
+async fn walk<H: Handler>(runtime: &Runtime<H>, settler: &Settler<'_>) -> Result<Outcome, Failure> {
     let (mut parsed, message) = match parse(&*runtime.handler, &settler.delivery.data) {
         Ok(parsed) => parsed,
         Err(why) => return settle(settler, decision::malformed(why), None).await,
@@ -177,24 +173,7 @@ async fn decide<H: Handler>(
     span.record("scope", parsed.key.scope());
     span.record("key", parsed.key.short_hash());
     trace::attribute(&span, "idem.key", parsed.key.short_hash());
-    let properties = &settler.delivery.properties;
-    let request = ClaimRequest {
-        key: parsed.key.clone(),
-        fingerprint: parsed.fingerprint.clone(),
-        // Kept for inspection only: a NUL in them (Postgres text cannot hold one) must not
-        // fail the claim, nor the claims of the batch around it.
-        origin: Origin {
-            message_id: properties
-                .message_id()
-                .as_ref()
-                .map(|s| storable(s.as_str()).into_owned()),
-            correlation_id: properties
-                .correlation_id()
-                .as_ref()
-                .map(|s| storable(s.as_str()).into_owned()),
-            trace_id: trace::trace_id(&span, settler.trace.as_ref()),
-        },
-    };
+    let request = claim_request(&parsed, settler, &span);
     parsed.correlation_id = request.origin.correlation_id.clone();
     let retries = Retries {
         policy: &runtime.config.retry,
@@ -207,15 +186,8 @@ async fn decide<H: Handler>(
             value: parsed.value.clone(),
             trace: trace::outgoing(&span, settler.trace.as_ref()),
         };
-        return in_transaction(
-            runtime,
-            transactions,
-            settler,
-            request,
-            &parsed.key,
-            retries,
-        )
-        .await;
+        let key = &parsed.key;
+        return in_transaction(runtime, transactions, settler, request, key, retries).await;
     }
     let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
@@ -225,7 +197,7 @@ async fn decide<H: Handler>(
             Step::Run(lease) => {
                 attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
-                let ran = run(runtime, settler, &parsed, message.take(), &lease).await?;
+                let ran = handle::run(runtime, settler, &parsed, message.take(), &lease).await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::Reconcile {
@@ -234,15 +206,10 @@ async fn decide<H: Handler>(
             } => {
                 attempt_on(&span, &lease);
                 let external_ref = external_ref.as_deref();
-                let ran = reconcile(
-                    runtime,
-                    settler,
-                    &parsed,
-                    message.take(),
-                    &lease,
-                    external_ref,
-                )
-                .await?;
+                let message = message.take();
+                let ran =
+                    handle::reconcile(runtime, settler, &parsed, message, &lease, external_ref)
+                        .await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::ClaimAgain { after } => {
@@ -255,6 +222,25 @@ async fn decide<H: Handler>(
             }
             Step::Settle(verdict) => return settle(settler, verdict, Some(&parsed.key)).await,
         };
+    }
+}
+
+/// What the delivery's claim asks for: its key and fingerprint, and where it came from
+/// (kept for inspection only: a NUL in a message id or correlation id, which Postgres
+/// text cannot hold, must not fail the claim, nor the claims of the batch around it).
+fn claim_request(parsed: &Parsed, settler: &Settler<'_>, span: &Span) -> ClaimRequest {
+    let properties = &settler.delivery.properties;
+    let kept = |text: &Option<lapin::types::ShortString>| {
+        text.as_ref().map(|s| storable(s.as_str()).into_owned())
+    };
+    ClaimRequest {
+        key: parsed.key.clone(),
+        fingerprint: parsed.fingerprint.clone(),
+        origin: Origin {
+            message_id: kept(properties.message_id()),
+            correlation_id: kept(properties.correlation_id()),
+            trace_id: trace::trace_id(span, settler.trace.as_ref()),
+        },
     }
 }
 
@@ -341,209 +327,6 @@ async fn settle(
         .instrument(info_span!("settle"))
         .await?;
     Ok(verdict.outcome)
-}
-
-/// The message, or the message again for a second run (the handler consumed the
-/// first), and a fresh context for a run under `lease` in `span`: its follow-ups carry
-/// that span's trace context.
-fn prepare<H: Handler>(
-    runtime: &Runtime<H>,
-    settler: &Settler<'_>,
-    parsed: &Parsed,
-    message: Option<H::Message>,
-    lease: &Lease,
-    span: &Span,
-) -> Result<(H::Message, Context), Failure> {
-    let message = match message {
-        Some(message) => message,
-        None => H::Message::deserialize(&*parsed.value).map_err(Failure::Reparse)?,
-    };
-    let ctx = Context::new(
-        parsed.key.clone(),
-        lease.attempt,
-        lease.takeover,
-        runtime.store.pool().clone(),
-    )
-    .for_follow_ups(
-        parsed.correlation_id.clone(),
-        trace::outgoing(span, settler.trace.as_ref()),
-        runtime.config.outbox.handoff,
-    );
-    Ok((message, ctx))
-}
-
-/// Runs the handler under `lease` with a heartbeat, and records its outcome.
-async fn run<H: Handler>(
-    runtime: &Runtime<H>,
-    settler: &Settler<'_>,
-    parsed: &Parsed,
-    message: Option<H::Message>,
-    lease: &Lease,
-) -> Result<Ran, Failure> {
-    let span = info_span!("handler");
-    let (message, mut ctx) = prepare(runtime, settler, parsed, message, lease, &span)?;
-    if lease.takeover {
-        metrics::delivery(H::OPERATION, "takeover");
-    }
-    let started = Instant::now();
-    let handling = runtime.handler.handle(message, &mut ctx);
-    let result = guarded(&runtime.store, lease, handling)
-        .instrument(span)
-        .await;
-    metrics::handler_duration(H::OPERATION, started.elapsed());
-    failpoint::hit("after-effect");
-    record(runtime, settler, &mut ctx, lease, result, false)
-        .instrument(info_span!("completion"))
-        .await
-}
-
-/// Asks the handler what became of a pending operation, and acts on the answer.
-async fn reconcile<H: Handler>(
-    runtime: &Runtime<H>,
-    settler: &Settler<'_>,
-    parsed: &Parsed,
-    message: Option<H::Message>,
-    lease: &Lease,
-    external_ref: Option<&str>,
-) -> Result<Ran, Failure> {
-    let span = info_span!("reconcile");
-    let (message, mut ctx) = prepare(runtime, settler, parsed, message, lease, &span)?;
-    let reconciling = runtime.handler.reconcile(&message, external_ref, &mut ctx);
-    let reconciled = guarded(&runtime.store, lease, reconciling)
-        .instrument(span)
-        .await;
-    let answer = match decision::reconciled(reconciled) {
-        Reconciled::Applied(output) => Ok(output),
-        Reconciled::NotApplied => {
-            info!("reconcile: not applied, running the handler again");
-            drop(ctx);
-            return run(runtime, settler, parsed, Some(message), lease).await;
-        }
-        Reconciled::Failed(error) => Err(error),
-    };
-    record(runtime, settler, &mut ctx, lease, answer, true)
-        .instrument(info_span!("completion"))
-        .await
-}
-
-/// Writes the outcome, fenced by the lease; a success commits the handler's transaction
-/// together with the `completed` record, then publishes the follow-up messages it
-/// staged.
-async fn record<H: Handler>(
-    runtime: &Runtime<H>,
-    settler: &Settler<'_>,
-    ctx: &mut Context,
-    lease: &Lease,
-    result: Result<H::Output, HandlerError>,
-    reconciled: bool,
-) -> Result<Ran, Failure> {
-    let store = &runtime.store;
-    let tx = ctx.take_tx();
-    let output = match result {
-        Ok(output) => serde_json::to_value(output)
-            .map_err(|e| format!("handler output does not serialize: {e}")),
-        Err(error) => {
-            drop(tx); // the handler's writes roll back
-            return record_failure(store, lease, error, false).await;
-        }
-    };
-    let output = match output {
-        Ok(output) => output,
-        Err(why) => {
-            drop(tx);
-            return unstorable(store, lease, why).await;
-        }
-    };
-    let done = Ran::Completed { reconciled };
-    let completed: Result<bool, StoreError> = match tx {
-        None => runtime.completions.call((lease.clone(), output)).await,
-        Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
-            Ok(()) => {
-                failpoint::hit("before-commit");
-                tx.commit().await.map(|()| true).map_err(StoreError::from)
-            }
-            Err(StoreError::LeaseLost { .. }) => {
-                // A zombie: another worker owns the operation; undo our writes.
-                let _ = tx.rollback().await;
-                Ok(false)
-            }
-            Err(e) => Err(e), // the transaction rolls back when dropped
-        },
-    };
-    let ran = match completed {
-        Ok(true) => done,
-        Ok(false) => Ran::LeaseLost,
-        Err(error) if error.fault() == Fault::Message => {
-            let why = format!("the result could not be stored: {}", error.describe());
-            return unstorable(store, lease, why).await;
-        }
-        // Neither the message nor an outage (a handler that left its transaction
-        // aborted: SQLSTATE 25P02): a failure of this run, through the retry tiers to
-        // `retries_exhausted`. Requeued as undecided, its redelivery would meet its own
-        // live lease, wait for it, and take it over to run again, for ever.
-        Err(error) if error.fault() == Fault::Unknown => {
-            let why = format!("the outcome could not be recorded: {}", error.describe());
-            warn!(error = %why, "completion failed");
-            return record_failure(store, lease, HandlerError::Transient(why), false).await;
-        }
-        Err(error) => return Err(error.into()),
-    };
-    if matches!(ran, Ran::Completed { .. }) {
-        failpoint::hit("after-complete");
-        runtime
-            .follow_ups
-            .send(&settler.links.follow_ups, ctx.take_staged())
-            .await;
-    }
-    Ok(ran)
-}
-
-/// The handler returned but its result cannot be stored (it does not serialize, or
-/// Postgres refuses it): a failure for good, and an uncertain one, since the effect
-/// happened but nothing records it. Dead-lettered; a replay reconciles first.
-async fn unstorable(store: &Store, lease: &Lease, why: String) -> Result<Ran, Failure> {
-    record_failure(store, lease, HandlerError::Permanent(why), true).await
-}
-
-/// Records a failed run by its kind: `failed` (retryable or not) or `pending`.
-/// `uncertain` when the effect may have happened all the same.
-async fn record_failure(
-    store: &Store,
-    lease: &Lease,
-    error: HandlerError,
-    uncertain: bool,
-) -> Result<Ran, Failure> {
-    let text = error.message().to_owned();
-    let written = match &error {
-        HandlerError::Transient(_) | HandlerError::Permanent(_) => {
-            let retryable = matches!(error, HandlerError::Transient(_));
-            let kind = error.kind();
-            warn!(error = %text, "handler failed, {kind}");
-            let stored = StoredError { kind, error: &text }.to_json();
-            store.fail(lease, retryable, &stored, uncertain).await
-        }
-        HandlerError::Uncertain { external_ref, .. } => {
-            warn!(error = %text, "outcome uncertain, pending reconciliation");
-            let stored = StoredError {
-                kind: error.kind(),
-                error: &text,
-            };
-            let external_ref = external_ref.as_deref();
-            store
-                .mark_pending(lease, external_ref, &stored.to_json())
-                .await
-        }
-    };
-    let lease = lease.clone();
-    match written {
-        Ok(()) => Ok(match error {
-            HandlerError::Transient(_) => Ran::Transient { lease, error: text },
-            HandlerError::Permanent(_) => Ran::Permanent { lease, error: text },
-            HandlerError::Uncertain { .. } => Ran::Pending { lease },
-        }),
-        Err(StoreError::LeaseLost { .. }) => Ok(Ran::LeaseLost),
-        Err(e) => Err(e.into()),
-    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@
 //! - `config`: [`WorkerConfig`];
 //! - `session`: one broker connection (declare, consume, dispatch, drain);
 //! - `decision`: the decision table as pure functions;
-//! - `execute`: parse, claim, run or reconcile under the lease, record;
+//! - `execute`: parse, claim, and walk the decision table to the settling step;
+//! - `handle`: run or reconcile the handler under the lease, and record its outcome;
 //! - `follow_ups`: a run's follow-up messages, published after its commit;
 //! - `transactional`: transactional mode, a batch of deliveries in one transaction;
 //! - `guard`: calls into the handler, panics caught, heartbeats in leased mode;
@@ -35,6 +36,7 @@ mod decision;
 mod execute;
 mod follow_ups;
 mod guard;
+mod handle;
 mod session;
 mod settle;
 mod transactional;
