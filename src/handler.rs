@@ -298,13 +298,11 @@ impl Context {
     /// lease: if another worker took over, it is rolled back. It is opened on first use,
     /// so a handler that calls a slow provider first holds no transaction meanwhile.
     pub async fn tx(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
-        if self.tx.is_none() {
-            self.tx = Some(self.pool.begin().await?);
-        }
-        match self.tx.as_mut() {
-            Some(tx) => Ok(&mut **tx),
-            None => Err(sqlx::Error::PoolClosed),
-        }
+        let tx = match self.tx.take() {
+            Some(tx) => tx,
+            None => self.pool.begin().await?,
+        };
+        Ok(&mut **self.tx.insert(tx))
     }
 
     pub(crate) fn take_tx(&mut self) -> Option<Transaction<'static, Postgres>> {
@@ -367,7 +365,38 @@ impl Context {
 
     /// Hands the context a transaction that is already open: in transactional mode, the
     /// batch's, so the handler's writes commit with the claim and the outcome.
-    pub(crate) fn put_tx(&mut self, tx: Transaction<'static, Postgres>) {
+    /// The context with `tx` as its transaction (a transactional batch's).
+    pub(crate) fn with_tx(mut self, tx: Transaction<'static, Postgres>) -> Self {
         self.tx = Some(tx);
+        self
+    }
+
+    /// The context, with its transaction, for the next run of a transactional batch:
+    /// that run's key and claim, its follow-ups' ids and trace, nothing staged yet.
+    pub(crate) fn next_run(
+        &mut self,
+        key: Key,
+        attempt: i32,
+        takeover: bool,
+        correlation_id: Option<String>,
+        trace: Option<TraceContext>,
+        handoff: Duration,
+    ) {
+        self.key = key;
+        self.attempt = attempt;
+        self.takeover = takeover;
+        self.correlation_id = correlation_id;
+        self.trace = trace;
+        self.handoff = handoff;
+        self.staged.clear();
+    }
+
+    /// Commits the context's transaction, if it opened one (a run that never wrote
+    /// has none: nothing to commit).
+    pub(crate) async fn commit(&mut self) -> Result<(), sqlx::Error> {
+        match self.tx.take() {
+            Some(tx) => tx.commit().await,
+            None => Ok(()),
+        }
     }
 }

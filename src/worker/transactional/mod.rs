@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use serde_json::Value;
-use sqlx::{Postgres, Transaction};
 use tracing::{Instrument, debug, field, info_span};
 
 use super::decision::{self, Ran, Reconciled};
@@ -74,27 +73,27 @@ pub(super) async fn run<H: Handler>(
     requests: &[TxRequest],
     handoff: Duration,
 ) -> Result<Vec<TxAnswer>, StoreError> {
-    let mut careful = false;
+    let mut pass = Pass::Optimistic;
     let mut last = None;
-    for pass in 0..PASSES {
-        match once(handler, store, requests, careful, handoff).await {
-            Ok(Pass::Committed(answers)) => return Ok(answers),
-            Ok(Pass::HandlerFailed) => careful = true,
+    for round in 0..PASSES {
+        match once(handler, store, requests, pass, handoff).await {
+            Ok(Ended::Committed(answers)) => return Ok(answers),
+            Ok(Ended::HandlerFailed) => pass = Pass::Careful,
             // Neither the data nor an outage (a handler that ignored a failed statement
             // and left the transaction aborted: SQLSTATE 25P02): the careful pass finds
             // out whose run it was, and records that run as failed.
-            Err(error) if !careful && error.fault() == Fault::Unknown => {
+            Err(error) if pass == Pass::Optimistic && error.fault() == Fault::Unknown => {
                 debug!(error = %crate::text::error_line(&error), "batch failed; running it again with a savepoint per handler");
-                careful = true;
+                pass = Pass::Careful;
             }
-            Ok(Pass::Raced) => debug!(pass, "a new key was inserted meanwhile; starting again"),
-            Err(error) if is_victim(&error) && pass + 1 < PASSES => {
-                debug!(pass, error = %crate::text::error_line(&error), "batch rolled back; starting again");
+            Ok(Ended::Raced) => debug!(round, "a new key was inserted meanwhile; starting again"),
+            Err(error) if is_victim(&error) && round + 1 < PASSES => {
+                debug!(round, error = %crate::text::error_line(&error), "batch rolled back; starting again");
                 last = Some(error);
                 // Long enough for the winner to commit (it still holds its locks), and
                 // jittered, so that two victims of each other do not meet again at once:
-                // 10 ms doubling per pass, plus up to as much again.
-                let base = 10u64 << pass.min(7);
+                // 10 ms doubling per round, plus up to as much again.
+                let base = 10u64 << round.min(7);
                 let pause = base + base * u64::from(rand_u8()) / 255;
                 tokio::time::sleep(Duration::from_millis(pause)).await;
             }
@@ -130,8 +129,19 @@ fn rand_u8() -> u8 {
         % 251) as u8
 }
 
-/// How one pass over a batch ended.
+/// Which pass over a batch this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pass {
+    /// Every handler on the batch's transaction, without savepoints: one that fails
+    /// ends the pass, and the batch runs again carefully.
+    Optimistic,
+    /// Each handler in a savepoint of its own (`idem_run`), so that a failing one
+    /// undoes only its own writes and its failure is recorded beside the others'.
+    Careful,
+}
+
+/// How one pass over a batch ended.
+enum Ended {
     Committed(Vec<TxAnswer>),
     /// A handler failed while running without savepoints: run again with them.
     HandlerFailed,
@@ -158,33 +168,30 @@ enum Owner {
     Taken(Lease),
 }
 
+/// One pass over a batch: look its keys up (taking over what may be taken), run what
+/// is the batch's to run, write every outcome, commit. A crash before the commit leaves
+/// nothing.
 async fn once<H: Handler>(
     handler: &H,
     store: &Store,
     requests: &[TxRequest],
-    careful: bool,
+    pass: Pass,
     handoff: Duration,
-) -> Result<Pass, StoreError> {
-    // Copies of a key after the first are decided later, when the first one's outcome
-    // is committed: they see it then.
-    let mut first: HashMap<&Key, usize> = HashMap::new();
-    let mut distinct = Vec::new();
-    for (i, request) in requests.iter().enumerate() {
-        if *first.entry(&request.claim.key).or_insert(i) == i {
-            distinct.push(i);
-        }
-    }
+) -> Result<Ended, StoreError> {
+    let distinct = distinct(requests);
     let mut answers: Vec<Option<TxAnswer>> = requests.iter().map(|_| None).collect();
     let claims: Vec<ClaimRequest> = distinct
         .iter()
         .map(|&i| requests[i].claim.clone())
         .collect();
-
-    let mut tx = Some(store.pool().begin().await?);
-    let found = store.find_in(open(&mut tx)?, &claims).await?;
-    let mut runs: Vec<(usize, Owner, RunResult)> = Vec::new();
+    // One context for the whole batch: it holds the batch's transaction, and each run
+    // in turn gets it for its key (`ctx.tx()` is the batch's transaction).
+    let first = &requests[distinct[0]].claim;
+    let mut ctx = Context::new(first.key.clone(), 1, false, store.pool().clone())
+        .with_tx(store.pool().begin().await?);
+    let found = store.find_in(ctx.tx().await?, &claims).await?;
+    let mut runs = Vec::new();
     for (&i, found) in distinct.iter().zip(found) {
-        let request = &requests[i];
         let (owner, reconcile) = match found {
             Found::New => (Owner::New, None),
             Found::Record(Claim::Claimed(lease)) => (Owner::Taken(lease), None),
@@ -197,46 +204,61 @@ async fn once<H: Handler>(
                 continue;
             }
             Found::Stale => {
-                answers[i] = Some(TxAnswer::Found(Claim::InProgress {
-                    lease_expires_at: None,
-                }));
+                answers[i] = Some(TxAnswer::Found(in_progress()));
                 continue;
             }
         };
-        let (attempt, takeover) = match &owner {
-            Owner::New => (1, false),
-            Owner::Taken(lease) => (lease.attempt, lease.takeover),
-        };
-        if takeover {
-            metrics::delivery(H::OPERATION, "takeover");
-        }
-        if careful {
-            sqlx::query("SAVEPOINT idem_run")
-                .execute(open(&mut tx)?)
-                .await?;
-        }
-        let ctx = RunIn {
-            key: &request.claim.key,
-            value: &request.value,
-            correlation_id: &request.claim.origin.correlation_id,
-            trace: &request.trace,
-            handoff,
-            attempt,
-            takeover,
-            careful,
-        };
-        let mut result = ctx.run(handler, store, &mut tx, reconcile).await;
-        let failed = !matches!(result, RunResult::Done { .. });
-        if failed && !careful {
-            return Ok(Pass::HandlerFailed);
-        }
-        if careful {
-            result = end_savepoint(open(&mut tx)?, result).await?;
+        let run = RunIn::of(&requests[i], &owner, pass, handoff);
+        let result = run.guarded(handler, &mut ctx, reconcile).await?;
+        if pass == Pass::Optimistic && !matches!(result, RunResult::Done { .. }) {
+            return Ok(Ended::HandlerFailed);
         }
         runs.push((i, owner, result));
     }
+    if let Some(raced) = write(store, &mut ctx, requests, runs, &mut answers).await? {
+        return Ok(raced);
+    }
+    failpoint::hit("before-commit");
+    ctx.commit().await?;
+    failpoint::hit("after-complete");
+    // Copies of a key in the batch: decided again once this commit is visible.
+    let answers = answers
+        .into_iter()
+        .map(|answer| answer.unwrap_or(TxAnswer::Found(in_progress())))
+        .collect();
+    Ok(Ended::Committed(answers))
+}
 
-    // Every outcome, in the same transaction.
+/// The first request of each key, by position: copies of a key after the first are
+/// decided later, when the first one's outcome is committed (they see it then).
+fn distinct(requests: &[TxRequest]) -> Vec<usize> {
+    let mut first: HashMap<&Key, usize> = HashMap::new();
+    let mut distinct = Vec::new();
+    for (i, request) in requests.iter().enumerate() {
+        if *first.entry(&request.claim.key).or_insert(i) == i {
+            distinct.push(i);
+        }
+    }
+    distinct
+}
+
+/// What a delivery that the batch leaves to its next delivery answers: in progress.
+fn in_progress() -> Claim {
+    Claim::InProgress {
+        lease_expires_at: None,
+    }
+}
+
+/// Writes every outcome in the batch's transaction: the fenced outcome of records taken
+/// over, then the records of new keys, each with its outcome, in key order. Sets each
+/// run's answer; `Some(Raced)` when another transaction inserted one of the new keys.
+async fn write(
+    store: &Store,
+    ctx: &mut Context,
+    requests: &[TxRequest],
+    runs: Vec<(usize, Owner, RunResult)>,
+    answers: &mut [Option<TxAnswer>],
+) -> Result<Option<Ended>, StoreError> {
     let mut new = Vec::new();
     let mut new_runs = Vec::new();
     for (i, owner, result) in runs {
@@ -253,39 +275,21 @@ async fn once<H: Handler>(
                     }
                 }
             },
-            Owner::Taken(lease) => {
-                let answer = write_taken(store, open(&mut tx)?, &lease, result).await?;
-                match answer {
-                    Some(answer) => answers[i] = Some(answer),
-                    None => return Ok(Pass::Raced),
-                }
-            }
+            Owner::Taken(lease) => match write_taken(store, ctx.tx().await?, &lease, result).await?
+            {
+                Some(answer) => answers[i] = Some(answer),
+                None => return Ok(Some(Ended::Raced)),
+            },
         }
     }
-    let inserted = store.insert_in(open(&mut tx)?, &new).await?;
+    let inserted = store.insert_in(ctx.tx().await?, &new).await?;
     for ((i, result), ids) in new_runs.into_iter().zip(inserted) {
         let Some((id, token)) = ids else {
-            return Ok(Pass::Raced);
+            return Ok(Some(Ended::Raced));
         };
         answers[i] = Some(answer_of(first_lease(id, token), result));
     }
-    failpoint::hit("before-commit");
-    let Some(tx) = tx.take() else {
-        return Err(lost_transaction());
-    };
-    tx.commit().await?;
-    failpoint::hit("after-complete");
-
-    // Copies of a key in the batch: decided again once this commit is visible.
-    let answers = answers
-        .into_iter()
-        .map(|answer| {
-            answer.unwrap_or(TxAnswer::Found(Claim::InProgress {
-                lease_expires_at: None,
-            }))
-        })
-        .collect();
-    Ok(Pass::Committed(answers))
+    Ok(None)
 }
 
 /// Ends the savepoint of a run in the careful pass: released after a success, rolled
@@ -320,20 +324,6 @@ async fn end_savepoint(
     }
 }
 
-/// The batch's transaction, which is only ever out of its slot while a handler holds it.
-fn open<'a>(
-    tx: &'a mut Option<Transaction<'static, Postgres>>,
-) -> Result<&'a mut sqlx::PgConnection, StoreError> {
-    match tx.as_mut() {
-        Some(tx) => Ok(&mut **tx),
-        None => Err(lost_transaction()),
-    }
-}
-
-pub(super) fn lost_transaction() -> StoreError {
-    StoreError::Database(sqlx::Error::WorkerCrashed)
-}
-
 /// One run in the batch: the key, the body, and which claim of the key it is.
 struct RunIn<'a> {
     key: &'a Key,
@@ -343,18 +333,56 @@ struct RunIn<'a> {
     handoff: Duration,
     attempt: i32,
     takeover: bool,
-    /// The careful pass: the run is in the savepoint `idem_run` already.
-    careful: bool,
+    pass: Pass,
 }
 
-impl RunIn<'_> {
+impl<'a> RunIn<'a> {
+    fn of(request: &'a TxRequest, owner: &Owner, pass: Pass, handoff: Duration) -> Self {
+        let (attempt, takeover) = match owner {
+            Owner::New => (1, false),
+            Owner::Taken(lease) => (lease.attempt, lease.takeover),
+        };
+        Self {
+            key: &request.claim.key,
+            value: &request.value,
+            correlation_id: &request.claim.origin.correlation_id,
+            trace: &request.trace,
+            handoff,
+            attempt,
+            takeover,
+            pass,
+        }
+    }
+
+    /// [`RunIn::run`], in the careful pass inside a savepoint of its own: released
+    /// after a success, rolled back to after a failure (`end_savepoint`).
+    async fn guarded<H: Handler>(
+        &self,
+        handler: &H,
+        ctx: &mut Context,
+        reconcile: Option<Option<String>>,
+    ) -> Result<RunResult, StoreError> {
+        if self.takeover {
+            metrics::delivery(H::OPERATION, "takeover");
+        }
+        if self.pass == Pass::Careful {
+            sqlx::query("SAVEPOINT idem_run")
+                .execute(ctx.tx().await?)
+                .await?;
+        }
+        let result = self.run(handler, ctx, reconcile).await;
+        match self.pass {
+            Pass::Careful => end_savepoint(ctx.tx().await?, result).await,
+            Pass::Optimistic => Ok(result),
+        }
+    }
+
     /// Runs the handler (or reconciles first, when `reconcile` holds the reference of a
-    /// pending operation) on the batch's transaction, which it gives back after.
+    /// pending operation) on the batch's transaction, which `ctx` holds.
     async fn run<H: Handler>(
         &self,
         handler: &H,
-        store: &Store,
-        tx: &mut Option<Transaction<'static, Postgres>>,
+        ctx: &mut Context,
         reconcile: Option<Option<String>>,
     ) -> RunResult {
         let message = match H::Message::deserialize(self.value) {
@@ -372,74 +400,65 @@ impl RunIn<'_> {
             trace::attribute(&span, "idem.attempt", i64::from(self.attempt));
             trace::attribute(&span, "idem.takeover", self.takeover);
         }
-        let mut ctx = Context::new(
+        ctx.next_run(
             self.key.clone(),
             self.attempt,
             self.takeover,
-            store.pool().clone(),
-        )
-        .for_follow_ups(
             self.correlation_id.clone(),
             trace::outgoing(&span, self.trace.as_ref()),
             self.handoff,
         );
-        if let Some(open) = tx.take() {
-            ctx.put_tx(open);
-        }
         let started = Instant::now();
         let result = match reconcile {
-            None => {
-                caught(handler.handle(message, &mut ctx))
-                    .instrument(span)
-                    .await
-            }
+            None => caught(handler.handle(message, ctx)).instrument(span).await,
             Some(external_ref) => {
-                // What reconcile writes or stages counts only if it finds the effect
-                // applied: "not applied" runs the handler afresh, as in leased mode. The
-                // careful pass goes back to its run's savepoint (one subtransaction per
-                // delivery, as MAX_BATCH counts them); the optimistic one sets its own.
-                let (set, undo) = if self.careful {
-                    (None, "ROLLBACK TO SAVEPOINT idem_run")
-                } else {
-                    (
-                        Some("SAVEPOINT idem_reconcile"),
-                        "ROLLBACK TO SAVEPOINT idem_reconcile",
-                    )
-                };
-                if let Some(set) = set
-                    && let Err(error) = savepoint(&mut ctx, set).await
+                match self
+                    .reconcile(handler, ctx, &message, external_ref, &span)
+                    .await
                 {
-                    *tx = ctx.take_tx();
-                    return RunResult::Failed(error);
-                }
-                let asked = caught(handler.reconcile(&message, external_ref.as_deref(), &mut ctx));
-                match decision::reconciled(asked.instrument(span.clone()).await) {
-                    Reconciled::Applied(output) => {
-                        *tx = ctx.take_tx();
-                        return done(output, true, ctx.take_staged());
-                    }
-                    Reconciled::NotApplied => {
-                        let undone = savepoint(&mut ctx, undo);
-                        match undone.await {
-                            Ok(()) => {
-                                ctx.take_staged();
-                                caught(handler.handle(message, &mut ctx))
-                                    .instrument(span)
-                                    .await
-                            }
-                            Err(error) => Err(error),
-                        }
-                    }
-                    Reconciled::Failed(error) => Err(error),
+                    Ok(Some(output)) => return done(output, true, ctx.take_staged()),
+                    Ok(None) => caught(handler.handle(message, ctx)).instrument(span).await,
+                    Err(error) => Err(error),
                 }
             }
         };
         metrics::handler_duration(H::OPERATION, started.elapsed());
         failpoint::hit("after-effect");
-        *tx = ctx.take_tx();
         match result {
             Ok(output) => done(output, false, ctx.take_staged()),
             Err(error) => RunResult::Failed(error),
+        }
+    }
+
+    /// Asks the handler's `reconcile` about a pending operation: `Some(output)` when the
+    /// effect happened, `None` when it did not (what reconcile wrote or staged is undone,
+    /// and the handler runs afresh, as in leased mode). The careful pass goes back to its
+    /// run's savepoint (one subtransaction per delivery, as `MAX_BATCH` counts them);
+    /// the optimistic one sets its own.
+    async fn reconcile<H: Handler>(
+        &self,
+        handler: &H,
+        ctx: &mut Context,
+        message: &H::Message,
+        external_ref: Option<String>,
+        span: &tracing::Span,
+    ) -> Result<Option<H::Output>, HandlerError> {
+        let undo = match self.pass {
+            Pass::Careful => "ROLLBACK TO SAVEPOINT idem_run",
+            Pass::Optimistic => {
+                savepoint(ctx, "SAVEPOINT idem_reconcile").await?;
+                "ROLLBACK TO SAVEPOINT idem_reconcile"
+            }
+        };
+        let asked = caught(handler.reconcile(message, external_ref.as_deref(), ctx));
+        match decision::reconciled(asked.instrument(span.clone()).await) {
+            Reconciled::Applied(output) => Ok(Some(output)),
+            Reconciled::NotApplied => {
+                savepoint(ctx, undo).await?;
+                ctx.take_staged();
+                Ok(None)
+            }
+            Reconciled::Failed(error) => Err(error),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Writing what a transactional batch came to: new records with their outcome, the
 //! fenced outcome of records taken over, and the answer each delivery gets.
 
-use super::{RunResult, TxAnswer, TxRequest, lost_transaction};
+use super::{RunResult, TxAnswer, TxRequest};
 use crate::handler::HandlerError;
 use crate::store::{
     Claim, ClaimRequest, Found, Lease, NewRecord, Status, Store, StoreError, StoredError,
@@ -17,24 +17,22 @@ pub(super) async fn refused(
     error: &StoreError,
 ) -> Result<TxAnswer, StoreError> {
     let why = format!("the result could not be stored: {}", error.describe());
-    let failure = RunResult::Failed(HandlerError::Permanent(why));
+    let failed = HandlerError::Permanent(why);
     let mut tx = store.pool().begin().await?;
     let claims = std::slice::from_ref(&request.claim);
     let found = store.find_in(&mut tx, claims).await?.pop();
     let answer = match found {
         Some(Found::New) => {
-            let Some(record) = new_record(&request.claim, &failure) else {
-                return Err(lost_transaction());
-            };
+            let record = failed_record(&request.claim, &failed);
             match store.insert_in(&mut tx, &[record]).await?.pop().flatten() {
-                Some((id, token)) => answer_of(first_lease(id, token), failure),
+                Some((id, token)) => answer_of(first_lease(id, token), RunResult::Failed(failed)),
                 None => TxAnswer::Found(Claim::InProgress {
                     lease_expires_at: None,
                 }),
             }
         }
         Some(Found::Record(Claim::Claimed(lease) | Claim::Pending { lease, .. })) => {
-            match write_taken(store, &mut tx, &lease, failure).await? {
+            match write_taken(store, &mut tx, &lease, RunResult::Failed(failed)).await? {
                 Some(answer) => answer,
                 None => TxAnswer::Found(Claim::InProgress {
                     lease_expires_at: None,
@@ -58,37 +56,42 @@ pub(super) fn new_record<'a>(
     request: &'a ClaimRequest,
     result: &RunResult,
 ) -> Option<NewRecord<'a>> {
-    let mut record = NewRecord {
-        request,
-        status: Status::Failed,
-        retryable: false,
-        result: None,
-        error: None,
-        external_ref: None,
-    };
     match result {
-        RunResult::Done { output, .. } => {
-            record.status = Status::Completed;
-            record.result = Some(output.clone());
-        }
-        RunResult::Failed(error) => {
-            let (kind, external_ref) = failure_kind(error);
-            if kind == "uncertain" {
-                record.status = Status::Pending;
-            }
-            record.retryable = kind == "transient";
-            record.external_ref = external_ref;
-            record.error = Some(
-                StoredError {
-                    kind,
-                    error: error.message(),
-                }
-                .to_json(),
-            );
-        }
-        RunResult::Refused(_) => return None,
+        RunResult::Done { output, .. } => Some(NewRecord {
+            request,
+            status: Status::Completed,
+            retryable: false,
+            result: Some(output.clone()),
+            error: None,
+            external_ref: None,
+        }),
+        RunResult::Failed(error) => Some(failed_record(request, error)),
+        RunResult::Refused(_) => None,
     }
-    Some(record)
+}
+
+/// The record of a key that had none, with a failure: `failed` (retryable when
+/// transient) or, for an uncertain outcome, `pending` with its external reference.
+fn failed_record<'a>(request: &'a ClaimRequest, error: &HandlerError) -> NewRecord<'a> {
+    let (kind, external_ref) = failure_kind(error);
+    NewRecord {
+        request,
+        status: if kind == "uncertain" {
+            Status::Pending
+        } else {
+            Status::Failed
+        },
+        retryable: kind == "transient",
+        result: None,
+        error: Some(
+            StoredError {
+                kind,
+                error: error.message(),
+            }
+            .to_json(),
+        ),
+        external_ref,
+    }
 }
 
 /// The kind a failure is stored with, and the provider's reference of an uncertain one.
