@@ -64,9 +64,6 @@ pub enum StoreError {
     /// The claim statement returned a row of a kind this version does not know.
     #[error("claim statement returned an unknown row kind {0:?}")]
     UnknownClaimRow(String),
-    /// The worker's batching loop is gone (the worker is shutting down).
-    #[error("the batching loop stopped before answering")]
-    BatchLoopStopped,
     /// Postgres failed or could not be reached.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -83,9 +80,7 @@ impl StoreError {
         match self {
             StoreError::Database(error) => fault::classify(error),
             StoreError::Batch(error) => error.fault(),
-            StoreError::LeaseLost { .. }
-            | StoreError::Contention(_)
-            | StoreError::BatchLoopStopped => Fault::Outage,
+            StoreError::LeaseLost { .. } | StoreError::Contention(_) => Fault::Outage,
             StoreError::NoLeaseExpiry { .. } | StoreError::UnknownClaimRow(_) => Fault::Unknown,
         }
     }

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use super::Failure;
 use crate::fault::Fault;
 use crate::store::StoreError;
 
@@ -74,15 +75,17 @@ impl<Req: Clone + Send + Sync + 'static, Resp: Send + 'static> Batcher<Req, Resp
         Self { tx }
     }
 
-    /// Submits one request and waits for its answer.
-    pub(crate) async fn call(&self, request: Req) -> Result<Resp, StoreError> {
+    /// Submits one request and waits for the store's answer to it. The outer error
+    /// says that no answer will come: the batching loop is gone (it panicked), or a
+    /// batch answered fewer requests than it was given (a bug either way).
+    pub(crate) async fn call(&self, request: Req) -> Result<Result<Resp, StoreError>, Failure> {
         let (reply, answer) = oneshot::channel();
         if self.tx.send((request, reply)).await.is_err() {
-            return Err(StoreError::BatchLoopStopped);
+            return Err(Failure::Internal("the batching loop stopped"));
         }
         match answer.await {
-            Ok(result) => result.map_err(StoreError::Batch),
-            Err(_) => Err(StoreError::BatchLoopStopped),
+            Ok(result) => Ok(result.map_err(StoreError::Batch)),
+            Err(_) => Err(Failure::Internal("a batch gave a request no answer")),
         }
     }
 }
@@ -114,10 +117,14 @@ where
     }
     for (request, reply) in requests.iter().zip(replies) {
         let alone: Arc<[Req]> = Arc::from([request.clone()]);
-        let response = match run(alone).await {
-            Ok(mut responses) => responses.pop().ok_or(StoreError::BatchLoopStopped),
-            Err(error) => Err(error),
-        };
-        let _ = reply.send(response.map_err(Arc::new));
+        match run(alone).await {
+            Ok(mut responses) => {
+                // No response for the request: its caller hears that none will come.
+                if let Some(response) = responses.pop() {
+                    let _ = reply.send(Ok(response));
+                }
+            }
+            Err(error) => drop(reply.send(Err(Arc::new(error)))),
+        }
     }
 }

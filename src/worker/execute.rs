@@ -266,7 +266,7 @@ async fn in_transaction<H: Handler>(
         let answer = transactions
             .call(request.clone())
             .instrument(info_span!("transaction"))
-            .await;
+            .await?;
         let step = match answer {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
             Ok(TxAnswer::Ran(ran, follow_ups)) => {
@@ -285,10 +285,9 @@ async fn in_transaction<H: Handler>(
             Step::ClaimAgain { after } => tokio::time::sleep(after).await,
             // The batch runs and reconciles what it takes; it never hands a lease out.
             Step::Run(_) | Step::Reconcile { .. } => {
-                return Err(StoreError::UnknownClaimRow(
-                    "lease out of a transactional batch".into(),
-                )
-                .into());
+                return Err(Failure::Internal(
+                    "a transactional batch handed a lease out",
+                ));
             }
         }
     }
@@ -305,7 +304,7 @@ async fn claim<H: Handler>(
         .claims
         .call(request.clone())
         .instrument(info_span!("claim"))
-        .await;
+        .await?;
     match claimed {
         Ok(claim) => Ok(decision::on_claim(claim, retries)),
         Err(error) if error.fault() == Fault::Message => Ok(Step::Settle(refused(&error))),

@@ -93,13 +93,13 @@ impl FollowUps {
     /// marks them; returns how many went out.
     async fn dispatch(&self, channel: &FollowUpChannel, ids: &[i64]) -> Result<usize, Failure> {
         let channel = channel.get().await?;
-        let rows = self.takes.call(ids.to_vec()).await?;
+        let rows = self.takes.call(ids.to_vec()).await??;
         // Some taken by a relay: the rest may have to wait for them.
         let check = rows.len() < ids.len();
         let published = outbox::publish(&self.pool, &channel, rows, check, &self.config).await;
         let n = published.ids.len();
         if n > 0 {
-            self.marks.call(published.ids).await?;
+            self.marks.call(published.ids).await??;
         }
         Ok(n)
     }

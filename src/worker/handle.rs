@@ -132,7 +132,7 @@ async fn record<H: Handler>(
     };
     let done = Ran::Completed { reconciled };
     let completed: Result<bool, StoreError> = match tx {
-        None => runtime.completions.call((lease.clone(), output)).await,
+        None => runtime.completions.call((lease.clone(), output)).await?,
         Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
             Ok(()) => {
                 failpoint::hit("before-commit");

@@ -97,6 +97,10 @@ pub(crate) enum Failure {
     /// The broker refused the worker's queues or access: the worker stops with it.
     #[error("the broker refused to serve queue {queue}: {reason}")]
     Refused { queue: String, reason: String },
+    /// An invariant of the worker's own broke (a bug): the delivery is requeued, and
+    /// the safety net bounds how often.
+    #[error("internal: {0}")]
+    Internal(&'static str),
 }
 
 impl Failure {
@@ -108,7 +112,7 @@ impl Failure {
             Failure::Store(error) => error.fault(),
             Failure::Broker(_) | Failure::Publish(_) | Failure::ConsumerCancelled => Fault::Outage,
             Failure::Reparse(_) => Fault::Message,
-            Failure::Refused { .. } => Fault::Unknown,
+            Failure::Refused { .. } | Failure::Internal(_) => Fault::Unknown,
         }
     }
 
