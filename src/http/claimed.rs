@@ -13,19 +13,19 @@ use axum::response::{IntoResponse, Response};
 use tower::Service;
 use tracing::{Instrument, debug, warn};
 
-use super::decision::{self, Reconciled, Verdict};
+use super::decision::{self, AfterReconcile, Verdict};
 use super::problem::Problem;
 use super::record::{answered, free, record_beside_heartbeat, retried, rollback, verdict_of};
 use super::service::{Keyed, call, uncertain};
 use super::tx::{IdempotentRequest, Left, TxSlot};
-use super::{Route, Shared};
+use super::{Route, Settings};
 use crate::handler::Reconciliation;
 use crate::store::lease::beside_heartbeat;
 use crate::store::{Lease, StoredError};
 
 /// A request whose key it holds: what it needs to run to its recorded outcome.
 pub(super) struct Claimed {
-    pub(super) shared: Arc<Shared>,
+    pub(super) shared: Arc<Settings>,
     pub(super) route: Arc<Route>,
     pub(super) keyed: Keyed,
     pub(super) lease: Lease,
@@ -52,10 +52,12 @@ impl Claimed {
         let task = async move {
             if let Some(external_ref) = self.pending.clone() {
                 match self.reconcile(info, external_ref).await {
-                    Reconciled::RunAgain => {}
-                    Reconciled::Answer(response) => return self.record(response).await,
-                    Reconciled::Failed(error) => return self.record(error.into_response()).await,
-                    Reconciled::StillUncertain(why) => {
+                    AfterReconcile::RunAgain => {}
+                    AfterReconcile::Answer(response) => return self.record(response).await,
+                    AfterReconcile::Failed(error) => {
+                        return self.record(error.into_response()).await;
+                    }
+                    AfterReconcile::StillUncertain(why) => {
                         debug!(why = %why, "still uncertain");
                         self.give_back().await;
                         return uncertain(&self.keyed.label);
@@ -90,7 +92,7 @@ impl Claimed {
         &self,
         request: IdempotentRequest,
         external_ref: Option<String>,
-    ) -> Reconciled<Response> {
+    ) -> AfterReconcile<Response> {
         let (store, route) = (&self.shared.store, &self.route);
         let found = match &route.reconcile {
             Some(reconcile) => {
@@ -136,7 +138,7 @@ impl Claimed {
 /// Runs the route for a claimed key, extending the lease while it runs, and records
 /// what it answered.
 async fn run_claimed<S>(
-    shared: &Shared,
+    shared: &Settings,
     inner: S,
     mut request: Request,
     lease: &Lease,
@@ -193,7 +195,7 @@ enum Stopped {
 /// Records what the route answered, as its verdict says: stored with the handler's
 /// writes (or without them), the key freed, or kept pending.
 async fn record_answer(
-    shared: &Shared,
+    shared: &Settings,
     slot: &TxSlot,
     lease: &Lease,
     operation: &str,

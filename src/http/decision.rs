@@ -109,7 +109,7 @@ pub(crate) fn verdict(status: u16, failure: Option<&HandlerError>, decided: bool
 
 /// What a route's reconciler found out about a pending key, `A` its answer.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Reconciled<A> {
+pub(crate) enum AfterReconcile<A> {
     /// The effect did not happen: run the request again, under the same lease.
     RunAgain,
     /// The effect happened: store this answer and send it.
@@ -127,19 +127,21 @@ pub(crate) enum Reconciled<A> {
 pub(crate) fn reconciled<A>(
     found: Result<Result<Reconciliation<A>, HandlerError>, String>,
     storable: impl FnOnce(&A) -> bool,
-) -> Reconciled<A> {
+) -> AfterReconcile<A> {
     match found {
-        Ok(Ok(Reconciliation::NotApplied)) => Reconciled::RunAgain,
-        Ok(Ok(Reconciliation::Applied(answer))) if storable(&answer) => Reconciled::Answer(answer),
+        Ok(Ok(Reconciliation::NotApplied)) => AfterReconcile::RunAgain,
+        Ok(Ok(Reconciliation::Applied(answer))) if storable(&answer) => {
+            AfterReconcile::Answer(answer)
+        }
         Ok(Ok(Reconciliation::Applied(_))) => {
-            Reconciled::StillUncertain("reconcile: an answer that is not to be stored".into())
+            AfterReconcile::StillUncertain("reconcile: an answer that is not to be stored".into())
         }
-        Ok(Err(error @ HandlerError::Permanent(_))) => Reconciled::Failed(error),
+        Ok(Err(error @ HandlerError::Permanent(_))) => AfterReconcile::Failed(error),
         Ok(Ok(Reconciliation::Unknown)) => {
-            Reconciled::StillUncertain("reconcile: still unknown".into())
+            AfterReconcile::StillUncertain("reconcile: still unknown".into())
         }
-        Ok(Err(error)) => Reconciled::StillUncertain(format!("reconcile failed: {error}")),
-        Err(stopped) => Reconciled::StillUncertain(stopped),
+        Ok(Err(error)) => AfterReconcile::StillUncertain(format!("reconcile failed: {error}")),
+        Err(stopped) => AfterReconcile::StillUncertain(stopped),
     }
 }
 
@@ -288,26 +290,26 @@ mod tests {
     #[test]
     fn decision_reconciled_not_applied_runs_the_request_again() {
         let found = reconciled(Ok(Ok(Reconciliation::NotApplied)), storable);
-        assert_eq!(found, Reconciled::RunAgain);
+        assert_eq!(found, AfterReconcile::RunAgain);
     }
 
     #[test]
     fn decision_reconciled_applied_stores_the_answer_to_store() {
         let found = reconciled(Ok(Ok(Reconciliation::Applied(201))), storable);
-        assert_eq!(found, Reconciled::Answer(201));
+        assert_eq!(found, AfterReconcile::Answer(201));
     }
 
     #[test]
     fn decision_reconciled_applied_with_an_answer_not_to_store_stays_uncertain() {
         let found = reconciled(Ok(Ok(Reconciliation::Applied(500))), storable);
-        assert!(matches!(found, Reconciled::StillUncertain(_)));
+        assert!(matches!(found, AfterReconcile::StillUncertain(_)));
     }
 
     #[test]
     fn decision_reconciled_a_permanent_error_is_the_answer() {
         let refused = HandlerError::permanent("refused");
         let found = reconciled::<u16>(Ok(Err(refused.clone())), storable);
-        assert_eq!(found, Reconciled::Failed(refused));
+        assert_eq!(found, AfterReconcile::Failed(refused));
     }
 
     #[test]
@@ -317,7 +319,10 @@ mod tests {
             reconciled::<u16>(Ok(Err(HandlerError::transient("down"))), storable),
             reconciled::<u16>(Err("handler panicked: boom".into()), storable),
         ] {
-            assert!(matches!(found, Reconciled::StillUncertain(_)), "{found:?}");
+            assert!(
+                matches!(found, AfterReconcile::StillUncertain(_)),
+                "{found:?}"
+            );
         }
     }
 }

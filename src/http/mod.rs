@@ -105,12 +105,12 @@ pub type ReconcileFn = dyn Fn(
 /// [`Idempotency::optional`].
 #[derive(Clone)]
 pub struct Idempotency {
-    shared: Arc<Shared>,
+    shared: Arc<Settings>,
 }
 
 /// What every route of one [`Idempotency`] shares.
 #[derive(Clone)]
-pub(crate) struct Shared {
+pub(crate) struct Settings {
     pub(crate) store: Store,
     pub(crate) scope: Arc<ScopeFn>,
     pub(crate) max_body: usize,
@@ -133,7 +133,7 @@ impl Idempotency {
         scope: impl Fn(&Parts) -> Result<String, Response> + Send + Sync + 'static,
     ) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            shared: Arc::new(Settings {
                 store,
                 scope: Arc::new(scope),
                 max_body: DEFAULT_MAX_BODY_BYTES,
@@ -214,7 +214,7 @@ impl Idempotency {
 /// route's method router, so that the matched route names the operation.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
-    shared: Arc<Shared>,
+    shared: Arc<Settings>,
     route: Arc<Route>,
 }
 
@@ -303,7 +303,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[derive(Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
-    shared: Arc<Shared>,
+    shared: Arc<Settings>,
     route: Arc<Route>,
 }
 

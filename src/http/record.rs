@@ -11,7 +11,7 @@ use backon::{ExponentialBuilder, Retryable};
 use sqlx::{Postgres, Transaction};
 use tracing::{debug, warn};
 
-use super::Shared;
+use super::Settings;
 use super::decision::{self, Verdict};
 use super::problem::{Decided, Failure, Problem};
 use super::request::{Unread, read_limited};
@@ -32,7 +32,7 @@ pub(super) fn verdict_of(response: &Response) -> Verdict {
 /// [`record`] while heartbeats keep the lease: reading a slow streamed answer must not
 /// let the lease lapse under it.
 pub(super) async fn record_beside_heartbeat(
-    shared: &Shared,
+    shared: &Settings,
     lease: &Lease,
     operation: &str,
     response: Response,
@@ -51,7 +51,7 @@ pub(super) async fn record_beside_heartbeat(
 /// Stores `response` as the key's answer, in `tx` with the handler's writes when there
 /// is one, and sends it; or, when it cannot be stored, sends why.
 pub(super) async fn record(
-    shared: &Shared,
+    shared: &Settings,
     lease: &Lease,
     operation: &str,
     response: Response,

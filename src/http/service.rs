@@ -25,7 +25,7 @@ use super::request::{
 };
 use super::stored::StoredResponse;
 use super::tx::{Left, TxSlot};
-use super::{Route, Shared};
+use super::{Route, Settings};
 use crate::key::Key;
 use crate::store::{Origin, Status};
 use crate::trace;
@@ -41,7 +41,7 @@ const PENDING_RETRY_AFTER: Duration = Duration::from_secs(30);
 
 /// Serves one request on a route behind the layer.
 pub(super) async fn serve<S>(
-    shared: Arc<Shared>,
+    shared: Arc<Settings>,
     route: Arc<Route>,
     inner: S,
     request: Request,
@@ -74,7 +74,7 @@ pub(super) struct Keyed {
 /// The request's key, `None` when it needs none (a safe method, or no key on a route
 /// where it is optional), or the answer that refuses it. The principal comes first: an
 /// anonymous client learns nothing but the application's rejection (typically 401).
-fn keyed(shared: &Shared, route: &Route, parts: &Parts) -> Result<Option<Keyed>, Box<Response>> {
+fn keyed(shared: &Settings, route: &Route, parts: &Parts) -> Result<Option<Keyed>, Box<Response>> {
     if is_safe(&parts.method) {
         return Ok(None);
     }
@@ -131,7 +131,7 @@ fn request_span(keyed: &Keyed, parts: &Parts) -> Span {
 /// Reads and fingerprints a keyed request, claims its key, and does what the claim
 /// decides (`decision::on_claim`).
 async fn serve_keyed<S>(
-    shared: Arc<Shared>,
+    shared: Arc<Settings>,
     route: Arc<Route>,
     inner: S,
     (parts, body): (Parts, Body),
@@ -242,7 +242,7 @@ pub(super) fn uncertain(operation: &str) -> Response {
 /// Runs a request that has no key (a safe method, or a route where the key is
 /// optional): its transaction commits unless the answer would have freed a key (an
 /// error, a refusal, 500 or more) or was uncertain.
-async fn run_unkeyed<S>(shared: &Shared, inner: S, mut request: Request) -> Response
+async fn run_unkeyed<S>(shared: &Settings, inner: S, mut request: Request) -> Response
 where
     S: Service<Request, Response = Response, Error = Infallible>,
 {
@@ -273,7 +273,7 @@ where
 }
 
 /// The answer of a poll of a 202's `Location`.
-pub(super) async fn poll(shared: &Shared, key: &Key) -> Response {
+pub(super) async fn poll(shared: &Settings, key: &Key) -> Response {
     let record = match shared.store.get(key).await {
         Ok(record) => record,
         Err(error) => return store_unavailable(key.operation(), "cannot read the key", &error),

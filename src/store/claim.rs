@@ -251,7 +251,7 @@ impl Store {
                 .claim_once(&CLAIM_SQL, key, fingerprint, origin)
                 .await?;
             if let Some(row) = row
-                && let Some(claim) = decide(row, fingerprint)?
+                && let Some(claim) = claim_of(row, fingerprint)?
             {
                 return Ok(claim);
             }
@@ -288,7 +288,7 @@ impl Store {
             if uncertain && !reconcile {
                 return Ok(RequestClaim::Uncertain);
             }
-            if let Some(claim) = decide(row, fingerprint)? {
+            if let Some(claim) = claim_of(row, fingerprint)? {
                 return Ok(RequestClaim::Claim(claim));
             }
         }
@@ -367,7 +367,7 @@ impl Store {
                 row.idempotency_key.as_str(),
             );
             if let Some(&i) = first.get(&slot) {
-                results[i] = decide(row.row, &inputs[i].fingerprint)?;
+                results[i] = claim_of(row.row, &inputs[i].fingerprint)?;
             }
         }
         // Copies of a key within the batch, and keys whose snapshot was stale: one at a
@@ -457,7 +457,7 @@ impl Store {
 
 /// Turns the claim statement's row into a [`Claim`]; `None` when the snapshot was stale
 /// and the statement must run again.
-pub(super) fn decide(
+pub(super) fn claim_of(
     row: ClaimRow,
     fingerprint: &Fingerprint,
 ) -> Result<Option<Claim>, StoreError> {

@@ -93,43 +93,73 @@ impl Encode<'_, Postgres> for Status {
     }
 }
 
-/// One row of `processed_operations`, as loaded by [`crate::Store::get`].
+/// One row of `processed_operations`, as loaded by [`crate::Store::get`]: what an
+/// operator reads about an operation (docs/DESIGN.md, "The record").
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-#[allow(missing_docs)]
 pub struct Record {
+    /// The row's primary key; a lease token names a lease only together with it.
     pub id: i64,
+    /// The tenant or actor: the key's first part.
     pub scope: String,
+    /// The handler's operation name (`orders.create`) or an HTTP route
+    /// (`POST /payments`): the key's second part.
     pub operation: String,
+    /// Derived from the business event ID (a message) or the `Idempotency-Key` header
+    /// (a request): the key's third part.
     pub idempotency_key: String,
+    /// The fingerprint of the payload the key was first used with, as 64 hex digits:
+    /// another payload under the key is a conflict.
     pub payload_sha256: String,
+    /// Where the operation stands.
     pub status: Status,
+    /// For a `failed` record: whether a later delivery may run it again.
     pub retryable: bool,
+    /// How many claims the key had (each claim, takeover or retry counts one).
     pub attempts: i32,
+    /// The fencing token of the last claim: every outcome write must name it.
     pub lease_token: i64,
+    /// When the current lease lapses (database clock); none when nobody holds one.
     pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The worker (or server) that last claimed the key.
     pub owner: Option<String>,
+    /// A completed operation's stored result (an HTTP request's: its stored answer),
+    /// replayed to duplicates.
     pub result: Option<Value>,
+    /// What failed, with its kind (`transient`, `permanent`, `uncertain`).
     pub error: Option<Value>,
+    /// The provider's reference of an uncertain outcome, for reconciliation.
     pub external_ref: Option<String>,
     /// The outcome was uncertain once (`pending`, or an effect whose result could not
     /// be stored): the operation is reconciled before it may run again.
     pub reconcile_first: bool,
+    /// The first delivery's correlation id (a request's `x-correlation-id`).
     pub correlation_id: Option<String>,
+    /// The first delivery's AMQP message id.
     pub message_id: Option<String>,
     /// The W3C trace id of the delivery or request that inserted the record or last
     /// took it over (a claim without a trace keeps the one there).
     pub trace_id: Option<String>,
+    /// When a dead letter of the operation was last published (confirmed); cleared with
+    /// the last pin.
     pub dead_lettered_at: Option<DateTime<Utc>>,
     /// Dead letters of the operation that may wait in a DLQ: counted before each is
     /// published, one taken away by each replay or discard. While any is left, the
     /// record is pinned: gc keeps it.
     pub dead_letters: i32,
+    /// How many times a replay took the operation back.
     pub replay_count: i32,
+    /// When the last replay did.
     pub last_replayed_at: Option<DateTime<Utc>>,
+    /// When an operator discarded its dead letter: a later duplicate of a failure is
+    /// acked, not run or dead-lettered again.
     pub discarded_at: Option<DateTime<Utc>>,
+    /// When the key was first claimed.
     pub created_at: DateTime<Utc>,
+    /// When the record last changed.
     pub updated_at: DateTime<Utc>,
+    /// When the operation completed.
     pub completed_at: Option<DateTime<Utc>>,
+    /// When gc may delete the record; none: kept (in flight, failed or pending).
     pub expires_at: Option<DateTime<Utc>>,
 }
 

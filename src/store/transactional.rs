@@ -15,7 +15,7 @@ use std::time::Instant;
 use serde_json::Value;
 use sqlx::PgConnection;
 
-use super::claim::decide;
+use super::claim::claim_of;
 use super::record::{Claim, ClaimRequest, Status, storable};
 use super::{Store, StoreError, millis};
 use crate::metrics;
@@ -25,7 +25,7 @@ use crate::metrics;
 pub(crate) enum Found {
     /// No record: run the handler, then insert the record with its outcome.
     New,
-    /// A record that changed between the statement's snapshot and its update: decide
+    /// A record that changed between the statement's snapshot and its update: claim_of
     /// again later.
     Stale,
     /// A record: taken over (run or reconcile under the lease), or reported.
@@ -90,7 +90,7 @@ impl Store {
                 row.idempotency_key.as_str(),
             );
             if let Some(&i) = index.get(&slot) {
-                found[i] = match decide(row.row, &inputs[i].fingerprint)? {
+                found[i] = match claim_of(row.row, &inputs[i].fingerprint)? {
                     Some(claim) => Found::Record(claim),
                     None => Found::Stale,
                 };

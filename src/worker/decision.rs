@@ -172,7 +172,7 @@ impl Retries<'_> {
     }
 }
 
-fn settle(action: Settle, outcome: Outcome) -> Step {
+fn finish(action: Settle, outcome: Outcome) -> Step {
     Step::Settle(Verdict { action, outcome })
 }
 
@@ -189,7 +189,7 @@ fn dead_letter(
         attempts: i64::from(attempts),
         pin,
     };
-    settle(Settle::DeadLetter(order), outcome)
+    finish(Settle::DeadLetter(order), outcome)
 }
 
 /// A body that is not a JSON object, does not fit the message, has no valid key, or
@@ -265,8 +265,8 @@ pub(crate) fn on_claim(claim: Claim, retries: Retries<'_>) -> Step {
             lease,
             external_ref,
         },
-        Claim::Completed { .. } => settle(Settle::Ack, Outcome::DuplicateCompleted),
-        Claim::InProgress { .. } => settle(retries.later(), Outcome::DuplicateInProgress),
+        Claim::Completed { .. } => finish(Settle::Ack, Outcome::DuplicateCompleted),
+        Claim::InProgress { .. } => finish(retries.later(), Outcome::DuplicateInProgress),
         Claim::Conflict { .. } => dead_letter(
             Reason::FingerprintConflict,
             CONFLICT,
@@ -277,7 +277,7 @@ pub(crate) fn on_claim(claim: Claim, retries: Retries<'_>) -> Step {
         Claim::FailedForGood {
             dead_lettered: true,
             ..
-        } => settle(Settle::Ack, Outcome::DuplicateFailed),
+        } => finish(Settle::Ack, Outcome::DuplicateFailed),
         // The worker that failed it died before publishing the dead letter: publish it.
         Claim::FailedForGood {
             id,
@@ -298,12 +298,12 @@ pub(crate) fn on_claim(claim: Claim, retries: Retries<'_>) -> Step {
 /// in-process retry, `None` once those are used up.
 pub(crate) fn after_run(ran: Ran, immediate: Option<Duration>, retries: Retries<'_>) -> Step {
     match ran {
-        Ran::Completed { reconciled: false } => settle(Settle::Ack, Outcome::Executed),
-        Ran::Completed { reconciled: true } => settle(Settle::Ack, Outcome::Reconciled),
-        Ran::LeaseLost => settle(retries.later(), Outcome::LeaseLost),
+        Ran::Completed { reconciled: false } => finish(Settle::Ack, Outcome::Executed),
+        Ran::Completed { reconciled: true } => finish(Settle::Ack, Outcome::Reconciled),
+        Ran::LeaseLost => finish(retries.later(), Outcome::LeaseLost),
         Ran::Transient { lease, error } => match (immediate, retries.next()) {
             (Some(after), _) => Step::ClaimAgain { after },
-            (None, Some(retry)) => settle(retry, Outcome::FailedTransient),
+            (None, Some(retry)) => finish(retry, Outcome::FailedTransient),
             (None, None) => dead_letter(
                 Reason::RetriesExhausted,
                 error,
@@ -320,7 +320,7 @@ pub(crate) fn after_run(ran: Ran, immediate: Option<Duration>, retries: Retries<
             Outcome::FailedPermanent,
         ),
         Ran::Pending { lease } => match retries.next() {
-            Some(retry) => settle(retry, Outcome::Pending),
+            Some(retry) => finish(retry, Outcome::Pending),
             None => dead_letter(
                 Reason::RetriesExhausted,
                 STILL_PENDING,

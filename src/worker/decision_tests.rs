@@ -51,7 +51,7 @@ fn decision_completed_same_payload_is_acked_without_running() {
     };
     assert_eq!(
         on_claim(claim, retries(&p, 0)),
-        settle(Settle::Ack, Outcome::DuplicateCompleted)
+        finish(Settle::Ack, Outcome::DuplicateCompleted)
     );
 }
 
@@ -63,7 +63,7 @@ fn decision_other_payload_is_a_conflict_dead_lettered_without_a_pin() {
     };
     assert_eq!(
         on_claim(claim, retries(&p, 2)),
-        settle(
+        finish(
             dead(Reason::FingerprintConflict, CONFLICT, 0, None),
             Outcome::Conflict
         )
@@ -82,7 +82,7 @@ fn decision_live_lease_retries_later_without_spending_a_retry() {
     };
     assert_eq!(
         on_claim(claim.clone(), retries(&p, 1)),
-        settle(later, Outcome::DuplicateInProgress)
+        finish(later, Outcome::DuplicateInProgress)
     );
     // Even when the delayed retries are used up: it is not this message's failure.
     assert!(matches!(
@@ -99,7 +99,7 @@ fn decision_live_lease_retries_later_without_spending_a_retry() {
     };
     assert_eq!(
         on_claim(claim, retries(&none, 0)),
-        settle(
+        finish(
             Settle::Requeue {
                 after: none.max_backoff
             },
@@ -139,7 +139,7 @@ fn decision_failed_for_good_and_dead_lettered_is_acked() {
     };
     assert_eq!(
         on_claim(claim, retries(&p, 0)),
-        settle(Settle::Ack, Outcome::DuplicateFailed)
+        finish(Settle::Ack, Outcome::DuplicateFailed)
     );
 }
 
@@ -154,7 +154,7 @@ fn decision_failed_for_good_without_its_dead_letter_publishes_it() {
     };
     assert_eq!(
         on_claim(claim, retries(&p, 0)),
-        settle(
+        finish(
             dead(Reason::PermanentFailure, "invalid amount", 2, Some(7)),
             Outcome::FailedPermanent
         )
@@ -181,7 +181,7 @@ fn decision_pending_is_reconciled_never_run_blindly() {
 fn decision_malformed_is_dead_lettered_without_key_or_pin() {
     assert_eq!(
         Step::Settle(malformed("body is not JSON".into())),
-        settle(
+        finish(
             dead(Reason::Malformed, "body is not JSON", 0, None),
             Outcome::Malformed
         )
@@ -194,12 +194,12 @@ fn decision_completed_run_is_acked() {
     let ran = Ran::Completed { reconciled: false };
     assert_eq!(
         after_run(ran, None, retries(&p, 0)),
-        settle(Settle::Ack, Outcome::Executed)
+        finish(Settle::Ack, Outcome::Executed)
     );
     let reconciled = Ran::Completed { reconciled: true };
     assert_eq!(
         after_run(reconciled, None, retries(&p, 0)),
-        settle(Settle::Ack, Outcome::Reconciled)
+        finish(Settle::Ack, Outcome::Reconciled)
     );
 }
 
@@ -224,7 +224,7 @@ fn decision_transient_failure_then_goes_through_the_retry_tiers() {
         lease: lease(3, false),
         error: "timeout".into(),
     };
-    let tier = |delay, retries| settle(Settle::Retry { delay, retries }, Outcome::FailedTransient);
+    let tier = |delay, retries| finish(Settle::Retry { delay, retries }, Outcome::FailedTransient);
     assert_eq!(
         after_run(ran.clone(), None, retries(&p, 0)),
         tier(Duration::from_secs(5), 1)
@@ -244,7 +244,7 @@ fn decision_transient_failure_past_every_retry_is_dead_lettered_and_pinned() {
     };
     assert_eq!(
         after_run(ran, None, retries(&p, 2)),
-        settle(
+        finish(
             dead(Reason::RetriesExhausted, "timeout", 5, Some(7)),
             Outcome::RetriesExhausted
         )
@@ -260,7 +260,7 @@ fn decision_permanent_failure_is_dead_lettered_at_once_and_pinned() {
     };
     assert_eq!(
         after_run(ran, Some(Duration::from_millis(100)), retries(&p, 0)),
-        settle(
+        finish(
             dead(Reason::PermanentFailure, "invalid amount", 1, Some(7)),
             Outcome::FailedPermanent
         )
@@ -275,7 +275,7 @@ fn decision_uncertain_outcome_waits_in_the_retry_tiers_to_reconcile() {
     };
     assert_eq!(
         after_run(ran, Some(Duration::from_millis(100)), retries(&p, 0)),
-        settle(
+        finish(
             Settle::Retry {
                 delay: Duration::from_secs(5),
                 retries: 1
@@ -293,7 +293,7 @@ fn decision_pending_past_every_retry_is_dead_lettered_with_its_attempts_and_pinn
     };
     assert_eq!(
         after_run(ran, None, retries(&p, 2)),
-        settle(
+        finish(
             dead(Reason::RetriesExhausted, STILL_PENDING, 4, Some(7)),
             Outcome::RetriesExhausted
         )
@@ -305,7 +305,7 @@ fn decision_lost_lease_leaves_the_outcome_to_the_new_owner() {
     let p = policy();
     assert_eq!(
         after_run(Ran::LeaseLost, None, retries(&p, 2)),
-        settle(
+        finish(
             Settle::Retry {
                 delay: Duration::from_secs(5),
                 retries: 2
