@@ -6,7 +6,8 @@
 //!
 //! - `record`: what the store holds and answers ([`Status`], [`Record`], the lease a
 //!   claim grants, what a claim found);
-//! - `claim`: the statements that decide whether a delivery may run;
+//! - `claim`: the statement that decides whether a delivery (or a request) may run;
+//! - `claim_batch`: the same for the deliveries that arrived together, in two statements;
 //! - `outcome`: the lease holder's fenced writes (heartbeat, complete, fail, pending);
 //! - `lease`: keeping a lease while work runs (heartbeats beside it, panics caught);
 //! - `operate`: what operators do (get, list, release, replay, discard);
@@ -22,6 +23,7 @@ use sqlx::PgPool;
 use crate::fault::{self, Fault};
 
 mod claim;
+mod claim_batch;
 pub mod gc;
 pub(crate) mod lease;
 mod operate;
