@@ -131,93 +131,129 @@ fn parse_status(text: &str) -> Result<Status, String> {
 pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
     let store = store(cli).await?;
     match command {
-        Ops::Show { key, json } => {
-            let key = key.resolve(&store).await?;
-            let Some(record) = store.get(&key).await? else {
-                bail!(
-                    "no record for {key} (scope {}, key {})",
-                    key.scope(),
-                    key.idempotency_key()
-                );
-            };
-            if *json {
-                say!("{}", serde_json::to_string_pretty(&record)?);
-            } else {
-                print_record(&record);
-            }
-        }
+        Ops::Show { key, json } => show(&store, key, *json).await,
         Ops::List {
             status,
             older_than,
             limit,
             json,
-        } => {
-            let records = store.list(*status, *older_than, *limit).await?;
-            if *json {
-                say!("{}", serde_json::to_string_pretty(&records)?);
-            } else {
-                say!(
-                    "{} {} operations not updated for {:?}, oldest first",
-                    records.len(),
-                    status,
-                    older_than
-                );
-                for r in &records {
-                    say!(
-                        "  {}  {} / {} / {}  attempts {}  owner {}  lease until {}  {}",
-                        r.updated_at.to_rfc3339(),
-                        r.scope,
-                        r.operation,
-                        r.idempotency_key,
-                        r.attempts,
-                        r.owner.as_deref().unwrap_or("-"),
-                        r.lease_expires_at
-                            .map(|t| t.to_rfc3339())
-                            .unwrap_or_else(|| "-".into()),
-                        r.error.as_ref().map(|e| e.to_string()).unwrap_or_default(),
-                    );
-                }
-            }
-        }
-        Ops::Release { key } => {
-            let key = key.resolve(&store).await?;
-            match store.release(&key).await? {
-                Some(r) => say!(
-                    "released {} / {} / {}: status {}, lease token {} expired now; the next delivery takes it over",
-                    r.scope,
-                    r.operation,
-                    r.idempotency_key,
-                    r.status,
-                    r.lease_token
-                ),
-                None => bail!(match store.get(&key).await? {
-                    Some(r) if r.status == idem::Status::Pending => format!(
-                        "{key} is pending, not released: a lease on it is a reconciler's and \
-                         lapses on its own; once the provider says the effect did not happen, \
-                         settle it with `idem ops resolve --not-applied --token {}`",
-                        r.lease_token
-                    ),
-                    Some(r) =>
-                        format!("{key} is {}, not processing: no lease to release", r.status),
-                    None => format!("no record for {key}"),
-                }),
-            }
-        }
+        } => list(&store, *status, *older_than, *limit, *json).await,
+        Ops::Release { key } => release(&store, key).await,
         Ops::Resolve {
             key, note, token, ..
-        } => {
-            let key = key.resolve(&store).await?;
-            match store.resolve_not_applied(&key, *token, note).await? {
-                Some(r) => say!(
-                    "resolved {} / {} / {} as not applied: now failed (retryable) after {} attempt(s); the next delivery or request runs it again",
-                    r.scope,
-                    r.operation,
-                    r.idempotency_key,
-                    r.attempts
-                ),
-                None => bail!(unresolved(&key, store.get(&key).await?.as_ref(), *token)),
-            }
-        }
+        } => resolve(&store, key, *token, note).await,
+    }
+}
+
+/// `idem ops show`: one record, whole.
+async fn show(store: &Store, key: &KeyArgs, json: bool) -> anyhow::Result<()> {
+    let key = key.resolve(store).await?;
+    let Some(record) = store.get(&key).await? else {
+        bail!(
+            "no record for {key} (scope {}, key {})",
+            key.scope(),
+            key.idempotency_key()
+        );
+    };
+    if json {
+        say!("{}", serde_json::to_string_pretty(&record)?);
+    } else {
+        print_record(&record);
+    }
+    Ok(())
+}
+
+/// `idem ops list`: records in a status not updated for a while, oldest first.
+async fn list(
+    store: &Store,
+    status: Status,
+    older_than: Duration,
+    limit: i64,
+    json: bool,
+) -> anyhow::Result<()> {
+    let records = store.list(status, older_than, limit).await?;
+    if json {
+        say!("{}", serde_json::to_string_pretty(&records)?);
+        return Ok(());
+    }
+    say!(
+        "{} {status} operations not updated for {}, oldest first",
+        records.len(),
+        humane(older_than)
+    );
+    for r in &records {
+        say!(
+            "  {}  {} / {} / {}  attempts {}  owner {}  lease until {}  {}",
+            r.updated_at.to_rfc3339(),
+            r.scope,
+            r.operation,
+            r.idempotency_key,
+            r.attempts,
+            r.owner.as_deref().unwrap_or("-"),
+            r.lease_expires_at
+                .map(|t| t.to_rfc3339())
+                .unwrap_or_else(|| "-".into()),
+            r.error.as_ref().map(|e| e.to_string()).unwrap_or_default(),
+        );
+    }
+    Ok(())
+}
+
+/// A duration as `--older-than` takes it, in its largest whole unit (`90s`, `10m`, `2h`,
+/// `7d`), `0s` for none: what the command prints can be pasted back.
+fn humane(d: Duration) -> String {
+    let ms = d.as_millis();
+    let units: [(u128, &str); 5] = [
+        (86_400_000, "d"),
+        (3_600_000, "h"),
+        (60_000, "m"),
+        (1_000, "s"),
+        (1, "ms"),
+    ];
+    match units.iter().find(|(unit, _)| ms >= *unit && ms % unit == 0) {
+        Some((unit, name)) => format!("{}{name}", ms / unit),
+        None => "0s".into(),
+    }
+}
+
+/// `idem ops release`: ends a processing record's lease (its worker is dead).
+async fn release(store: &Store, key: &KeyArgs) -> anyhow::Result<()> {
+    let key = key.resolve(store).await?;
+    match store.release(&key).await? {
+        Some(r) => say!(
+            "released {} / {} / {}: status {}, lease token {} expired now; the next delivery takes it over",
+            r.scope,
+            r.operation,
+            r.idempotency_key,
+            r.status,
+            r.lease_token
+        ),
+        None => bail!(match store.get(&key).await? {
+            Some(r) if r.status == Status::Pending => format!(
+                "{key} is pending, not released: a lease on it is a reconciler's and lapses on \
+                 its own; once the provider says the effect did not happen, settle it with \
+                 `idem ops resolve --not-applied --token {}`",
+                r.lease_token
+            ),
+            Some(r) => format!("{key} is {}, not processing: no lease to release", r.status),
+            None => format!("no record for {key}"),
+        }),
+    }
+    Ok(())
+}
+
+/// `idem ops resolve --not-applied`: settles an uncertain operation by hand.
+async fn resolve(store: &Store, key: &KeyArgs, token: i64, note: &str) -> anyhow::Result<()> {
+    let key = key.resolve(store).await?;
+    match store.resolve_not_applied(&key, token, note).await? {
+        Some(r) => say!(
+            "resolved {} / {} / {} as not applied: now failed (retryable) after {} attempt(s); the next delivery or request runs it again",
+            r.scope,
+            r.operation,
+            r.idempotency_key,
+            r.attempts
+        ),
+        None => bail!(unresolved(&key, store.get(&key).await?.as_ref(), token)),
     }
     Ok(())
 }
@@ -315,4 +351,23 @@ fn print_record(r: &Record) {
     say!("updated_at        {}", r.updated_at.to_rfc3339());
     say!("completed_at      {}", t(r.completed_at));
     say!("expires_at        {}", t(r.expires_at));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_print_as_the_flag_takes_them() {
+        for (d, text) in [
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(90), "90s"),
+            (Duration::from_secs(600), "10m"),
+            (Duration::from_secs(7 * 86_400), "7d"),
+            (Duration::from_millis(1500), "1500ms"),
+        ] {
+            assert_eq!(humane(d), text);
+            assert_eq!(parse_duration(text), Ok(d), "{text} reads back");
+        }
+    }
 }
