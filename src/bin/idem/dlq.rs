@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use idem::replay::{self, Action, Filter, Options};
+use lapin::Connection;
 use serde_json::json;
 
 use crate::{Cli, broker, store};
@@ -98,36 +99,28 @@ impl FilterArgs {
             ..Filter::default()
         }
     }
+
+    /// What a replay or discard pass is told: this filter, this hold.
+    fn options(&self, dry_run: bool, pace: Option<Duration>) -> Options {
+        Options {
+            filter: self.filter(),
+            dry_run,
+            pace,
+            hold: Some(self.hold),
+        }
+    }
 }
 
 /// Runs one `idem dlq` command.
 pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
     let connection = broker(cli).await?;
-    match command {
-        Dlq::List { queue, limit, json } => {
-            let dlq = replay::dlq_of(&queue.queue);
-            let messages = replay::peek(&connection, &dlq, &Filter::default(), *limit)
-                .await
-                .with_context(|| format!("read {dlq}"))?;
-            let groups = replay::group(&messages);
-            if *json {
-                say!(
-                    "{}",
-                    serde_json::to_string_pretty(
-                        &json!({"dlq": dlq, "messages": messages.len(), "groups": groups})
-                    )?
-                );
-            } else {
-                print_groups(&dlq, messages.len(), &groups);
-            }
-        }
+    let done = match command {
+        Dlq::List { queue, limit, json } => list(&connection, &queue.queue, *limit, *json).await,
         Dlq::Show {
             queue,
             filter,
             json,
-        } => {
-            show(&connection, &queue.queue, filter, *json).await?;
-        }
+        } => show(&connection, &queue.queue, filter, *json).await,
         Dlq::Replay {
             queue,
             filter,
@@ -140,12 +133,7 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 Some(_) => bail!("--max-rate must be above 0"),
                 None => None,
             };
-            let options = Options {
-                filter: filter.filter(),
-                dry_run: *dry_run,
-                pace,
-                hold: Some(filter.hold),
-            };
+            let options = filter.options(*dry_run, pace);
             act(
                 cli,
                 &connection,
@@ -154,7 +142,7 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 &options,
                 *json,
             )
-            .await?;
+            .await
         }
         Dlq::Discard {
             queue,
@@ -162,12 +150,7 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
             dry_run,
             json,
         } => {
-            let options = Options {
-                filter: filter.filter(),
-                dry_run: *dry_run,
-                pace: None,
-                hold: Some(filter.hold),
-            };
+            let options = filter.options(*dry_run, None);
             act(
                 cli,
                 &connection,
@@ -176,16 +159,41 @@ pub(crate) async fn run(cli: &Cli, command: &Dlq) -> anyhow::Result<()> {
                 &options,
                 *json,
             )
-            .await?;
+            .await
         }
-    }
+    };
     let _ = connection.close(200, "done".into()).await;
+    done
+}
+
+/// `idem dlq list`: a DLQ's letters grouped by why they died.
+async fn list(
+    connection: &Connection,
+    queue: &str,
+    limit: usize,
+    json: bool,
+) -> anyhow::Result<()> {
+    let dlq = replay::dlq_of(queue);
+    let messages = replay::peek(connection, &dlq, &Filter::default(), limit)
+        .await
+        .with_context(|| format!("read {dlq}"))?;
+    let groups = replay::group(&messages);
+    if json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"dlq": dlq, "messages": messages.len(), "groups": groups})
+            )?
+        );
+    } else {
+        print_groups(&dlq, messages.len(), &groups);
+    }
     Ok(())
 }
 
 /// Prints the selected dead letters with their `idem-*` headers and body.
 async fn show(
-    connection: &lapin::Connection,
+    connection: &Connection,
     queue: &str,
     filter: &FilterArgs,
     json: bool,
@@ -245,7 +253,7 @@ fn print_groups(dlq: &str, total: usize, groups: &[replay::Group]) {
 
 async fn act(
     cli: &Cli,
-    connection: &lapin::Connection,
+    connection: &Connection,
     queue: &str,
     action: Action,
     options: &Options,

@@ -285,7 +285,15 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
         }
         _ => Vec::new(),
     };
-    let (lines, totals) = delivery_lines(&times, &tallied);
+    let mut body = deliveries(&times, &tallied);
+    body.push_str(&records(&times, &minutes));
+    body.push_str(&sampled(&console.samples.snapshot()));
+    html::page("Charts", &body).into_response()
+}
+
+/// The workers' tallies: the sum per line, the chart, the total per operation and outcome.
+fn deliveries(times: &[DateTime<Utc>], tallied: &[MinuteCount]) -> String {
+    let (lines, totals) = delivery_lines(times, tallied);
     let mut body = format!("<p>Deliveries in the last {WINDOW_MINUTES} minutes:");
     for (line, values) in Line::ALL.iter().zip(&lines) {
         let _ = write!(
@@ -310,7 +318,7 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
     body.push_str(&line_chart(
         "deliveries",
         "Deliveries per minute",
-        &times,
+        times,
         &series,
     ));
     let rows: Vec<Vec<String>> = totals
@@ -322,11 +330,15 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
         &["operation", "outcome", "deliveries"],
         &rows,
     ));
+    body
+}
+
+/// The records' minutes: completed first time, after a retry, dead and still in a DLQ.
+fn records(times: &[DateTime<Utc>], minutes: &[Minute]) -> String {
     let column =
         |f: fn(&Minute) -> i64| -> Vec<f64> { minutes.iter().map(|m| f(m) as f64).collect() };
     let total = |f: fn(&Minute) -> i64| -> i64 { minutes.iter().map(f).sum() };
-    let _ = write!(
-        body,
+    let mut body = format!(
         "<p>From the records, last {} minutes: \
          <span id=\"completed-first\">{}</span> completed on the first run, \
          <span id=\"completed-retried\">{}</span> after a retry, \
@@ -339,7 +351,7 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
     body.push_str(&line_chart(
         "operations",
         "Operations per minute (from the records)",
-        &times,
+        times,
         &[
             ("completed, first run", "#1a7f37", column(|m| m.first_runs)),
             ("completed after a retry", "#9a6700", column(|m| m.retried)),
@@ -350,7 +362,11 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
             ),
         ],
     ));
-    let samples = console.samples.snapshot();
+    body
+}
+
+/// What the console sampled since it started: queue depths and the outbox's oldest age.
+fn sampled(samples: &[Sample]) -> String {
     let times: Vec<_> = samples.iter().map(|s| s.at).collect();
     let colours = [
         "#0969da", "#cf222e", "#8250df", "#bf3989", "#1a7f37", "#9a6700",
@@ -376,7 +392,7 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
             (name.as_str(), colours[i % colours.len()], values)
         })
         .collect();
-    body.push_str(&line_chart(
+    let mut body = line_chart(
         "depths",
         &format!(
             "Queue depths (ready messages, sampled every {} s)",
@@ -384,7 +400,7 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
         ),
         &times,
         &depth_series,
-    ));
+    );
     let ages: Vec<f64> = samples
         .iter()
         .map(|s| s.outbox_age_s.unwrap_or(0.0))
@@ -395,7 +411,7 @@ pub(super) async fn page(State(console): State<Arc<Console>>) -> Response {
         &times,
         &[("oldest age", "#8250df", ages)],
     ));
-    html::page("Charts", &body).into_response()
+    body
 }
 
 #[cfg(test)]

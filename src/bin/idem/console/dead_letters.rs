@@ -22,115 +22,135 @@ pub(super) async fn dead_letters(State(console): State<Arc<Console>>) -> Respons
     };
     let mut body = String::new();
     for queue in &console.queues {
-        let dlq = replay::dlq_of(queue);
-        let messages = match replay::peek(&connection, &dlq, &Filter::default(), DLQ_READ).await {
-            Ok(messages) => messages,
-            Err(error) => return failed(&format!("reading {dlq}"), &error.into()),
-        };
-        body.push_str(&format!(
-            "<h2>{}</h2><p>{} dead letter(s){}</p>",
-            escape(&dlq),
-            messages.len(),
-            if messages.len() == DLQ_READ {
-                " (the first read)"
-            } else {
-                ""
-            }
-        ));
-        // What a replay would do with each letter: one read of all their records.
-        let previews = match replay::preview_all(&console.store, &messages).await {
-            Ok(previews) => previews,
-            Err(error) => return failed("the store", &error.into()),
-        };
-        let mut rows = Vec::new();
-        let mut listed = String::new();
-        for group in replay::group(&messages) {
-            let key = (
-                group.reason.as_str(),
-                group.operation.as_str(),
-                group.error.as_str(),
-            );
-            let members: Vec<(&DlqMessage, Preview)> = messages
-                .iter()
-                .zip(previews.iter().copied())
-                .filter(|(m, _)| replay::group_key(m) == key)
-                .collect();
-            let (mut acked, mut runs, mut stays) = (0, 0, 0);
-            for (_, preview) in &members {
-                match preview {
-                    Preview::AlreadyDone => acked += 1,
-                    Preview::Runs => runs += 1,
-                    Preview::Conflict | Preview::Malformed => stays += 1,
-                }
-            }
-            let selector = [
-                ("queue", queue.as_str()),
-                ("reason", group.reason.as_str()),
-                ("operation", group.operation.as_str()),
-                ("error", group.error.as_str()),
-            ];
-            let link = |action: &str, label: &str| {
-                let mut pairs = selector.to_vec();
-                pairs.push(("action", action));
-                format!(
-                    "<a href=\"/dlq/confirm?{}\">{label}</a>",
-                    escape(&query(&pairs))
-                )
-            };
-            rows.push(vec![
-                escape(&group.reason),
-                escape(&group.operation),
-                escape(&group.error),
-                num(group.count),
-                when(group.oldest),
-                when(group.newest),
-                num(acked),
-                num(runs),
-                num(stays),
-                format!(
-                    "{} {}",
-                    link("replay", "Replay…"),
-                    link("discard", "Discard…")
-                ),
-            ]);
-            listed.push_str(&format!(
-                "<h3>{} · {} · {}</h3>",
-                escape(&group.reason),
-                escape(&group.operation),
-                escape(&group.error)
-            ));
-            let message_rows: Vec<Vec<String>> = members
-                .iter()
-                .take(MESSAGES_PER_GROUP)
-                .map(|(m, _)| message_row(queue, m))
-                .collect();
-            listed.push_str(&table(
-                "messages",
-                &["scope", "key", "attempts", "failed at", ""],
-                &message_rows,
-            ));
+        match queue_section(&console, &connection, queue).await {
+            Ok(section) => body.push_str(&section),
+            Err(response) => return response,
         }
-        drop(messages);
-        body.push_str(&table(
-            "groups",
-            &[
-                "reason",
-                "operation",
-                "error",
-                "count",
-                "oldest",
-                "newest",
-                "completed: acked only",
-                "would run again",
-                "conflict or malformed: stay",
-                "",
-            ],
-            &rows,
-        ));
-        body.push_str(&listed);
     }
     let _ = connection.close(200, "page done".into()).await;
     page("Dead letters", &body).into_response()
+}
+
+/// One queue's DLQ: its groups with their previews, then each group's first letters.
+async fn queue_section(
+    console: &Console,
+    connection: &lapin::Connection,
+    queue: &str,
+) -> Result<String, Response> {
+    let dlq = replay::dlq_of(queue);
+    let messages = replay::peek(connection, &dlq, &Filter::default(), DLQ_READ)
+        .await
+        .map_err(|error| failed(&format!("reading {dlq}"), &error.into()))?;
+    let mut section = format!(
+        "<h2>{}</h2><p>{} dead letter(s){}</p>",
+        escape(&dlq),
+        messages.len(),
+        if messages.len() == DLQ_READ {
+            " (the first read)"
+        } else {
+            ""
+        }
+    );
+    // What a replay would do with each letter: one read of all their records.
+    let previews = replay::preview_all(&console.store, &messages)
+        .await
+        .map_err(|error| failed("the store", &error.into()))?;
+    let mut rows = Vec::new();
+    let mut listed = String::new();
+    for group in replay::group(&messages) {
+        let key = (
+            group.reason.as_str(),
+            group.operation.as_str(),
+            group.error.as_str(),
+        );
+        let members: Vec<(&DlqMessage, Preview)> = messages
+            .iter()
+            .zip(previews.iter().copied())
+            .filter(|(m, _)| replay::group_key(m) == key)
+            .collect();
+        rows.push(group_row(queue, &group, &members));
+        listed.push_str(&format!(
+            "<h3>{} · {} · {}</h3>",
+            escape(&group.reason),
+            escape(&group.operation),
+            escape(&group.error)
+        ));
+        let message_rows: Vec<Vec<String>> = members
+            .iter()
+            .take(MESSAGES_PER_GROUP)
+            .map(|(m, _)| message_row(queue, m))
+            .collect();
+        listed.push_str(&table(
+            "messages",
+            &["scope", "key", "attempts", "failed at", ""],
+            &message_rows,
+        ));
+    }
+    section.push_str(&table(
+        "groups",
+        &[
+            "reason",
+            "operation",
+            "error",
+            "count",
+            "oldest",
+            "newest",
+            "completed: acked only",
+            "would run again",
+            "conflict or malformed: stay",
+            "",
+        ],
+        &rows,
+    ));
+    section.push_str(&listed);
+    Ok(section)
+}
+
+/// One group's row: what it is, how many, what a replay would do with them, and the
+/// links to confirm a replay or discard of the group.
+fn group_row(
+    queue: &str,
+    group: &replay::Group,
+    members: &[(&DlqMessage, Preview)],
+) -> Vec<String> {
+    let (mut acked, mut runs, mut stays) = (0, 0, 0);
+    for (_, preview) in members {
+        match preview {
+            Preview::AlreadyDone => acked += 1,
+            Preview::Runs => runs += 1,
+            Preview::Conflict | Preview::Malformed => stays += 1,
+        }
+    }
+    let selector = [
+        ("queue", queue),
+        ("reason", group.reason.as_str()),
+        ("operation", group.operation.as_str()),
+        ("error", group.error.as_str()),
+    ];
+    let link = |action: &str, label: &str| {
+        let mut pairs = selector.to_vec();
+        pairs.push(("action", action));
+        format!(
+            "<a href=\"/dlq/confirm?{}\">{label}</a>",
+            escape(&query(&pairs))
+        )
+    };
+    vec![
+        escape(&group.reason),
+        escape(&group.operation),
+        escape(&group.error),
+        num(group.count),
+        when(group.oldest),
+        when(group.newest),
+        num(acked),
+        num(runs),
+        num(stays),
+        format!(
+            "{} {}",
+            link("replay", "Replay…"),
+            link("discard", "Discard…")
+        ),
+    ]
 }
 
 fn message_row(queue: &str, m: &DlqMessage) -> Vec<String> {

@@ -44,27 +44,7 @@ pub(super) async fn operations(
             Ok(status) => (status, false),
         },
     };
-    // Served by the partial index on (status, lease_expires_at) of unresolved records
-    // (the literal `<> 'completed'` lets every plan use its predicate).
-    let rows: Result<Vec<Record>, sqlx::Error> = sqlx::query_as(
-        "SELECT * FROM processed_operations
-         WHERE status <> 'completed' AND status = $1
-           AND (NOT $2 OR lease_expires_at <= now())
-           AND ($3::text IS NULL OR scope = $3)
-           AND ($4::text IS NULL OR operation = $4)
-           AND ($5::text IS NULL OR starts_with(idempotency_key, $5))
-         ORDER BY lease_expires_at
-         LIMIT $6",
-    )
-    .bind(status)
-    .bind(stuck)
-    .bind(given(&q.scope))
-    .bind(given(&q.operation))
-    .bind(given(&q.key))
-    .bind(ROWS)
-    .fetch_all(console.store.pool())
-    .await;
-    let records = match rows {
+    let records = match unresolved(&console, status, stuck, &q).await {
         Ok(records) => records,
         Err(error) => return failed("the store", &error.into()),
     };
@@ -75,42 +55,10 @@ pub(super) async fn operations(
             format!("<a href=\"/ops?status={s}\">{s}</a>{mark} ")
         })
         .collect();
-    let value = |v: &Option<String>| escape(v.as_deref().unwrap_or_default());
-    let search = format!(
-        "<form method=\"get\" action=\"/ops\"><input type=\"hidden\" name=\"status\" value=\"{}\">\
-         scope <input name=\"scope\" value=\"{}\"> operation <input name=\"operation\" value=\"{}\"> \
-         key starts with <input name=\"key\" value=\"{}\"> <button type=\"submit\">Search</button></form>",
-        escape(&wanted),
-        value(&q.scope),
-        value(&q.operation),
-        value(&q.key)
-    );
-    let rows: Vec<Vec<String>> = records
-        .iter()
-        .map(|r| {
-            let pairs = [
-                ("scope", r.scope.as_str()),
-                ("operation", r.operation.as_str()),
-                ("key", r.idempotency_key.as_str()),
-            ];
-            vec![
-                escape(&r.scope),
-                escape(&r.operation),
-                format!(
-                    "<a href=\"/ops/show?{}\"><code>{}</code></a>",
-                    escape(&query(&pairs)),
-                    escape(&r.idempotency_key)
-                ),
-                escape(r.status.as_str()),
-                num(r.attempts),
-                when(r.lease_expires_at),
-                escape(r.owner.as_deref().unwrap_or("-")),
-                escape(&r.error_text().unwrap_or_default()),
-            ]
-        })
-        .collect();
+    let rows: Vec<Vec<String>> = records.iter().map(operation_row).collect();
     let body = format!(
-        "<p>{tabs}</p>{search}<p>{} operation(s){}</p>{}",
+        "<p>{tabs}</p>{}<p>{} operation(s){}</p>{}",
+        search_form(&wanted, &q),
         records.len(),
         if records.len() as i64 == ROWS {
             " (the first)"
@@ -133,6 +81,73 @@ pub(super) async fn operations(
         )
     );
     page("Operations", &body).into_response()
+}
+
+/// The first [`ROWS`] records in `status` (past their lease if `stuck`) that match the
+/// search, by lease expiry.
+async fn unresolved(
+    console: &Console,
+    status: Status,
+    stuck: bool,
+    q: &OpsQuery,
+) -> Result<Vec<Record>, sqlx::Error> {
+    // Served by the partial index on (status, lease_expires_at) of unresolved records
+    // (the literal `<> 'completed'` lets every plan use its predicate).
+    sqlx::query_as(
+        "SELECT * FROM processed_operations
+         WHERE status <> 'completed' AND status = $1
+           AND (NOT $2 OR lease_expires_at <= now())
+           AND ($3::text IS NULL OR scope = $3)
+           AND ($4::text IS NULL OR operation = $4)
+           AND ($5::text IS NULL OR starts_with(idempotency_key, $5))
+         ORDER BY lease_expires_at
+         LIMIT $6",
+    )
+    .bind(status)
+    .bind(stuck)
+    .bind(given(&q.scope))
+    .bind(given(&q.operation))
+    .bind(given(&q.key))
+    .bind(ROWS)
+    .fetch_all(console.store.pool())
+    .await
+}
+
+/// The search over one status tab, filled in with what was searched.
+fn search_form(wanted: &str, q: &OpsQuery) -> String {
+    let value = |v: &Option<String>| escape(v.as_deref().unwrap_or_default());
+    format!(
+        "<form method=\"get\" action=\"/ops\"><input type=\"hidden\" name=\"status\" value=\"{}\">\
+         scope <input name=\"scope\" value=\"{}\"> operation <input name=\"operation\" value=\"{}\"> \
+         key starts with <input name=\"key\" value=\"{}\"> <button type=\"submit\">Search</button></form>",
+        escape(wanted),
+        value(&q.scope),
+        value(&q.operation),
+        value(&q.key)
+    )
+}
+
+/// One record's row, its key a link to the record whole.
+fn operation_row(r: &Record) -> Vec<String> {
+    let pairs = [
+        ("scope", r.scope.as_str()),
+        ("operation", r.operation.as_str()),
+        ("key", r.idempotency_key.as_str()),
+    ];
+    vec![
+        escape(&r.scope),
+        escape(&r.operation),
+        format!(
+            "<a href=\"/ops/show?{}\"><code>{}</code></a>",
+            escape(&query(&pairs)),
+            escape(&r.idempotency_key)
+        ),
+        escape(r.status.as_str()),
+        num(r.attempts),
+        when(r.lease_expires_at),
+        escape(r.owner.as_deref().unwrap_or("-")),
+        escape(&r.error_text().unwrap_or_default()),
+    ]
 }
 
 /// One operation's key, as a query or a form.
