@@ -509,9 +509,11 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
     let _ = connection.close(200, "done".into()).await;
     pool.close().await;
     let mut admin = server.database("postgres").connect().await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-        .execute(&mut admin)
-        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await?;
     Ok(())
 }
 

@@ -308,9 +308,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         }
         pool.close().await;
         let mut admin = server.clone().database("postgres").connect().await?;
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+        )))
+        .execute(&mut admin)
+        .await?;
     } else {
         println!(
             "kept database {database}, queue {}, logs {}",

@@ -161,9 +161,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let _ = std::fs::remove_dir_all(&args.dir);
     let dropped = async {
         let mut admin = server.database("postgres").connect().await?;
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+        )))
+        .execute(&mut admin)
+        .await?;
         Ok::<_, sqlx::Error>(())
     };
     if let Err(error) = dropped.await {

@@ -273,10 +273,12 @@ async fn wait_for(client: &reqwest::Client, url: &str) -> anyhow::Result<()> {
 /// Drops and creates `name` beside the database of `url`; returns its URL.
 async fn fresh_database(url: &str, name: &str) -> anyhow::Result<String> {
     let mut admin = sqlx::PgConnection::connect(url).await.context("connect")?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut admin)
-        .await?;
-    sqlx::query(&format!("CREATE DATABASE {name}"))
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut admin)
         .await?;
     let (base, _) = url

@@ -344,9 +344,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     drop(listener);
     pool.close().await;
     let mut admin = server.database("postgres").connect().await?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-        .execute(&mut admin)
-        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await?;
     admin.close().await?;
     Ok(())
 }

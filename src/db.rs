@@ -97,7 +97,10 @@ pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
             })?;
     if !exists {
         let create = format!("CREATE DATABASE \"{}\"", database.replace('"', "\"\""));
-        if let Err(source) = sqlx::query(&create).execute(&mut conn).await {
+        if let Err(source) = sqlx::query(sqlx::AssertSqlSafe(create))
+            .execute(&mut conn)
+            .await
+        {
             // Another process won the race, which is fine: 42P04 duplicate_database
             // when it had committed, 23505 on pg_database's unique index when both
             // creates ran at the same moment.

@@ -47,15 +47,6 @@ impl TraceContext {
     /// all-zero ids and upper-case hex. A `tracestate` is kept only when it is at most
     /// 512 bytes of printable ASCII (no NUL, CR or LF: Postgres cannot store a NUL in
     /// the outbox's `jsonb`, and a header is no place for a line break).
-    ///
-    /// ```
-    /// use idem::trace::TraceContext;
-    ///
-    /// let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    /// let cx = TraceContext::parse(tp, None).unwrap();
-    /// assert_eq!(cx.trace_id(), "4bf92f3577b34da6a3ce929d0e0e4736");
-    /// assert!(TraceContext::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01", None).is_none());
-    /// ```
     pub(crate) fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
         let traceparent = traceparent.trim();
         let mut parts = traceparent.splitn(5, '-');

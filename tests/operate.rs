@@ -369,7 +369,7 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
 
     // A database without idem's schema: told to migrate, not answered "no record".
     let empty = format!("idem_empty_{}", uuid::Uuid::new_v4().simple());
-    sqlx::query(&format!("CREATE DATABASE {empty}"))
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {empty}")))
         .execute(&pool)
         .await
         .unwrap();
@@ -381,7 +381,7 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("run `idem migrate` first"), "{stderr}");
-    sqlx::query(&format!("DROP DATABASE {empty}"))
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {empty}")))
         .execute(&pool)
         .await
         .unwrap();
@@ -554,10 +554,12 @@ async fn migrate_creates_a_fresh_database_twice_in_a_row(
         .connect_with(connect.clone())
         .await
         .unwrap();
-    sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
-        .execute(&admin)
-        .await
-        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {name} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
     // Unreachable Postgres: one readable line with the cause.
     let out = idem_command("postgres://postgres@127.0.0.1:1/x", &["migrate"])
         .output()
@@ -648,7 +650,10 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
         insert(500, "pinned", "now() - interval '1 day'", true),
         insert(500, "fresh", "now() + interval '1 day'", false),
     ] {
-        sqlx::query(&sql).execute(&pool).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
     }
 
     // Live traffic through a worker process while gc runs.

@@ -34,14 +34,14 @@ async fn background_gc_runs_in_one_process_at_a_time_and_spares_pinned_and_fresh
         (50, "pinned", "now() - interval '1 day'", "now(), 1"),
         (50, "fresh", "now() + interval '1 day'", "NULL, 0"),
     ] {
-        sqlx::query(&format!(
+        sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO processed_operations
                (scope, operation, idempotency_key, payload_sha256, status, lease_token,
                 completed_at, expires_at, dead_lettered_at, dead_letters)
              SELECT 'bulk', 'orders.create', '{prefix}-' || i, repeat('a', 64), 'completed',
                     1, now(), {expires}, {pinned}
              FROM generate_series(1, {n}) AS i"
-        ))
+        )))
         .execute(&pool)
         .await
         .unwrap();
@@ -103,14 +103,14 @@ async fn stage_rows(pool: &PgPool, prefix: &str, n: i64, dispatched: bool, expir
     } else {
         ("NULL", "NULL")
     };
-    sqlx::query(&format!(
+    sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO outbox_messages (message_id, source, operation, position, exchange,
              routing_key, body, properties, staged_at, available_at, dispatched_at, expires_at)
          SELECT '{prefix}-' || i, repeat('b', 64), 'orders.create', 0, '', 'q', '', '{{}}',
                 now() - interval '8 days', now() + interval '1 hour', {dispatched_at},
                 {expires_at}
          FROM generate_series(1, {n}) AS i"
-    ))
+    )))
     .execute(pool)
     .await
     .unwrap();
@@ -175,11 +175,11 @@ async fn gc_deletes_delivery_counts_past_their_retention(
         ("gone", "now() - interval '1 minute'"),
         ("kept", "now() + interval '1 hour'"),
     ] {
-        sqlx::query(&format!(
+        sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO delivery_outcomes (minute, queue, operation, outcome, deliveries, expires_at)
              SELECT date_trunc('minute', now()), $1, 'jobs', outcome, 1, {expires}
              FROM unnest(ARRAY['executed', 'dead_lettered']) AS outcome"
-        ))
+        )))
         .bind(queue)
         .execute(&pool)
         .await

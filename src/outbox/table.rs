@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::AssertSqlSafe;
 use sqlx::{PgConnection, PgPool};
 
 use super::{FollowUp, Properties, backoff};
@@ -74,11 +75,11 @@ pub(crate) async fn take_staged(
     ids: &[i64],
     lease: Duration,
 ) -> Result<Vec<OutboxRow>, StoreError> {
-    Ok(sqlx::query_as(&format!(
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
         "UPDATE outbox_messages SET {TAKE}
          WHERE id = ANY($1) AND dispatched_at IS NULL AND take_token = 0
          RETURNING {ROW}"
-    ))
+    )))
     .bind(ids)
     .bind(millis(lease))
     .fetch_all(pool)
@@ -92,14 +93,14 @@ pub(crate) async fn take_due(
     batch: i64,
     lease: Duration,
 ) -> Result<Vec<OutboxRow>, StoreError> {
-    Ok(sqlx::query_as(&format!(
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
         "UPDATE outbox_messages SET {TAKE}
          WHERE id IN (SELECT id FROM outbox_messages
                       WHERE dispatched_at IS NULL AND available_at <= now()
                       ORDER BY id LIMIT $1
                       FOR UPDATE SKIP LOCKED)
          RETURNING {ROW}"
-    ))
+    )))
     .bind(batch)
     .bind(millis(lease))
     .fetch_all(pool)
@@ -286,13 +287,13 @@ pub async fn list(
         (true, false) => "true",
         (true, true) => "last_error IS NOT NULL",
     };
-    Ok(sqlx::query_as(&format!(
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
         "SELECT id, message_id, source, operation, position, exchange, routing_key,
                 staged_at, attempts, last_error, dispatched_at,
                 octet_length(body) AS body_bytes
          FROM outbox_messages WHERE {which}
          ORDER BY id LIMIT $1"
-    ))
+    )))
     .bind(limit)
     .fetch_all(pool)
     .await?)

@@ -237,7 +237,7 @@ impl Store {
     /// for the HTTP statements only).
     async fn claim_once(
         &self,
-        sql: &str,
+        sql: &'static str,
         key: &Key,
         fingerprint: &Fingerprint,
         origin: &Origin,

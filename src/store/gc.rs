@@ -25,6 +25,7 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use sqlx::AssertSqlSafe;
 use sqlx::Postgres;
 use sqlx::pool::PoolConnection;
 use tokio_util::sync::CancellationToken;
@@ -149,8 +150,9 @@ impl Store {
     ) -> Result<(u64, Option<DateTime<Utc>>), StoreError> {
         let started = Instant::now();
         let (table, keep) = (garbage.table(), garbage.kept());
-        let (deleted, reached): (i64, Option<DateTime<Utc>>) = sqlx::query_as(&format!(
-            "WITH gone AS (
+        let (deleted, reached): (i64, Option<DateTime<Utc>>) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "WITH gone AS (
                  DELETE FROM {table}
                  WHERE id IN (
                      SELECT id FROM {table}
@@ -161,11 +163,11 @@ impl Store {
                      FOR UPDATE SKIP LOCKED)
                  RETURNING expires_at)
              SELECT count(*), max(expires_at) FROM gone"
-        ))
-        .bind(batch)
-        .bind(from)
-        .fetch_one(&self.pool)
-        .await?;
+            )))
+            .bind(batch)
+            .bind(from)
+            .fetch_one(&self.pool)
+            .await?;
         metrics::store_round_trip("gc", started);
         let deleted = u64::try_from(deleted).unwrap_or(0);
         metrics::gc_deleted(garbage.as_str(), deleted);
@@ -185,9 +187,12 @@ impl Store {
     /// reusable and refreshes the planner's counts. Takes a lock that does not block
     /// workers; reads the table and its indexes.
     async fn vacuum(&self, garbage: Garbage) -> Result<(), StoreError> {
-        sqlx::query(&format!("VACUUM (ANALYZE) {}", garbage.table()))
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "VACUUM (ANALYZE) {}",
+            garbage.table()
+        )))
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -207,12 +212,12 @@ impl Store {
     /// oldest one. Counts through the `expires_at` index: cheap when gc keeps up.
     pub(crate) async fn expired(&self, garbage: Garbage) -> Result<(i64, Option<f64>), StoreError> {
         let (table, keep) = (garbage.table(), garbage.kept());
-        Ok(sqlx::query_as(&format!(
+        Ok(sqlx::query_as(AssertSqlSafe(format!(
             "SELECT count(*),
                     extract(epoch FROM now() - min(expires_at))::float8
              FROM {table}
              WHERE expires_at <= now() AND NOT ({keep})"
-        ))
+        )))
         .fetch_one(&self.pool)
         .await?)
     }

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use sqlx::AssertSqlSafe;
 use sqlx::Postgres;
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
@@ -40,10 +41,10 @@ impl Store {
 
     /// Takes back the pin of a dead letter the broker refused (no queue holds it).
     pub(crate) async fn unpin_refused(&self, id: i64) -> Result<(), StoreError> {
-        sqlx::query(&format!(
+        sqlx::query(AssertSqlSafe(format!(
             "UPDATE processed_operations SET {ONE_LETTER_FEWER}, updated_at = now()
              WHERE id = $1 AND dead_letters > 0"
-        ))
+        )))
         .bind(id)
         .execute(&self.pool)
         .await?;
@@ -76,7 +77,7 @@ impl Store {
         letter_pins: bool,
     ) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
-            &format!(
+            AssertSqlSafe(format!(
                 "UPDATE processed_operations
                  SET retryable = (status = 'failed') OR retryable, {LETTERS_FEWER_BY_4},
                      discarded_at = NULL, replay_count = replay_count + 1,
@@ -84,7 +85,7 @@ impl Store {
                  WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
                    AND status <> 'completed'
                  RETURNING *"
-            ),
+            )),
             key,
         )
         .bind(i32::from(letter_pins))
@@ -97,11 +98,11 @@ impl Store {
     /// letter is acked: a completed record unpinned while its dead letter still waits
     /// could expire before a replay, and the replay would then run the effect again.
     pub(crate) async fn unpin(&self, key: &Key) -> Result<(), StoreError> {
-        sqlx::query(&format!(
+        sqlx::query(AssertSqlSafe(format!(
             "UPDATE processed_operations SET {ONE_LETTER_FEWER}, updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
                AND dead_letters > 0"
-        ))
+        )))
         .bind(key.scope())
         .bind(key.operation())
         .bind(key.idempotency_key())
@@ -121,7 +122,7 @@ impl Store {
     /// after the dead letter is acked.
     pub(crate) async fn discard(&self, key: &Key) -> Result<Option<Record>, StoreError> {
         Ok(record_by_key(
-            &format!(
+            AssertSqlSafe(format!(
                 "UPDATE processed_operations
                  SET discarded_at = now(), {ONE_LETTER_FEWER}, updated_at = now(),
                      retryable = CASE WHEN status = 'failed' THEN false ELSE retryable END,
@@ -131,7 +132,7 @@ impl Store {
                  WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
                    AND dead_letters > 0
                  RETURNING *"
-            ),
+            )),
             key,
         )
         .bind(millis(self.config.retention))
@@ -345,7 +346,10 @@ impl Store {
 
 /// One record addressed by its key: `sql`'s `$1`, `$2` and `$3` are bound to the
 /// key's scope, operation and idempotency key.
-fn record_by_key<'q>(sql: &'q str, key: &'q Key) -> QueryAs<'q, Postgres, Record, PgArguments> {
+fn record_by_key<'q>(
+    sql: impl sqlx::SqlSafeStr,
+    key: &'q Key,
+) -> QueryAs<'q, Postgres, Record, PgArguments> {
     sqlx::query_as(sql)
         .bind(key.scope())
         .bind(key.operation())

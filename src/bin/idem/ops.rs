@@ -210,7 +210,10 @@ fn humane(d: Duration) -> String {
         (1_000, "s"),
         (1, "ms"),
     ];
-    match units.iter().find(|(unit, _)| ms >= *unit && ms.is_multiple_of(*unit)) {
+    match units
+        .iter()
+        .find(|(unit, _)| ms >= *unit && ms.is_multiple_of(*unit))
+    {
         Some((unit, name)) => format!("{}{name}", ms / unit),
         None => "0s".into(),
     }

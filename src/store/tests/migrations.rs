@@ -101,10 +101,12 @@ async fn workers_starting_together_create_and_migrate_one_database() {
     });
     let results = futures_util::future::join_all(starts).await;
     let mut admin = options.database("postgres").connect().await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
     for result in results {
         let pool = result.unwrap().map_err(|e| crate::text::error_line(&e));
         assert!(pool.is_ok(), "{pool:?}");

@@ -464,7 +464,7 @@ impl<'a> RunIn<'a> {
 }
 
 /// Runs a savepoint statement on the batch's transaction, which the context holds.
-async fn savepoint(ctx: &mut Context, statement: &str) -> Result<(), HandlerError> {
+async fn savepoint(ctx: &mut Context, statement: &'static str) -> Result<(), HandlerError> {
     sqlx::query(statement).execute(ctx.tx().await?).await?;
     Ok(())
 }
