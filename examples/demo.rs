@@ -1,6 +1,7 @@
 //! The idem demo: a worker, a producer that resends like a real one, and what happened.
 //!
-//! Run with (Postgres and RabbitMQ on the default ports, e.g. `docker compose up -d --wait`):
+//! Run with `scripts/demo` (which brings up Postgres and RabbitMQ first), or, with both
+//! already on the default ports:
 //!
 //! ```sh
 //! cargo run --example demo
@@ -66,6 +67,17 @@ async fn run(outcomes: &Outcomes) -> anyhow::Result<()> {
     let pool = idem::db::connect_and_migrate(&database_url, 12)
         .await
         .context("prepare the database")?;
+    let given = |var| match std::env::var_os(var) {
+        Some(_) => var,
+        None => "the default",
+    };
+    println!(
+        "database {} ({}), broker {} ({})",
+        idem::db::describe(&database_url),
+        given("DATABASE_URL"),
+        amqp_url.rsplit('@').next().unwrap_or_default(),
+        given("AMQP_URL")
+    );
     orders_worker::create_example_tables(&pool).await?;
 
     let connection = idem::topology::connect(&amqp_url, "idem-demo-producer")

@@ -82,6 +82,10 @@ pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
         return Ok(());
     };
     let admin = options.clone().database("postgres");
+    let admin = match admin.get_application_name() {
+        Some(_) => admin,
+        None => admin.application_name(&application_name()),
+    };
     let mut conn = admin.connect().await.map_err(|source| DbError::Connect {
         target: target(&admin),
         source,
@@ -118,7 +122,8 @@ pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
 }
 
 /// Creates the database if missing, opens a pool of at most `max_connections` and
-/// applies the migrations. Applying them again is harmless.
+/// applies the migrations. Applying them again is harmless. Its connections are named
+/// as [`connect`]'s are.
 pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
     create_database_if_missing(url).await?;
     let pool = connect(url, max_connections).await?;
@@ -128,8 +133,39 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
 
 /// Opens a pool of at most `max_connections` on a database that must exist already;
 /// creates and migrates nothing. For tools that only inspect or operate.
+///
+/// Its connections show in `pg_stat_activity` under [`application_name`] (the
+/// executable's name), unless the URL names them (`?application_name=…`).
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
+    connect_with(options(url, &application_name())?, max_connections).await
+}
+
+/// `url`'s connection options, with `application_name` set to `name` unless the URL
+/// sets one: what `pg_stat_activity` shows, so that an operator can tell a worker's
+/// pool from its relay, the console or a command.
+pub fn options(url: &str, name: &str) -> Result<PgConnectOptions, DbError> {
     let options = PgConnectOptions::from_str(url).map_err(DbError::InvalidUrl)?;
+    Ok(if options.get_application_name().is_some() {
+        options
+    } else {
+        options.application_name(name)
+    })
+}
+
+/// The name idem's connections take when nobody names them: the executable's file name
+/// (`orders_worker`), or `idem` when it has none.
+pub fn application_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "idem".into())
+}
+
+/// Opens a pool of at most `max_connections` with these options ([`options`] names them).
+pub async fn connect_with(
+    options: PgConnectOptions,
+    max_connections: u32,
+) -> Result<PgPool, DbError> {
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
@@ -142,6 +178,15 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError>
             target: target(&options),
             source,
         })
+}
+
+/// Where `url` points, for what a program prints: `host:port/database`, never the
+/// password.
+pub fn describe(url: &str) -> String {
+    match PgConnectOptions::from_str(url) {
+        Ok(options) => target(&options),
+        Err(_) => "an invalid database URL".into(),
+    }
 }
 
 /// Fails with [`DbError::NotMigrated`] unless `processed_operations` exists in the
@@ -186,9 +231,9 @@ pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
 /// does not know are left alone, so that an older worker still starts during a rolling
 /// upgrade or after a rollback: idem's migrations only add to the schema (or, like the
 /// fingerprint check's, say the same rule another way), so older code keeps working.
-async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
     // The same embedded migrations as `MIGRATOR` (which stays strict for the tests).
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_ignore_missing(true);
-    migrator.run(pool).await
+    Ok(migrator.run(pool).await?)
 }

@@ -791,3 +791,55 @@ async fn a_stuck_operation_after_a_sigkill_is_released_from_the_page(pool: PgPoo
     assert!(browser.source().await.contains("evt-stuck"));
     browser.close().await;
 }
+
+/// What `pg_stat_activity` shows of each role's connections in this test's database,
+/// by `application_name`.
+async fn connection_names(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT DISTINCT application_name FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// An operator looking at `pg_stat_activity` tells the roles apart: a worker's pool goes
+/// by its executable's name, its outbox relay's LISTEN connection by that name and
+/// `relay`, the console by `idem console`; a name in the URL wins.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn every_role_names_its_connections(pool_options: PgPoolOptions, connect: PgConnectOptions) {
+    let pool = pool_options.connect_with(connect.clone()).await.unwrap();
+    let q = TestQueue::new("console-names").await;
+    let url = database_url(&connect);
+    let worker = spawn_orders_worker(&url, &q.name, &[]);
+    let _console = start_console(&url, &q.name).await;
+    let wanted = ["idem console", "orders_worker", "orders_worker relay"];
+    let deadline = std::time::Instant::now() + SETTLE;
+    loop {
+        let seen = connection_names(&pool).await;
+        if wanted.iter().all(|name| seen.iter().any(|s| s == name)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "wanted {wanted:?}, pg_stat_activity shows {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(worker);
+
+    // A name given in the URL is kept (and the relay's is derived from it).
+    let named = format!("{url}?application_name=billing");
+    let worker = spawn_orders_worker(&named, &q.name, &[]);
+    wait_until(SETTLE, "the URL's name used", || {
+        let pool = pool.clone();
+        async move {
+            let names = connection_names(&pool).await;
+            names.iter().any(|n| n == "billing") && names.iter().any(|n| n == "billing relay")
+        }
+    })
+    .await;
+    drop(worker);
+}

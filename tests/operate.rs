@@ -337,6 +337,33 @@ async fn ops_take_the_logged_key_hash_and_inspecting_never_creates_a_database(
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("evt-hashed"), "{out}");
 
+    // "No record" says where it looked.
+    let out = idem_command(
+        &url,
+        &[
+            "ops",
+            "show",
+            "--scope",
+            "acme",
+            "--operation",
+            "orders.create",
+            "--key",
+            "evt-none",
+        ],
+    )
+    .output()
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let database = connect.get_database().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no record for")
+            && stderr.contains("idem: database ")
+            && stderr.contains(database),
+        "{stderr}"
+    );
+
     // A database that does not exist: an error that names it, and still no database.
     let missing = format!("idem_missing_{}", uuid::Uuid::new_v4().simple());
     let missing_url = database_url(&connect.clone().database(&missing));

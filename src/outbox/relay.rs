@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use lapin::Channel;
 use lapin::options::ConfirmSelectOptions;
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -161,8 +161,15 @@ impl Relay {
     }
 
     async fn listen(&self) -> Option<PgListener> {
+        // A connection of its own, named for pg_stat_activity after the pool's
+        // (`orders_worker relay`): it stays open for as long as the relay runs.
+        let options = self.pool.connect_options();
+        let name = format!("{} relay", options.get_application_name().unwrap_or("idem"));
+        let listen_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with((*options).clone().application_name(&name));
         let listening = async {
-            let mut listener = PgListener::connect_with(&self.pool).await?;
+            let mut listener = PgListener::connect_with(&listen_pool).await?;
             listener.listen(CHANNEL).await?;
             Ok::<_, sqlx::Error>(listener)
         };

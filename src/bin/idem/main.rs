@@ -96,11 +96,32 @@ async fn main() -> ExitCode {
 }
 
 /// The store of an existing, migrated database: only `idem migrate` creates one, so a
-/// mistyped URL is an error, not a new empty database that has "no record".
+/// mistyped URL is an error, not a new empty database that has "no record". Which
+/// database it is goes to stderr, so that "no record" is never read of another one.
 async fn store(cli: &Cli) -> anyhow::Result<Store> {
-    let pool = idem::db::connect(&cli.database_url, 4).await?;
+    let options = idem::db::options(&cli.database_url, cli.command.application_name())?;
+    let pool = idem::db::connect_with(options, 4).await?;
     idem::db::ensure_migrated(&pool).await?;
+    eprintln!(
+        "idem: database {}",
+        idem::text::printable(&idem::db::describe(&cli.database_url))
+    );
     Ok(Store::new(pool, StoreConfig::default()))
+}
+
+impl Command {
+    /// What this command's connections show in `pg_stat_activity`.
+    fn application_name(&self) -> &'static str {
+        match self {
+            Command::Migrate => "idem migrate",
+            Command::Dlq(_) => "idem dlq",
+            Command::Ops(_) => "idem ops",
+            Command::Outbox(_) => "idem outbox",
+            #[cfg(feature = "console")]
+            Command::Console(_) => "idem console",
+            Command::Gc(_) => "idem gc",
+        }
+    }
 }
 
 async fn broker(cli: &Cli) -> anyhow::Result<lapin::Connection> {
@@ -112,14 +133,22 @@ async fn broker(cli: &Cli) -> anyhow::Result<lapin::Connection> {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::Migrate => {
-            let pool = idem::db::connect_and_migrate(&cli.database_url, 2)
+            idem::db::create_database_if_missing(&cli.database_url)
                 .await
                 .context("migrate")?;
+            let options = idem::db::options(&cli.database_url, cli.command.application_name())?;
+            let pool = idem::db::connect_with(options, 2)
+                .await
+                .context("migrate")?;
+            idem::db::migrate(&pool).await.context("migrate")?;
             let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
                 .fetch_one(&pool)
                 .await
                 .context("migrate: count applied migrations")?;
-            say!("migrations up to date ({applied} applied)");
+            say!(
+                "migrations up to date in {} ({applied} applied)",
+                idem::text::printable(&idem::db::describe(&cli.database_url))
+            );
         }
         Command::Gc(args) => gc(&cli, args).await?,
         Command::Dlq(command) => dlq::run(&cli, command).await?,
