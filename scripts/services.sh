@@ -61,7 +61,12 @@ ensure_services() {
     postgres_up || debian_postgres
     rabbitmq_up || debian_rabbitmq
   else
-    echo "idem needs Postgres on 127.0.0.1:5432 and RabbitMQ on 127.0.0.1:5672: none answer, no Docker engine runs, and Debian's packages cannot be installed here (not root); start Docker, or install postgresql and rabbitmq-server, or export DATABASE_URL and AMQP_URL for servers elsewhere" >&2
+    local missing
+    if ! postgres_up && ! rabbitmq_up; then
+      missing="Postgres on 127.0.0.1:5432 and RabbitMQ on 127.0.0.1:5672 do not answer"
+    elif ! postgres_up; then missing="Postgres on 127.0.0.1:5432 does not answer"
+    else missing="RabbitMQ on 127.0.0.1:5672 does not answer"; fi
+    echo "idem: $missing, no Docker engine runs here, and Debian's packages need root: start Docker, install postgresql and rabbitmq-server, or export DATABASE_URL and AMQP_URL for servers elsewhere" >&2
     exit 1
   fi
 }
