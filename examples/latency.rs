@@ -11,7 +11,7 @@
 //! ledger row is committed: a trigger on the ledger sends a `NOTIFY`, which Postgres
 //! delivers at commit. It prints one line: the rate kept, and p50/p90/p99/max.
 //!
-//! Garbage collection beside live traffic (the retention scenario of the README):
+//! Garbage collection beside live traffic (the retention scenario of docs/OPERATING.md):
 //!
 //! ```sh
 //! cargo run --release --example latency -- --rate 300 --seconds 200 --expired 2000000 --gc-after 10

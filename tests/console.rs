@@ -427,7 +427,7 @@ async fn the_console_keeps_its_token_and_its_actions_to_itself(
 /// A headless Chromium driven through WebDriver (Debian's `chromium` and
 /// `chromium-driver`), logged in to `console`; each page it shows can be saved as a
 /// screenshot under `target/tmp/console-screenshots/`. Without a `chromedriver` the
-/// test is skipped, unless `IDEM_TEST_BROWSER=required` (as `.ci/run` sets it).
+/// test is skipped, unless `IDEM_TEST_BROWSER=required` (as `scripts/test` sets it where it has them).
 struct Browser {
     client: fantoccini::Client,
     _driver: Child,

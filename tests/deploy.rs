@@ -1,6 +1,6 @@
 //! The Grafana dashboard and the Prometheus rules under `deploy/` name only metrics
 //! idem exports, and the dashboard shows every one of them. (`promtool test rules`
-//! checks when the rules fire; `.ci/run` runs it.)
+//! checks when the rules fire; `scripts/test` runs it.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

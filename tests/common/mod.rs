@@ -25,7 +25,7 @@ pub fn amqp_url() -> String {
 
 /// The URL of the test's own database, for worker processes and the `idem` command:
 /// through PgBouncer when `IDEM_TEST_PGBOUNCER` names one (`host:port`, in session
-/// pooling; `.ci/run` runs the process tests through it a second time).
+/// pooling; `scripts/test` runs the process tests through it a second time).
 pub fn database_url(options: &PgConnectOptions) -> String {
     // PgConnectOptions does not expose the password: take it from DATABASE_URL.
     let url = std::env::var("DATABASE_URL").unwrap_or_default();
@@ -292,9 +292,43 @@ pub fn example_path(name: &str) -> PathBuf {
     path
 }
 
+/// What a drill printed: its summary line (`<name>: key=value …`) read into a map, and
+/// how it ended.
+pub struct Drill {
+    pub summary: String,
+    pub fields: BTreeMap<String, String>,
+    pub success: bool,
+    pub stderr: String,
+}
+
+impl Drill {
+    /// Fails the test unless every `key=value` pair is in the summary, as a whole field
+    /// (`kills=6` is not satisfied by `backend_kills=6`).
+    pub fn expect(&self, pairs: &[(&str, &str)]) {
+        for (key, value) in pairs {
+            assert_eq!(
+                self.fields.get(*key).map(String::as_str),
+                Some(*value),
+                "{key} in: {}\n{}",
+                self.summary,
+                self.stderr
+            );
+        }
+    }
+}
+
+/// A summary line's `key=value` fields (the words without `=` left out).
+pub fn summary_fields(line: &str) -> BTreeMap<String, String> {
+    line.split_whitespace()
+        .filter_map(|word| word.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
 /// Runs the drill example `name` with `args` (at most `limit`), prints its output and
-/// returns its summary line (the one starting with `<name>: `), its success and stderr.
-pub async fn run_drill(name: &str, args: &[&str], limit: Duration) -> (String, bool, String) {
+/// returns its summary line (the one starting with `<name>: `) read into fields, its
+/// success and stderr.
+pub async fn run_drill(name: &str, args: &[&str], limit: Duration) -> Drill {
     let run = Command::new(example_path(name))
         .args(args)
         .stdout(Stdio::piped())
@@ -314,7 +348,12 @@ pub async fn run_drill(name: &str, args: &[&str], limit: Duration) -> (String, b
         .find(|l| l.starts_with(&prefix))
         .unwrap_or_else(|| panic!("no summary line; stderr: {stderr}"))
         .to_owned();
-    (summary, out.status.success(), stderr)
+    Drill {
+        fields: summary_fields(&summary),
+        summary,
+        success: out.status.success(),
+        stderr,
+    }
 }
 
 /// An `orders_worker` process and its log file.
