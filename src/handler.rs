@@ -244,6 +244,49 @@ impl Context {
         }
     }
 
+    /// A context for calling a handler in a test, outside a worker: the first run of
+    /// `key`, on `pool`. Nothing is claimed or recorded; what the handler writes through
+    /// [`Context::tx`] (its follow-ups included) stays in a transaction that
+    /// [`Context::into_transaction`] hands back, to commit or drop.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// # struct Orders;
+    /// # impl idem::Handler for Orders {
+    /// #     type Message = serde_json::Value; type Output = ();
+    /// #     const OPERATION: &'static str = "orders.create";
+    /// #     fn scope(&self, _: &serde_json::Value) -> String { "acme".into() }
+    /// #     fn idempotency_key(&self, _: &serde_json::Value) -> String { "evt-1".into() }
+    /// #     async fn handle(&self, _: serde_json::Value, _: &mut idem::Context) -> Result<(), idem::HandlerError> { Ok(()) }
+    /// # }
+    /// use idem::{Context, Handler, Key};
+    ///
+    /// let key = Key::new("acme", Orders::OPERATION, "evt-1")?;
+    /// let mut ctx = Context::for_test(key, pool.clone());
+    /// Orders.handle(serde_json::json!({"event_id": "evt-1"}), &mut ctx).await?;
+    /// if let Some(tx) = ctx.into_transaction() {
+    ///     tx.commit().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn for_test(key: Key, pool: PgPool) -> Self {
+        Self::new(key, 1, false, pool)
+    }
+
+    /// The same context as run `attempt` (from 1), a takeover of a crashed run or not:
+    /// what [`Context::attempt`] and [`Context::is_takeover`] tell the handler.
+    pub fn retried(mut self, attempt: i32, takeover: bool) -> Self {
+        self.attempt = attempt;
+        self.takeover = takeover;
+        self
+    }
+
+    /// The transaction the handler opened through [`Context::tx`], if it did: the
+    /// worker commits it with the record; a test commits or drops it.
+    pub fn into_transaction(mut self) -> Option<Transaction<'static, Postgres>> {
+        self.tx.take()
+    }
+
     /// The source message's correlation id and the trace context (for follow-ups), and
     /// the handoff of staged rows to the committing worker.
     pub(crate) fn for_follow_ups(
@@ -365,7 +408,6 @@ impl Context {
 
     /// Hands the context a transaction that is already open: in transactional mode, the
     /// batch's, so the handler's writes commit with the claim and the outcome.
-    /// The context with `tx` as its transaction (a transactional batch's).
     pub(crate) fn with_tx(mut self, tx: Transaction<'static, Postgres>) -> Self {
         self.tx = Some(tx);
         self
