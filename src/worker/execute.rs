@@ -14,40 +14,37 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 use super::batch::Batcher;
 use super::decision::{self, Outcome, Retries, Step, Verdict};
 use super::handle;
-use super::settle::{Links, Settler};
+use super::settle::{Incoming, Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
-use crate::headers;
 use crate::key::Key;
 use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
-use crate::trace::{self, TraceContext};
+use crate::trace;
 
-/// Decides one delivery inside its span; one that could not be decided goes to
-/// [`undecided`].
+/// Decides one delivery inside its span and carries the verdict out on the broker; one
+/// that could not be decided goes to [`undecided`].
 pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, delivery: Delivery) {
-    let span = info_span!(
-        "delivery",
-        queue = %runtime.config.queue,
-        operation = H::OPERATION,
-        scope = field::Empty,
-        key = field::Empty,
-        attempt = field::Empty,
-        redelivered = delivery.redelivered,
-        otel.name = field::Empty,
-        otel.kind = field::Empty,
+    let span = delivery_span(runtime, delivery.redelivered);
+    let incoming = Incoming::new(
+        &delivery.data,
+        &delivery.properties,
+        Some(&links.follow_ups),
     );
-    let incoming = TraceContext::from_properties(&delivery.properties);
-    if trace::continue_trace(&span, incoming.as_ref(), &runtime.process_span, "consumer") {
+    if trace::continue_trace(
+        &span,
+        incoming.trace.as_ref(),
+        &runtime.process_span,
+        "consumer",
+    ) {
         trace::consumer_attributes(&span, &runtime.config.queue, H::OPERATION, &delivery);
     }
     let received = Instant::now();
     let settler = Settler {
-        trace: incoming,
-        replays: headers::integer(&delivery.properties, headers::REPLAYS).unwrap_or(0),
+        incoming: &incoming,
         dead_lettered: AtomicBool::new(false),
         links,
         operation: H::OPERATION,
@@ -57,9 +54,13 @@ pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, del
         tally: runtime.tally.as_deref(),
     };
     async {
-        let outcome = match walk(runtime, &settler).await {
+        let settled = match walk(runtime, &incoming).await {
+            Ok(decided) => settle(&settler, decided).await,
+            Err(error) => Err(error),
+        };
+        let outcome = match settled {
             Ok(outcome) => {
-                runtime.undecided.decided(&settler.delivery.data);
+                runtime.undecided.decided(incoming.data);
                 outcome
             }
             Err(error) => undecided(runtime, &settler, error).await,
@@ -80,6 +81,34 @@ pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, del
     .await
 }
 
+/// The span of one delivery: its queue and operation now, its key and attempt once
+/// known.
+pub(crate) fn delivery_span<H: Handler>(runtime: &Runtime<H>, redelivered: bool) -> Span {
+    info_span!(
+        "delivery",
+        queue = %runtime.config.queue,
+        operation = H::OPERATION,
+        scope = field::Empty,
+        key = field::Empty,
+        attempt = field::Empty,
+        redelivered,
+        otel.name = field::Empty,
+        otel.kind = field::Empty,
+    )
+}
+
+/// How a delivery was decided: the verdict, and the message's key if it had a valid one.
+pub(crate) struct Decided {
+    pub(crate) verdict: Verdict,
+    pub(crate) key: Option<Key>,
+}
+
+impl Decided {
+    fn without_key(verdict: Verdict) -> Self {
+        Self { verdict, key: None }
+    }
+}
+
 /// A delivery that could not be decided (docs/DESIGN.md, "Errors by cause"). The
 /// message's own fault is dead-lettered at once as `malformed`: the same bytes would
 /// fail the same way. Anything else is requeued after a pause that grows while nothing
@@ -97,13 +126,13 @@ async fn undecided<H: Handler>(
         _ if fault == Fault::Message => Some(decision::malformed(line.clone())),
         // Outages (deadlock victims, pool timeouts, a broken connection) heal by
         // waiting: only errors of unknown cause count against the delivery.
-        _ if fault == Fault::Unknown && runtime.undecided.failed(&settler.delivery.data) => {
+        _ if fault == Fault::Unknown && runtime.undecided.failed(settler.incoming.data) => {
             Some(decision::undecidable(line.clone()))
         }
         _ => None,
     };
     if let Some(verdict) = verdict {
-        match settle(settler, verdict, None).await {
+        match settle(settler, Decided::without_key(verdict)).await {
             Ok(outcome) => return outcome,
             Err(e) => error!(error = %crate::text::error_line(&e), "dead letter not published"),
         }
@@ -164,30 +193,36 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
 
 /// Walks the decision table for one delivery: claim, then run or reconcile as the
 /// decision says, until it says how to settle.
-async fn walk<H: Handler>(runtime: &Runtime<H>, settler: &Settler<'_>) -> Result<Outcome, Failure> {
-    let (mut parsed, message) = match parse(&*runtime.handler, &settler.delivery.data) {
+pub(crate) async fn walk<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+) -> Result<Decided, Failure> {
+    let (mut parsed, message) = match parse(&*runtime.handler, incoming.data) {
         Ok(parsed) => parsed,
-        Err(why) => return settle(settler, decision::malformed(why), None).await,
+        Err(why) => return Ok(Decided::without_key(decision::malformed(why))),
     };
     let span = Span::current();
     span.record("scope", parsed.key.scope());
     span.record("key", parsed.key.short_hash());
     trace::attribute(&span, "idem.key", parsed.key.short_hash());
-    let request = claim_request(&parsed, settler, &span);
+    let request = claim_request(&parsed, incoming, &span);
     parsed.correlation_id = request.origin.correlation_id.clone();
     let retries = Retries {
         policy: &runtime.config.retry,
-        used: settler.retries(),
+        used: incoming.retries(),
     };
     if let Some(transactions) = &runtime.transactions {
         drop(message); // the batch deserializes its own
         let request = TxRequest {
             claim: request,
             value: parsed.value.clone(),
-            trace: trace::outgoing(&span, settler.trace.as_ref()),
+            trace: trace::outgoing(&span, incoming.trace.as_ref()),
         };
-        let key = &parsed.key;
-        return in_transaction(runtime, transactions, settler, request, key, retries).await;
+        let verdict = in_transaction(runtime, transactions, incoming, request, retries).await?;
+        return Ok(Decided {
+            verdict,
+            key: Some(parsed.key),
+        });
     }
     let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
@@ -197,7 +232,7 @@ async fn walk<H: Handler>(runtime: &Runtime<H>, settler: &Settler<'_>) -> Result
             Step::Run(lease) => {
                 attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
-                let ran = handle::run(runtime, settler, &parsed, message.take(), &lease).await?;
+                let ran = handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::Reconcile {
@@ -208,7 +243,7 @@ async fn walk<H: Handler>(runtime: &Runtime<H>, settler: &Settler<'_>) -> Result
                 let external_ref = external_ref.as_deref();
                 let message = message.take();
                 let ran =
-                    handle::reconcile(runtime, settler, &parsed, message, &lease, external_ref)
+                    handle::reconcile(runtime, incoming, &parsed, message, &lease, external_ref)
                         .await?;
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -220,7 +255,12 @@ async fn walk<H: Handler>(runtime: &Runtime<H>, settler: &Settler<'_>) -> Result
                 tokio::time::sleep(after).await;
                 claim(runtime, &request, retries).await?
             }
-            Step::Settle(verdict) => return settle(settler, verdict, Some(&parsed.key)).await,
+            Step::Settle(verdict) => {
+                return Ok(Decided {
+                    verdict,
+                    key: Some(parsed.key),
+                });
+            }
         };
     }
 }
@@ -228,8 +268,8 @@ async fn walk<H: Handler>(runtime: &Runtime<H>, settler: &Settler<'_>) -> Result
 /// What the delivery's claim asks for: its key and fingerprint, and where it came from
 /// (kept for inspection only: a NUL in a message id or correlation id, which Postgres
 /// text cannot hold, must not fail the claim, nor the claims of the batch around it).
-fn claim_request(parsed: &Parsed, settler: &Settler<'_>, span: &Span) -> ClaimRequest {
-    let properties = &settler.delivery.properties;
+fn claim_request(parsed: &Parsed, incoming: &Incoming<'_>, span: &Span) -> ClaimRequest {
+    let properties = incoming.properties;
     let kept = |text: &Option<lapin::types::ShortString>| {
         text.as_ref().map(|s| storable(s.as_str()).into_owned())
     };
@@ -239,7 +279,7 @@ fn claim_request(parsed: &Parsed, settler: &Settler<'_>, span: &Span) -> ClaimRe
         origin: Origin {
             message_id: kept(properties.message_id()),
             correlation_id: kept(properties.correlation_id()),
-            trace_id: trace::trace_id(span, settler.trace.as_ref()),
+            trace_id: trace::trace_id(span, incoming.trace.as_ref()),
         },
     }
 }
@@ -256,11 +296,10 @@ fn attempt_on(span: &Span, lease: &Lease) {
 async fn in_transaction<H: Handler>(
     runtime: &Runtime<H>,
     transactions: &Batcher<TxRequest, TxAnswer>,
-    settler: &Settler<'_>,
+    incoming: &Incoming<'_>,
     request: TxRequest,
-    key: &Key,
     retries: Retries<'_>,
-) -> Result<Outcome, Failure> {
+) -> Result<Verdict, Failure> {
     let mut immediate = runtime.config.retry.immediate_backoff();
     loop {
         let answer = transactions
@@ -272,7 +311,7 @@ async fn in_transaction<H: Handler>(
             Ok(TxAnswer::Ran(ran, follow_ups)) => {
                 runtime
                     .follow_ups
-                    .send(&settler.links.follow_ups, follow_ups)
+                    .send(incoming.follow_ups, follow_ups)
                     .await;
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -281,7 +320,7 @@ async fn in_transaction<H: Handler>(
             Err(error) => return Err(error.into()),
         };
         match step {
-            Step::Settle(verdict) => return settle(settler, verdict, Some(key)).await,
+            Step::Settle(verdict) => return Ok(verdict),
             Step::ClaimAgain { after } => tokio::time::sleep(after).await,
             // The batch runs and reconciles what it takes; it never hands a lease out.
             Step::Run(_) | Step::Reconcile { .. } => {
@@ -313,16 +352,13 @@ async fn claim<H: Handler>(
 }
 
 /// Carries out the verdict on the broker and returns its outcome.
-async fn settle(
-    settler: &Settler<'_>,
-    verdict: Verdict,
-    key: Option<&Key>,
-) -> Result<Outcome, Failure> {
+async fn settle(settler: &Settler<'_>, decided: Decided) -> Result<Outcome, Failure> {
+    let Decided { verdict, key } = decided;
     if verdict.outcome == Outcome::LeaseLost {
         warn!("lease lost to another worker; its outcome decides");
     }
     settler
-        .apply(verdict.action, key)
+        .apply(verdict.action, key.as_ref())
         .instrument(info_span!("settle"))
         .await?;
     Ok(verdict.outcome)

@@ -68,7 +68,9 @@ impl FollowUps {
     /// After the commit: publishes the follow-up messages a run staged (`ids`) on
     /// `channel`. What it could not publish stays in the outbox for the relay, which it
     /// wakes; the delivery's outcome stands either way.
-    pub(super) async fn send(&self, channel: &FollowUpChannel, ids: Vec<i64>) {
+    pub(super) async fn send(&self, channel: Option<&FollowUpChannel>, ids: Vec<i64>) {
+        // Without a channel (a test's run) they wait in the outbox, for the relay.
+        let Some(channel) = channel else { return };
         if ids.is_empty() {
             return;
         }

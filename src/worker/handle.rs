@@ -10,7 +10,7 @@ use tracing::{Instrument, Span, info, info_span, warn};
 use super::decision::{self, Ran, Reconciled};
 use super::execute::Parsed;
 use super::guard::guarded;
-use super::settle::Settler;
+use super::settle::Incoming;
 use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
@@ -24,7 +24,7 @@ use crate::trace;
 /// that span's trace context.
 fn prepare<H: Handler>(
     runtime: &Runtime<H>,
-    settler: &Settler<'_>,
+    incoming: &Incoming<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
@@ -42,7 +42,7 @@ fn prepare<H: Handler>(
     )
     .for_follow_ups(
         parsed.correlation_id.clone(),
-        trace::outgoing(span, settler.trace.as_ref()),
+        trace::outgoing(span, incoming.trace.as_ref()),
         runtime.config.outbox.handoff,
     );
     Ok((message, ctx))
@@ -51,13 +51,13 @@ fn prepare<H: Handler>(
 /// Runs the handler under `lease` with a heartbeat, and records its outcome.
 pub(super) async fn run<H: Handler>(
     runtime: &Runtime<H>,
-    settler: &Settler<'_>,
+    incoming: &Incoming<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
 ) -> Result<Ran, Failure> {
     let span = info_span!("handler");
-    let (message, mut ctx) = prepare(runtime, settler, parsed, message, lease, &span)?;
+    let (message, mut ctx) = prepare(runtime, incoming, parsed, message, lease, &span)?;
     if lease.takeover {
         metrics::delivery(H::OPERATION, "takeover");
     }
@@ -68,7 +68,7 @@ pub(super) async fn run<H: Handler>(
         .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
-    record(runtime, settler, &mut ctx, lease, result, false)
+    record(runtime, incoming, &mut ctx, lease, result, false)
         .instrument(info_span!("completion"))
         .await
 }
@@ -76,14 +76,14 @@ pub(super) async fn run<H: Handler>(
 /// Asks the handler what became of a pending operation, and acts on the answer.
 pub(super) async fn reconcile<H: Handler>(
     runtime: &Runtime<H>,
-    settler: &Settler<'_>,
+    incoming: &Incoming<'_>,
     parsed: &Parsed,
     message: Option<H::Message>,
     lease: &Lease,
     external_ref: Option<&str>,
 ) -> Result<Ran, Failure> {
     let span = info_span!("reconcile");
-    let (message, mut ctx) = prepare(runtime, settler, parsed, message, lease, &span)?;
+    let (message, mut ctx) = prepare(runtime, incoming, parsed, message, lease, &span)?;
     let reconciling = runtime.handler.reconcile(&message, external_ref, &mut ctx);
     let reconciled = guarded(&runtime.store, lease, reconciling)
         .instrument(span)
@@ -93,11 +93,11 @@ pub(super) async fn reconcile<H: Handler>(
         Reconciled::NotApplied => {
             info!("reconcile: not applied, running the handler again");
             drop(ctx);
-            return run(runtime, settler, parsed, Some(message), lease).await;
+            return run(runtime, incoming, parsed, Some(message), lease).await;
         }
         Reconciled::Failed(error) => Err(error),
     };
-    record(runtime, settler, &mut ctx, lease, answer, true)
+    record(runtime, incoming, &mut ctx, lease, answer, true)
         .instrument(info_span!("completion"))
         .await
 }
@@ -107,7 +107,7 @@ pub(super) async fn reconcile<H: Handler>(
 /// staged.
 async fn record<H: Handler>(
     runtime: &Runtime<H>,
-    settler: &Settler<'_>,
+    incoming: &Incoming<'_>,
     ctx: &mut Context,
     lease: &Lease,
     result: Result<H::Output, HandlerError>,
@@ -168,7 +168,7 @@ async fn record<H: Handler>(
         failpoint::hit("after-complete");
         runtime
             .follow_ups
-            .send(&settler.links.follow_ups, ctx.take_staged())
+            .send(incoming.follow_ups, ctx.take_staged())
             .await;
     }
     Ok(ran)

@@ -215,7 +215,13 @@ impl<H: Handler> Worker<H> {
             warn!(error = %crate::text::error_line(&error), "the queue's operation not noted for operators");
         }
         let background = Background::start::<H>(&store, &config, &shutdown);
-        let runtime = Arc::new(Runtime::new(handler, store, config, &background));
+        let runtime = Arc::new(Runtime::new(
+            handler,
+            store,
+            config,
+            background.tally.clone(),
+            background.relay_wake.clone(),
+        ));
         let session = Session {
             runtime: runtime.clone(),
             topology,
@@ -233,9 +239,16 @@ impl<H: Handler> Worker<H> {
 
 impl<H: Handler> Runtime<H> {
     /// What the deliveries of a worker share: its handler, store and settings, the
-    /// batching loops of its claims, completions and (transactional mode) batches, and
-    /// the background's tally and relay.
-    fn new(handler: H, store: Store, config: WorkerConfig, background: &Background) -> Self {
+    /// batching loops of its claims, completions and (transactional mode) batches, the
+    /// tally its outcomes are counted in (if any) and the relay to wake when a
+    /// follow-up's publish fails.
+    pub(crate) fn new(
+        handler: H,
+        store: Store,
+        config: WorkerConfig,
+        tally: Option<Arc<Tally>>,
+        relay_wake: Arc<tokio::sync::Notify>,
+    ) -> Self {
         let handler = Arc::new(handler);
         let transactions = (config.mode == Mode::Transactional).then(|| {
             let handler = handler.clone();
@@ -261,9 +274,9 @@ impl<H: Handler> Runtime<H> {
                 store.complete_many(&items).await
             }),
             undecided: Undecided::new(config.undecidable_after),
-            follow_ups: FollowUps::new(&store, &config, background.relay_wake.clone()),
+            follow_ups: FollowUps::new(&store, &config, relay_wake),
             process_span: format!("process {}", config.queue),
-            tally: background.tally.clone(),
+            tally,
             handler,
             store,
             config,

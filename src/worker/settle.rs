@@ -42,12 +42,50 @@ pub(super) struct Links {
 /// still does not fit (a `frame_max` near the protocol's minimum, 4,096 bytes).
 const ERROR_MAX_IN_A_SMALL_FRAME: usize = 128;
 
+/// What idem reads of one delivery, whether a broker brought it or a test
+/// (`crate::testing`): its body and properties, the trace context it arrived with, and
+/// where its run's follow-ups are published after the commit.
+pub(crate) struct Incoming<'a> {
+    pub(crate) data: &'a [u8],
+    pub(crate) properties: &'a BasicProperties,
+    /// The trace context the delivery arrived with.
+    pub(crate) trace: Option<TraceContext>,
+    /// The session's follow-up channel; none leaves a run's follow-ups in the outbox,
+    /// for the relay.
+    pub(crate) follow_ups: Option<&'a FollowUpChannel>,
+}
+
+impl<'a> Incoming<'a> {
+    /// A delivery as it came from the broker, its follow-ups published on `follow_ups`.
+    pub(crate) fn new(
+        data: &'a [u8],
+        properties: &'a BasicProperties,
+        follow_ups: Option<&'a FollowUpChannel>,
+    ) -> Self {
+        Self {
+            data,
+            properties,
+            trace: TraceContext::from_properties(properties),
+            follow_ups,
+        }
+    }
+
+    /// Delayed retries this message already went through (`idem-retries`).
+    pub(crate) fn retries(&self) -> i64 {
+        headers::integer(self.properties, headers::RETRIES).unwrap_or(0)
+    }
+
+    /// How many times the message was replayed from a dead-letter queue
+    /// (`idem-replays`).
+    pub(crate) fn replays(&self) -> i64 {
+        headers::integer(self.properties, headers::REPLAYS).unwrap_or(0)
+    }
+}
+
 /// The broker side of one delivery.
 pub(super) struct Settler<'a> {
-    /// The trace context the delivery arrived with.
-    pub(super) trace: Option<TraceContext>,
-    /// How many times the message was replayed from a dead-letter queue.
-    pub(super) replays: i64,
+    /// The delivery as idem read it.
+    pub(super) incoming: &'a Incoming<'a>,
     /// Set once the delivery's dead letter is published.
     pub(super) dead_lettered: AtomicBool,
     /// The session's channels.
@@ -61,11 +99,6 @@ pub(super) struct Settler<'a> {
 }
 
 impl Settler<'_> {
-    /// Delayed retries this message already went through (`idem-retries`).
-    pub(super) fn retries(&self) -> i64 {
-        headers::integer(&self.delivery.properties, headers::RETRIES).unwrap_or(0)
-    }
-
     /// Counts `outcome` for the delivery, among replays too when the message was
     /// replayed from a dead-letter queue.
     pub(super) fn count(&self, outcome: &'static str) {
@@ -73,7 +106,7 @@ impl Settler<'_> {
         if let Some(tally) = self.tally {
             tally.count(self.operation, outcome);
         }
-        if self.replays > 0 {
+        if self.incoming.replays() > 0 {
             metrics::replayed_delivery(self.operation, outcome);
         }
     }
@@ -131,7 +164,7 @@ impl Settler<'_> {
     /// still would not (a `frame_max` near the protocol's minimum) most of its error
     /// text and its trace too.
     fn fitted(&self, copy: &Outgoing, without_carried: bool) -> BasicProperties {
-        let context = trace::outgoing(&Span::current(), self.trace.as_ref());
+        let context = trace::outgoing(&Span::current(), self.incoming.trace.as_ref());
         let frame_max = usize::try_from(self.links.frame_max).unwrap_or(usize::MAX);
         let fits = |p: &BasicProperties| headers::frame_len(p) <= frame_max;
         if !without_carried {
