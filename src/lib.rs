@@ -88,6 +88,8 @@ pub mod shutdown;
 pub mod store;
 pub mod tally;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod text;
 pub mod topology;
 mod trace;
@@ -100,10 +102,10 @@ pub use outbox::FollowUp;
 pub use retry::RetryPolicy;
 pub use store::{Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Topology};
-pub use worker::{Mode, Worker, WorkerConfig, WorkerError};
+pub use worker::{Mode, Outcome, Worker, WorkerConfig, WorkerError};
 
 /// The README's code blocks compile as doc tests, so the first screen stays true (with
-/// the feature `http`, which one of them uses: `cargo test --all-features`).
-#[cfg(all(doctest, feature = "http"))]
+/// the features `http` and `testing`, which two of them use: `cargo test --all-features`).
+#[cfg(all(doctest, feature = "http", feature = "testing"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

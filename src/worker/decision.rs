@@ -84,9 +84,10 @@ pub(crate) enum Ran {
 }
 
 /// What became of one delivery: the `outcome` of the `delivery decided` event and of
-/// `idem_deliveries_total`.
+/// `idem_deliveries_total`, and what `idem::testing` answers for a delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Outcome {
+#[non_exhaustive]
+pub enum Outcome {
     /// The handler ran and its result was recorded.
     Executed,
     /// Already completed: acked without running.
@@ -119,7 +120,7 @@ pub(crate) enum Outcome {
 
 impl Outcome {
     /// The name used in logs and metrics.
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
             Outcome::DuplicateCompleted => "duplicate_completed",

@@ -122,8 +122,7 @@ async fn undecided<H: Handler>(
     let fault = error.fault();
     let line = crate::text::error_line(&error);
     let verdict = match &error {
-        Failure::Store(store) if fault == Fault::Message => Some(refused(store)),
-        _ if fault == Fault::Message => Some(decision::malformed(line.clone())),
+        _ if fault == Fault::Message => Some(message_fault(&error)),
         // Outages (deadlock victims, pool timeouts, a broken connection) heal by
         // waiting: only errors of unknown cause count against the delivery.
         _ if fault == Fault::Unknown && runtime.undecided.failed(settler.incoming.data) => {
@@ -141,6 +140,15 @@ async fn undecided<H: Handler>(
     tokio::time::sleep(runtime.undecided.pause()).await;
     settler.requeue();
     Outcome::Requeued
+}
+
+/// A failure the message itself caused: dead-lettered as malformed, saying why (what
+/// Postgres said of data it refuses).
+pub(crate) fn message_fault(error: &Failure) -> Verdict {
+    match error {
+        Failure::Store(store) => refused(store),
+        other => decision::malformed(crate::text::error_line(other)),
+    }
 }
 
 /// A delivery whose data the database refuses: dead-lettered as malformed, saying what

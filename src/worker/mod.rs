@@ -37,12 +37,19 @@ mod execute;
 mod follow_ups;
 mod guard;
 mod handle;
+#[cfg(feature = "testing")]
+mod local;
 mod session;
 mod settle;
 mod transactional;
 mod undecided;
 
 pub use config::{Mode, WorkerConfig};
+pub use decision::Outcome;
+#[cfg(feature = "testing")]
+pub(crate) use decision::Settle;
+#[cfg(feature = "testing")]
+pub(crate) use local::{Local, LocalDecision};
 
 use crate::fault::Fault;
 use crate::handler::Handler;

@@ -1,0 +1,255 @@
+//! Testing handlers (feature `testing`): run a handler as the worker would, with no
+//! broker, and check that it stays idempotent through the hazards a real deployment
+//! brings (docs/DESIGN.md, "Testing handlers").
+//!
+//! A [`TestWorker`] decides each message it is given through the real store, the worker's
+//! decision table and its batched claims and completions, in leased or transactional
+//! mode, and answers what the worker would have told the broker ([`Delivered`]). Its
+//! [`TestWorker::check`] runs a handler through redeliveries, concurrent copies, a crash
+//! between the effect and its record, a retried failure, an uncertain outcome, another
+//! payload under the same key and a replayed dead letter, counting the effects of each
+//! intent with a closure of yours; it fails naming the hazard that doubled or lost one.
+//! A [`FakeProvider`] stands in for an external API (payments, e-mail) that can fail
+//! before accepting, accept and time out, or be down.
+//!
+//! It needs a migrated Postgres database (`#[sqlx::test(migrator = "idem::db::MIGRATOR")]`
+//! gives one per test) and no RabbitMQ.
+//!
+//! ```no_run
+//! # use idem::{Context, Handler, HandlerError};
+//! # struct Orders;
+//! # impl Handler for Orders {
+//! #     type Message = serde_json::Value; type Output = ();
+//! #     const OPERATION: &'static str = "orders.create";
+//! #     fn scope(&self, _: &serde_json::Value) -> String { "acme".into() }
+//! #     fn idempotency_key(&self, m: &serde_json::Value) -> String { m["event_id"].as_str().unwrap_or("").into() }
+//! #     async fn handle(&self, _: serde_json::Value, _: &mut Context) -> Result<(), HandlerError> { Ok(()) }
+//! # }
+//! # async fn test(pool: sqlx::PgPool) {
+//! use idem::testing::TestWorker;
+//! use serde_json::json;
+//!
+//! let worker = TestWorker::new(Orders, pool);
+//! let passed = worker
+//!     .check()
+//!     .run(
+//!         |n| json!({"event_id": format!("evt-{n}"), "amount_cents": 1250}),
+//!         |pool, order| async move {
+//!             sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
+//!                 .bind(order["event_id"].as_str())
+//!                 .fetch_one(&pool)
+//!                 .await
+//!                 .unwrap()
+//!         },
+//!     )
+//!     .await
+//!     .unwrap();   // or a panic naming the hazard: "after a crash ...: 2 effects"
+//! assert!(passed.skipped.len() <= 2);
+//! # }
+//! ```
+
+mod check;
+mod provider;
+
+use std::time::Duration;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use serde_json::Value;
+use sqlx::PgPool;
+
+pub use check::{Check, CheckFailed, Hazard, Passed};
+pub use provider::{Failing, FakeProvider, ProviderError, Receipt};
+
+use crate::handler::Handler;
+use crate::headers;
+use crate::store::{Record, Store, StoreConfig, StoreError};
+use crate::worker::{Local, LocalDecision, Mode, Outcome, Settle, WorkerConfig};
+
+/// A worker without a broker: it decides each message given to it as a worker decides a
+/// delivery, through the real store and decision table, and answers what it would have
+/// told the broker. Follow-up messages stay in the outbox.
+pub struct TestWorker<H: Handler> {
+    local: Local<H>,
+}
+
+/// What the worker decided for one delivery, and what it would have told the broker.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Delivered {
+    /// What became of it, as logs and metrics name it.
+    pub outcome: Outcome,
+    /// What the broker would be told.
+    pub settled: Settled,
+    /// The operation's record after the delivery (none without a valid key).
+    pub record: Option<Record>,
+}
+
+impl Delivered {
+    /// The handler's stored output, once the operation completed.
+    pub fn output(&self) -> Option<&Value> {
+        self.record.as_ref().and_then(|r| r.result.as_ref())
+    }
+}
+
+/// What the worker would have told the broker about a delivery.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Settled {
+    /// Acked: done, or nothing to do.
+    Acked,
+    /// Sent through the retry queue of this delay: it comes back later.
+    Retried {
+        /// The retry queue's delay.
+        delay: Duration,
+    },
+    /// Put back in its queue after this pause (no retry queues configured).
+    Requeued {
+        /// The pause.
+        after: Duration,
+    },
+    /// Dead-lettered (its record pinned, as a worker's dead letter pins it).
+    DeadLettered {
+        /// `idem-reason`: `malformed`, `fingerprint_conflict`, `permanent_failure`,
+        /// `retries_exhausted` or `undecidable`.
+        reason: &'static str,
+        /// `idem-error`.
+        error: String,
+    },
+}
+
+/// Why a delivery could not be decided at all (a worker would requeue it and try again).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TestError {
+    /// The store failed or could not be reached.
+    #[error("the delivery could not be decided: {0}")]
+    Undecided(String),
+    /// Reading the record afterwards failed.
+    #[error("the record could not be read")]
+    Store(#[from] StoreError),
+}
+
+impl<H: Handler> TestWorker<H> {
+    /// A worker of `handler` on `pool`, which must be migrated, in leased mode.
+    pub fn new(handler: H, pool: PgPool) -> Self {
+        Self::with_config(
+            handler,
+            Store::new(pool, StoreConfig::default()),
+            test_config(Mode::Leased),
+        )
+    }
+
+    /// A worker of `handler` on `pool` in transactional mode: each delivery is claimed,
+    /// run and recorded in one transaction.
+    pub fn transactional(handler: H, pool: PgPool) -> Self {
+        Self::with_config(
+            handler,
+            Store::new(pool, StoreConfig::default()),
+            test_config(Mode::Transactional),
+        )
+    }
+
+    /// A worker of `handler` on `store` with `config` (its broker settings, tally, gc and
+    /// relay are not used).
+    pub fn with_config(handler: H, store: Store, config: WorkerConfig) -> Self {
+        Self {
+            local: Local::new(handler, store, config),
+        }
+    }
+
+    /// The worker's store, to read records or to operate on them as an operator would.
+    pub fn store(&self) -> &Store {
+        self.local.store()
+    }
+
+    /// The handler.
+    pub fn handler(&self) -> &H {
+        self.local.handler()
+    }
+
+    /// The execution mode.
+    pub fn mode(&self) -> Mode {
+        self.local.config().mode
+    }
+
+    /// Decides one delivery of `message` (as its JSON body).
+    pub async fn deliver(&self, message: &Value) -> Result<Delivered, TestError> {
+        self.deliver_bytes(message.to_string().as_bytes()).await
+    }
+
+    /// Decides one delivery of `body`, which need not be valid JSON.
+    pub async fn deliver_bytes(&self, body: &[u8]) -> Result<Delivered, TestError> {
+        self.deliver_with(body, &BasicProperties::default()).await
+    }
+
+    /// Decides one delivery of `message` replayed from a dead-letter queue `replays`
+    /// times (`idem-replays`), as `idem dlq replay` republishes it.
+    pub async fn deliver_replayed(
+        &self,
+        message: &Value,
+        replays: i64,
+    ) -> Result<Delivered, TestError> {
+        let mut table = FieldTable::default();
+        table.insert(headers::REPLAYS.into(), AMQPValue::LongLongInt(replays));
+        let properties = BasicProperties::default().with_headers(table);
+        self.deliver_with(message.to_string().as_bytes(), &properties)
+            .await
+    }
+
+    async fn deliver_with(
+        &self,
+        body: &[u8],
+        properties: &BasicProperties,
+    ) -> Result<Delivered, TestError> {
+        let LocalDecision {
+            outcome,
+            settle,
+            key,
+        } = self
+            .local
+            .decide(body, properties)
+            .await
+            .map_err(|e| TestError::Undecided(crate::text::error_line(&e)))?;
+        let record = match &key {
+            Some(key) => self.store().get(key).await?,
+            None => None,
+        };
+        Ok(Delivered {
+            outcome,
+            settled: settled(settle),
+            record,
+        })
+    }
+
+    /// Checks the handler's idempotency: see [`Check`].
+    pub fn check(&self) -> Check<'_, H> {
+        Check::new(self)
+    }
+}
+
+/// Settings for a test: a queue name of its own, no tally, gc or relay, and a short
+/// in-process backoff.
+fn test_config(mode: Mode) -> WorkerConfig {
+    let mut config = WorkerConfig {
+        queue: "idem-testing".into(),
+        mode,
+        tally_every: None,
+        gc_every: None,
+        ..WorkerConfig::default()
+    };
+    config.outbox.relay = false;
+    config
+}
+
+fn settled(settle: Settle) -> Settled {
+    match settle {
+        Settle::Ack => Settled::Acked,
+        Settle::Retry { delay, .. } => Settled::Retried { delay },
+        Settle::Requeue { after } => Settled::Requeued { after },
+        Settle::DeadLetter(order) => Settled::DeadLettered {
+            reason: order.reason.as_str(),
+            error: order.error,
+        },
+    }
+}

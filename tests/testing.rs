@@ -1,0 +1,399 @@
+//! The test kit (`idem::testing`) against the real Postgres and no broker: the example
+//! handlers pass its idempotency check in both modes; handlers that are wrong in the
+//! ways users get them wrong fail it, each naming the hazard that caught it.
+
+#[allow(dead_code)]
+#[path = "../examples/orders_worker.rs"]
+mod orders_worker;
+
+#[allow(dead_code)]
+#[path = "../examples/notifications_worker.rs"]
+mod notifications_worker;
+
+use idem::testing::{CheckFailed, FakeProvider, Hazard, ProviderError, Settled, TestWorker};
+use idem::{Context, Handler, HandlerError, Mode, Outcome, Reconciliation};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+fn order(n: usize) -> Value {
+    json!({"event_id": format!("evt-{n}"), "tenant": "acme", "order_id": n, "amount_cents": 1250, "sent_at": n})
+}
+
+/// An order's effects: its ledger rows, and the provider keys it was sent with beyond
+/// the first (a provider deduplicates by key, so a second key is a second charge).
+async fn order_effects(pool: PgPool, order: Value) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM example_ledger WHERE event_id = $1)
+              + greatest((SELECT count(DISTINCT idempotency_key) FROM example_provider_calls
+                          WHERE event_id = $1) - 1, 0)",
+    )
+    .bind(order["event_id"].as_str())
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+}
+
+fn other_amount(order: &Value) -> Value {
+    let mut other = order.clone();
+    other["amount_cents"] = json!(999);
+    other
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_orders_handler_passes_in_both_modes(pool: PgPool) {
+    orders_worker::create_example_tables(&pool).await.unwrap();
+    for mode in [Mode::Leased, Mode::Transactional] {
+        let orders = orders_worker::Orders {
+            mode,
+            ..Default::default()
+        };
+        let worker = match mode {
+            Mode::Leased => TestWorker::new(orders, pool.clone()),
+            _ => TestWorker::transactional(orders, pool.clone()),
+        };
+        // Each mode its own intents.
+        let tenant = format!("{mode:?}");
+        let message = |n| {
+            let mut m = order(n);
+            m["event_id"] = json!(format!("{tenant}-{n}"));
+            m
+        };
+        let passed = worker
+            .check()
+            .other_payload(other_amount)
+            .run(message, order_effects)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        assert_eq!(passed.passed.len(), 7, "{mode:?}: {passed:?}");
+        assert_eq!(
+            passed.skipped,
+            [(Hazard::UncertainThenReconciled, "no FakeProvider given")]
+        );
+    }
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_notifications_handler_passes(pool: PgPool) {
+    notifications_worker::create_notifications_table(&pool)
+        .await
+        .unwrap();
+    let worker = TestWorker::new(notifications_worker::Notifications, pool.clone());
+    let booked = |n: usize| {
+        json!({"event_id": format!("n-{n}"), "order_event_id": format!("evt-{n}"),
+               "tenant": "acme", "order_id": n.to_string(), "amount_cents": 1250})
+    };
+    let notifications = |pool: PgPool, m: Value| async move {
+        sqlx::query_scalar("SELECT count(*) FROM example_notifications WHERE event_id = $1")
+            .bind(m["event_id"].as_str())
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let passed = worker
+        .check()
+        .other_payload(other_amount)
+        .run(booked, notifications)
+        .await
+        .unwrap();
+    assert_eq!(passed.passed.len(), 7);
+}
+
+/// What a worker decides, told without a broker: executed with its output, a duplicate,
+/// a conflict dead-lettered, a malformed body dead-lettered, and nothing lost.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn deliveries_are_decided_as_the_worker_decides_them(pool: PgPool) {
+    orders_worker::create_example_tables(&pool).await.unwrap();
+    let worker = TestWorker::new(orders_worker::Orders::default(), pool.clone());
+    let first = worker.deliver(&order(1)).await.unwrap();
+    assert_eq!(first.outcome, Outcome::Executed);
+    assert_eq!(first.settled, Settled::Acked);
+    assert_eq!(
+        first.output(),
+        Some(&json!({"order_id": "1", "booked_cents": 1250}))
+    );
+    let again = worker.deliver(&order(1)).await.unwrap();
+    assert_eq!(again.outcome, Outcome::DuplicateCompleted);
+    let conflict = worker.deliver(&other_amount(&order(1))).await.unwrap();
+    assert_eq!(conflict.outcome, Outcome::Conflict);
+    assert!(
+        matches!(
+            &conflict.settled,
+            Settled::DeadLettered {
+                reason: "fingerprint_conflict",
+                ..
+            }
+        ),
+        "{conflict:?}"
+    );
+    let malformed = worker.deliver_bytes(b"{\"event_id\": 1").await.unwrap();
+    assert_eq!(malformed.outcome, Outcome::Malformed);
+    assert!(malformed.record.is_none());
+    let negative = worker
+        .deliver(&json!({"event_id": "neg", "tenant": "acme", "order_id": 1, "amount_cents": -5}))
+        .await
+        .unwrap();
+    assert_eq!(negative.outcome, Outcome::FailedPermanent);
+    let record = negative.record.expect("the failed record");
+    assert_eq!(
+        record.dead_letters, 1,
+        "pinned, as a worker's dead letter pins it"
+    );
+    assert_eq!(order_effects(pool, order(1)).await, 1);
+}
+
+// Handlers wrong in the ways users get them wrong.
+
+/// Books outside `ctx.tx()`, with no unique key: a crash before the record books twice.
+struct OutsideTheTransaction;
+
+impl Handler for OutsideTheTransaction {
+    type Message = Value;
+    type Output = ();
+    const OPERATION: &'static str = "wrong.outside_tx";
+    fn scope(&self, _: &Value) -> String {
+        "acme".into()
+    }
+    fn idempotency_key(&self, m: &Value) -> String {
+        m["event_id"].as_str().unwrap_or_default().into()
+    }
+    async fn handle(&self, m: Value, ctx: &mut Context) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO wrong_ledger (event_id) VALUES ($1)")
+            .bind(m["event_id"].as_str())
+            .execute(ctx.pool())
+            .await?;
+        Ok(())
+    }
+}
+
+/// Charges the provider with a fresh key on every run.
+struct FreshKeys(FakeProvider);
+
+/// Charges with `ctx.provider_key()` and reports a timeout as uncertain, but its
+/// reconcile answers "not applied" without asking, and charges again.
+struct IgnoresReconcile(FakeProvider);
+
+/// The same, with a reconcile that asks the provider: correct.
+struct Reconciles(FakeProvider);
+
+async fn charge(
+    provider: &FakeProvider,
+    key: Option<String>,
+    m: &Value,
+) -> Result<String, HandlerError> {
+    match provider.call(key.as_deref(), m.clone()).await {
+        Ok(receipt) => Ok(receipt.id),
+        Err(ProviderError::TimedOut) => Err(HandlerError::uncertain(None, "provider timed out")),
+        Err(other) => Err(HandlerError::transient(other)),
+    }
+}
+
+macro_rules! provider_handler {
+    ($name:ident, $operation:literal, $key:expr, $reconcile:expr) => {
+        impl Handler for $name {
+            type Message = Value;
+            type Output = String;
+            const OPERATION: &'static str = $operation;
+            fn scope(&self, _: &Value) -> String {
+                "acme".into()
+            }
+            fn idempotency_key(&self, m: &Value) -> String {
+                m["event_id"].as_str().unwrap_or_default().into()
+            }
+            async fn handle(&self, m: Value, ctx: &mut Context) -> Result<String, HandlerError> {
+                let key: fn(&Context) -> Option<String> = $key;
+                charge(&self.0, key(ctx), &m).await
+            }
+            async fn reconcile(
+                &self,
+                _: &Value,
+                _: Option<&str>,
+                ctx: &mut Context,
+            ) -> Result<Reconciliation<String>, HandlerError> {
+                let reconcile: fn(&FakeProvider, &Context) -> Reconciliation<String> = $reconcile;
+                Ok(reconcile(&self.0, ctx))
+            }
+        }
+    };
+}
+
+provider_handler!(
+    FreshKeys,
+    "wrong.fresh_keys",
+    |_| Some(uuid::Uuid::new_v4().to_string()),
+    |_, _| Reconciliation::NotApplied
+);
+provider_handler!(
+    IgnoresReconcile,
+    "wrong.ignores_reconcile",
+    |ctx| Some(ctx.provider_key()),
+    |_, _| Reconciliation::NotApplied
+);
+provider_handler!(
+    Reconciles,
+    "right.reconciles",
+    |ctx| Some(ctx.provider_key()),
+    |provider, ctx| match provider.find(&ctx.provider_key()) {
+        Some(receipt) => Reconciliation::Applied(receipt.id),
+        None => Reconciliation::NotApplied,
+    }
+);
+
+/// Leaves the amount out of the fingerprint: another amount passes as a duplicate.
+struct AmountIsVolatile;
+
+impl Handler for AmountIsVolatile {
+    type Message = Value;
+    type Output = ();
+    const OPERATION: &'static str = "wrong.volatile_amount";
+    fn scope(&self, _: &Value) -> String {
+        "acme".into()
+    }
+    fn idempotency_key(&self, m: &Value) -> String {
+        m["event_id"].as_str().unwrap_or_default().into()
+    }
+    fn volatile_fields(&self) -> &'static [&'static str] {
+        &["amount_cents"]
+    }
+    async fn handle(&self, m: Value, ctx: &mut Context) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO wrong_ledger (event_id) VALUES ($1)")
+            .bind(m["event_id"].as_str())
+            .execute(ctx.tx().await?)
+            .await?;
+        Ok(())
+    }
+}
+
+async fn wrong_ledger(pool: PgPool, m: Value) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM wrong_ledger WHERE event_id = $1")
+        .bind(m["event_id"].as_str())
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+}
+
+fn charged(provider: &FakeProvider) -> impl Fn(PgPool, Value) -> std::future::Ready<i64> {
+    let provider = provider.clone();
+    move |_, m| std::future::ready(provider.effects(|r| r["event_id"] == m["event_id"]))
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn wrong_handlers_fail_naming_the_hazard(pool: PgPool) {
+    sqlx::query("CREATE TABLE wrong_ledger (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let message = |n: usize| json!({"event_id": format!("e-{n}"), "amount_cents": 100});
+
+    for mode in [Mode::Leased, Mode::Transactional] {
+        let worker = match mode {
+            Mode::Leased => TestWorker::new(OutsideTheTransaction, pool.clone()),
+            _ => TestWorker::transactional(OutsideTheTransaction, pool.clone()),
+        };
+        sqlx::query("TRUNCATE wrong_ledger, processed_operations")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let failed = worker.check().run(message, wrong_ledger).await.unwrap_err();
+        assert!(
+            matches!(
+                failed,
+                CheckFailed::Effects {
+                    hazard: Hazard::CrashBeforeRecord,
+                    effects: 2,
+                    ..
+                }
+            ),
+            "{mode:?}: {failed}"
+        );
+        assert!(
+            failed
+                .to_string()
+                .contains("after a crash before the record")
+                && failed.to_string().contains("writes outside ctx.tx()"),
+            "{failed}"
+        );
+    }
+
+    let provider = FakeProvider::new();
+    let worker = TestWorker::new(FreshKeys(provider.clone()), pool.clone());
+    let failed = worker
+        .check()
+        .provider(&provider)
+        .run(message, charged(&provider))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            failed,
+            CheckFailed::Effects {
+                hazard: Hazard::CrashBeforeRecord,
+                effects: 2,
+                ..
+            }
+        ),
+        "{failed}"
+    );
+
+    let provider = FakeProvider::new();
+    let worker = TestWorker::new(IgnoresReconcile(provider.clone()), pool.clone());
+    let failed = worker
+        .check()
+        .provider(&provider)
+        .run(message, charged(&provider))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            failed,
+            CheckFailed::Decided {
+                hazard: Hazard::UncertainThenReconciled,
+                ..
+            }
+        ),
+        "{failed}"
+    );
+    assert!(failed.to_string().contains("ran again"), "{failed}");
+
+    let provider = FakeProvider::new();
+    let worker = TestWorker::new(Reconciles(provider.clone()), pool.clone());
+    let passed = worker
+        .check()
+        .provider(&provider)
+        .run(message, charged(&provider))
+        .await
+        .unwrap();
+    assert!(
+        passed.passed.contains(&Hazard::UncertainThenReconciled),
+        "{passed:?}"
+    );
+
+    sqlx::query("TRUNCATE wrong_ledger")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let worker = TestWorker::new(AmountIsVolatile, pool.clone());
+    let failed = worker
+        .check()
+        .other_payload(|m| {
+            let mut other = m.clone();
+            other["amount_cents"] = json!(1);
+            other
+        })
+        .run(message, wrong_ledger)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            failed,
+            CheckFailed::Decided {
+                hazard: Hazard::OtherPayload,
+                ..
+            }
+        ),
+        "{failed}"
+    );
+    assert!(
+        failed.to_string().contains("duplicate_completed"),
+        "{failed}"
+    );
+}
