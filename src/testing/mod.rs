@@ -197,7 +197,9 @@ impl<H: Handler> TestWorker<H> {
             .await
     }
 
-    async fn deliver_with(
+    /// Decides one delivery of `body` with the AMQP `properties` a producer set (a
+    /// `message_id`, a `correlation_id`, a `traceparent` header, `idem-retries`).
+    pub async fn deliver_with(
         &self,
         body: &[u8],
         properties: &BasicProperties,
