@@ -2,8 +2,10 @@
 
 use std::fmt::Display;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use lapin::BasicProperties;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
@@ -212,6 +214,51 @@ impl<T, E: Display> ResultExt<T> for Result<T, E> {
     }
 }
 
+/// What the message carried, as the broker delivered it: its AMQP properties (type,
+/// message id, correlation id, headers), the exchange and routing key it came through,
+/// and whether the broker delivered it before. Empty for an HTTP request and in
+/// [`Context::for_test`].
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct Envelope {
+    /// The exchange it was published to (`""`: the default exchange).
+    pub exchange: String,
+    /// The routing key it was published with.
+    pub routing_key: String,
+    /// Whether the broker delivered it before (a redelivery after a lost ack, or a
+    /// requeue).
+    pub redelivered: bool,
+    /// Its AMQP properties, headers included.
+    pub properties: BasicProperties,
+}
+
+impl Envelope {
+    /// The AMQP `type` property: what kind of message this is (`order.created`).
+    pub fn message_type(&self) -> Option<&str> {
+        self.properties.kind().as_ref().map(|t| t.as_str())
+    }
+
+    /// The AMQP `message_id` property (a broker-level id, never the idempotency key).
+    pub fn message_id(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|t| t.as_str())
+    }
+
+    /// The AMQP `correlation_id` property.
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.properties
+            .correlation_id()
+            .as_ref()
+            .map(|t| t.as_str())
+    }
+
+    /// A header as text (a string header, or a number written out), if the message
+    /// carried it.
+    pub fn header(&self, name: &str) -> Option<String> {
+        headers::text(&self.properties, name)
+            .or_else(|| headers::integer(&self.properties, name).map(|n| n.to_string()))
+    }
+}
+
 /// What a handler knows about the run it is in.
 pub struct Context {
     key: Key,
@@ -227,6 +274,8 @@ pub struct Context {
     staged: Vec<i64>,
     /// How long the committing worker has its staged rows to itself.
     handoff: Duration,
+    /// What the message carried.
+    envelope: Arc<Envelope>,
 }
 
 impl Context {
@@ -241,6 +290,7 @@ impl Context {
             trace: None,
             staged: Vec::new(),
             handoff: Duration::ZERO,
+            envelope: Arc::default(),
         }
     }
 
@@ -298,6 +348,18 @@ impl Context {
         self.correlation_id = correlation_id;
         self.trace = trace;
         self.handoff = handoff;
+        self
+    }
+
+    /// The message as the broker delivered it, for the run's message: its type,
+    /// headers, ids, exchange and routing key.
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
+    }
+
+    /// The context for a run of a message that came in `envelope`.
+    pub(crate) fn with_envelope(mut self, envelope: Arc<Envelope>) -> Self {
+        self.envelope = envelope;
         self
     }
 
@@ -423,7 +485,9 @@ impl Context {
         correlation_id: Option<String>,
         trace: Option<TraceContext>,
         handoff: Duration,
+        envelope: Arc<Envelope>,
     ) {
+        self.envelope = envelope;
         self.key = key;
         self.attempt = attempt;
         self.takeover = takeover;

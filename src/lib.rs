@@ -95,8 +95,12 @@ pub mod topology;
 mod trace;
 mod worker;
 
+/// The AMQP client idem is built on, re-exported so that the types idem shows
+/// ([`Envelope::properties`], the connections of [`topology`]) are the ones you name.
+pub use lapin;
+
 pub use fingerprint::Fingerprint;
-pub use handler::{Context, Handler, HandlerError, Reconciliation, ResultExt};
+pub use handler::{Context, Envelope, Handler, HandlerError, Reconciliation, ResultExt};
 pub use key::{Key, KeyError};
 pub use outbox::FollowUp;
 pub use retry::RetryPolicy;

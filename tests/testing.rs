@@ -397,3 +397,58 @@ async fn wrong_handlers_fail_naming_the_hazard(pool: PgPool) {
         "{failed}"
     );
 }
+
+/// Answers the message's type and a header, as its context tells them.
+struct TypeEcho;
+
+impl Handler for TypeEcho {
+    type Message = Value;
+    type Output = Value;
+    const OPERATION: &'static str = "echo.type";
+    fn scope(&self, _: &Value) -> String {
+        "acme".into()
+    }
+    fn idempotency_key(&self, m: &Value) -> String {
+        m["event_id"].as_str().unwrap_or_default().into()
+    }
+    async fn handle(&self, _: Value, ctx: &mut Context) -> Result<Value, HandlerError> {
+        let envelope = ctx.envelope();
+        Ok(json!([
+            envelope.message_type(),
+            envelope.header("source"),
+            envelope.routing_key
+        ]))
+    }
+}
+
+/// The producer's properties reach the handler through the kit, in a transactional
+/// batch too.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_handler_sees_the_properties_given(pool: PgPool) {
+    use lapin::BasicProperties;
+    use lapin::types::{AMQPValue, FieldTable};
+    let mut headers = FieldTable::default();
+    headers.insert("source".into(), AMQPValue::LongString("shop".into()));
+    let properties = BasicProperties::default()
+        .with_type("order.created".into())
+        .with_headers(headers);
+    for (n, worker) in [
+        TestWorker::new(TypeEcho, pool.clone()),
+        TestWorker::transactional(TypeEcho, pool.clone()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let body = json!({"event_id": format!("t-{n}")}).to_string();
+        let delivered = worker
+            .deliver_with(body.as_bytes(), &properties)
+            .await
+            .unwrap();
+        assert_eq!(
+            delivered.output(),
+            Some(&json!(["order.created", "shop", "idem-testing"])),
+            "{:?}",
+            worker.mode()
+        );
+    }
+}

@@ -799,3 +799,77 @@ async fn connections_the_broker_keeps_closing_are_retried_less_and_less_often(po
     shutdown.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// Answers what its message carried, as the context tells it.
+struct EnvelopeEcho;
+
+impl Handler for EnvelopeEcho {
+    type Message = Job;
+    type Output = Value;
+    const OPERATION: &'static str = "jobs.envelope";
+
+    fn scope(&self, _: &Job) -> String {
+        "tests".into()
+    }
+
+    fn idempotency_key(&self, job: &Job) -> String {
+        job.event_id.clone()
+    }
+
+    async fn handle(&self, _: Job, ctx: &mut Context) -> Result<Value, HandlerError> {
+        let envelope = ctx.envelope();
+        Ok(json!({
+            "type": envelope.message_type(),
+            "message_id": envelope.message_id(),
+            "correlation_id": envelope.correlation_id(),
+            "source": envelope.header("source"),
+            "priority": envelope.header("priority"),
+            "exchange": envelope.exchange,
+            "routing_key": envelope.routing_key,
+            "redelivered": envelope.redelivered,
+        }))
+    }
+}
+
+/// A handler sees what its message carried: the type, ids and headers the producer set,
+/// the exchange and routing key it came through, and whether it is a redelivery.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_handler_sees_what_the_message_carried(pool: PgPool) {
+    use lapin::BasicProperties;
+    use lapin::types::{AMQPValue, FieldTable};
+    let q = TestQueue::new("envelope").await;
+    let (shutdown, task) = start_in_process(&pool, &q, EnvelopeEcho, Duration::from_secs(5)).await;
+    let mut table = FieldTable::default();
+    table.insert("source".into(), AMQPValue::LongString("shop".into()));
+    table.insert("priority".into(), AMQPValue::LongInt(7));
+    let properties = BasicProperties::default()
+        .with_type("order.created".into())
+        .with_message_id("m-1".into())
+        .with_correlation_id("c-1".into())
+        .with_headers(table);
+    q.publish_to(&q.name, br#"{"event_id": "evt-env"}"#, properties)
+        .await;
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let key = idem::Key::new("tests", EnvelopeEcho::OPERATION, "evt-env").unwrap();
+    wait_until(Duration::from_secs(30), "the envelope recorded", || {
+        let store = store.clone();
+        let key = key.clone();
+        async move {
+            store
+                .get(&key)
+                .await
+                .unwrap()
+                .is_some_and(|r| r.result.is_some())
+        }
+    })
+    .await;
+    let output = store.get(&key).await.unwrap().and_then(|r| r.result);
+    assert_eq!(
+        output.unwrap(),
+        json!({"type": "order.created", "message_id": "m-1", "correlation_id": "c-1",
+               "source": "shop", "priority": "7", "exchange": "", "routing_key": q.name,
+               "redelivered": false})
+    );
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}

@@ -61,7 +61,7 @@ use sqlx::PgPool;
 pub use check::{Check, CheckFailed, Hazard, Passed};
 pub use provider::{Failing, FakeProvider, ProviderError, Receipt};
 
-use crate::handler::Handler;
+use crate::handler::{Envelope, Handler};
 use crate::headers;
 use crate::store::{Record, Store, StoreConfig, StoreError};
 use crate::worker::{Local, LocalDecision, Mode, Outcome, Settle, WorkerConfig};
@@ -198,19 +198,26 @@ impl<H: Handler> TestWorker<H> {
     }
 
     /// Decides one delivery of `body` with the AMQP `properties` a producer set (a
-    /// `message_id`, a `correlation_id`, a `traceparent` header, `idem-retries`).
+    /// `type`, a `message_id`, a `correlation_id`, headers), as published to the
+    /// worker's queue on the default exchange.
     pub async fn deliver_with(
         &self,
         body: &[u8],
         properties: &BasicProperties,
     ) -> Result<Delivered, TestError> {
+        let envelope = Envelope {
+            exchange: String::new(),
+            routing_key: self.local.config().queue.clone(),
+            redelivered: false,
+            properties: properties.clone(),
+        };
         let LocalDecision {
             outcome,
             settle,
             key,
         } = self
             .local
-            .decide(body, properties)
+            .decide(body, envelope)
             .await
             .map_err(|e| TestError::Undecided(crate::text::error_line(&e)))?;
         let record = match &key {

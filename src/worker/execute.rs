@@ -20,7 +20,7 @@ use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
-use crate::handler::Handler;
+use crate::handler::{Envelope, Handler};
 use crate::key::Key;
 use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
 use crate::trace;
@@ -29,11 +29,13 @@ use crate::trace;
 /// that could not be decided goes to [`undecided`].
 pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, delivery: Delivery) {
     let span = delivery_span(runtime, delivery.redelivered);
-    let incoming = Incoming::new(
-        &delivery.data,
-        &delivery.properties,
-        Some(&links.follow_ups),
-    );
+    let envelope = Envelope {
+        exchange: delivery.exchange.to_string(),
+        routing_key: delivery.routing_key.to_string(),
+        redelivered: delivery.redelivered,
+        properties: delivery.properties.clone(),
+    };
+    let incoming = Incoming::new(&delivery.data, envelope, Some(&links.follow_ups));
     if trace::continue_trace(
         &span,
         incoming.trace.as_ref(),
@@ -225,6 +227,7 @@ pub(crate) async fn walk<H: Handler>(
             claim: request,
             value: parsed.value.clone(),
             trace: trace::outgoing(&span, incoming.trace.as_ref()),
+            envelope: incoming.envelope.clone(),
         };
         let verdict = in_transaction(runtime, transactions, incoming, request, retries).await?;
         return Ok(Decided {
@@ -277,7 +280,7 @@ pub(crate) async fn walk<H: Handler>(
 /// (kept for inspection only: a NUL in a message id or correlation id, which Postgres
 /// text cannot hold, must not fail the claim, nor the claims of the batch around it).
 fn claim_request(parsed: &Parsed, incoming: &Incoming<'_>, span: &Span) -> ClaimRequest {
-    let properties = incoming.properties;
+    let properties = incoming.properties();
     let kept = |text: &Option<lapin::types::ShortString>| {
         text.as_ref().map(|s| storable(s.as_str()).into_owned())
     };

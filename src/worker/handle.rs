@@ -44,7 +44,8 @@ fn prepare<H: Handler>(
         parsed.correlation_id.clone(),
         trace::outgoing(span, incoming.trace.as_ref()),
         runtime.config.outbox.handoff,
-    );
+    )
+    .with_envelope(incoming.envelope.clone());
     Ok((message, ctx))
 }
 

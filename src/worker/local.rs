@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use lapin::BasicProperties;
 use tokio::sync::Notify;
 use tracing::Instrument;
 
@@ -15,7 +14,7 @@ use super::execute::{self, Decided};
 use super::settle::Incoming;
 use super::{Failure, Runtime, WorkerConfig};
 use crate::fault::Fault;
-use crate::handler::Handler;
+use crate::handler::{Envelope, Handler};
 use crate::key::Key;
 use crate::store::{Store, StoreError};
 
@@ -51,17 +50,17 @@ impl<H: Handler> Local<H> {
         &self.runtime.config
     }
 
-    /// Decides one delivery of `data` with `properties`. Its follow-ups stay in the
+    /// Decides one delivery of `data` in `envelope`. Its follow-ups stay in the
     /// outbox (there is no broker to publish them on). A failure of the message's own is
     /// decided as the worker decides it (a malformed dead letter); any other failure
     /// (the store unreachable) is returned: a worker would requeue the delivery.
     pub(crate) async fn decide(
         &self,
         data: &[u8],
-        properties: &BasicProperties,
+        envelope: Envelope,
     ) -> Result<LocalDecision, Failure> {
-        let incoming = Incoming::new(data, properties, None);
-        let span = execute::delivery_span(&self.runtime, false);
+        let span = execute::delivery_span(&self.runtime, envelope.redelivered);
+        let incoming = Incoming::new(data, envelope, None);
         let decided = match execute::walk(&self.runtime, &incoming)
             .instrument(span)
             .await

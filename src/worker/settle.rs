@@ -15,6 +15,7 @@ use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
 use crate::dead_letter::{self, DeadLetter, Outgoing};
 use crate::failpoint;
+use crate::handler::Envelope;
 use crate::headers;
 use crate::key::Key;
 use crate::metrics;
@@ -47,7 +48,8 @@ const ERROR_MAX_IN_A_SMALL_FRAME: usize = 128;
 /// where its run's follow-ups are published after the commit.
 pub(crate) struct Incoming<'a> {
     pub(crate) data: &'a [u8],
-    pub(crate) properties: &'a BasicProperties,
+    /// What the message carried (its properties among it), for the handler's context.
+    pub(crate) envelope: Arc<Envelope>,
     /// The trace context the delivery arrived with.
     pub(crate) trace: Option<TraceContext>,
     /// The session's follow-up channel; none leaves a run's follow-ups in the outbox,
@@ -56,29 +58,34 @@ pub(crate) struct Incoming<'a> {
 }
 
 impl<'a> Incoming<'a> {
-    /// A delivery as it came from the broker, its follow-ups published on `follow_ups`.
+    /// A delivery of `data` in `envelope`, its follow-ups published on `follow_ups`.
     pub(crate) fn new(
         data: &'a [u8],
-        properties: &'a BasicProperties,
+        envelope: Envelope,
         follow_ups: Option<&'a FollowUpChannel>,
     ) -> Self {
         Self {
             data,
-            properties,
-            trace: TraceContext::from_properties(properties),
+            trace: TraceContext::from_properties(&envelope.properties),
+            envelope: Arc::new(envelope),
             follow_ups,
         }
     }
 
+    /// The message's AMQP properties.
+    pub(crate) fn properties(&self) -> &BasicProperties {
+        &self.envelope.properties
+    }
+
     /// Delayed retries this message already went through (`idem-retries`).
     pub(crate) fn retries(&self) -> i64 {
-        headers::integer(self.properties, headers::RETRIES).unwrap_or(0)
+        headers::integer(self.properties(), headers::RETRIES).unwrap_or(0)
     }
 
     /// How many times the message was replayed from a dead-letter queue
     /// (`idem-replays`).
     pub(crate) fn replays(&self) -> i64 {
-        headers::integer(self.properties, headers::REPLAYS).unwrap_or(0)
+        headers::integer(self.properties(), headers::REPLAYS).unwrap_or(0)
     }
 }
 

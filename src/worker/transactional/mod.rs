@@ -25,7 +25,7 @@ use super::decision::{self, Ran, Reconciled};
 use super::guard::caught;
 use crate::failpoint;
 use crate::fault::Fault;
-use crate::handler::{Context, Handler, HandlerError};
+use crate::handler::{Context, Envelope, Handler, HandlerError};
 use crate::key::Key;
 use crate::metrics;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
@@ -51,6 +51,8 @@ pub(super) struct TxRequest {
     pub(super) value: Arc<Value>,
     /// The trace context its follow-up messages carry.
     pub(super) trace: Option<TraceContext>,
+    /// What the message carried, for the handler's context.
+    pub(super) envelope: Arc<Envelope>,
 }
 
 /// What a committed batch says about one delivery.
@@ -330,6 +332,7 @@ struct RunIn<'a> {
     value: &'a Value,
     correlation_id: &'a Option<String>,
     trace: &'a Option<TraceContext>,
+    envelope: &'a Arc<Envelope>,
     handoff: Duration,
     attempt: i32,
     takeover: bool,
@@ -347,6 +350,7 @@ impl<'a> RunIn<'a> {
             value: &request.value,
             correlation_id: &request.claim.origin.correlation_id,
             trace: &request.trace,
+            envelope: &request.envelope,
             handoff,
             attempt,
             takeover,
@@ -407,6 +411,7 @@ impl<'a> RunIn<'a> {
             self.correlation_id.clone(),
             trace::outgoing(&span, self.trace.as_ref()),
             self.handoff,
+            self.envelope.clone(),
         );
         let started = Instant::now();
         let result = match reconcile {
