@@ -475,26 +475,12 @@ impl Context {
         self
     }
 
-    /// The context, with its transaction, for the next run of a transactional batch:
-    /// that run's key and claim, its follow-ups' ids and trace, nothing staged yet.
-    pub(crate) fn next_run(
-        &mut self,
-        key: Key,
-        attempt: i32,
-        takeover: bool,
-        correlation_id: Option<String>,
-        trace: Option<TraceContext>,
-        handoff: Duration,
-        envelope: Arc<Envelope>,
-    ) {
-        self.envelope = envelope;
-        self.key = key;
-        self.attempt = attempt;
-        self.takeover = takeover;
-        self.correlation_id = correlation_id;
-        self.trace = trace;
-        self.handoff = handoff;
-        self.staged.clear();
+    /// This context, with its transaction, becomes `next` for the next run of a
+    /// transactional batch: that run's key and claim, its follow-ups' ids and trace, its
+    /// envelope, nothing staged yet.
+    pub(crate) fn next_run(&mut self, next: Context) {
+        let tx = self.tx.take();
+        *self = Context { tx, ..next };
     }
 
     /// Commits the context's transaction, if it opened one (a run that never wrote

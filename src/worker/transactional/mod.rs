@@ -405,13 +405,18 @@ impl<'a> RunIn<'a> {
             trace::attribute(&span, "idem.takeover", self.takeover);
         }
         ctx.next_run(
-            self.key.clone(),
-            self.attempt,
-            self.takeover,
-            self.correlation_id.clone(),
-            trace::outgoing(&span, self.trace.as_ref()),
-            self.handoff,
-            self.envelope.clone(),
+            Context::new(
+                self.key.clone(),
+                self.attempt,
+                self.takeover,
+                ctx.pool().clone(),
+            )
+            .for_follow_ups(
+                self.correlation_id.clone(),
+                trace::outgoing(&span, self.trace.as_ref()),
+                self.handoff,
+            )
+            .with_envelope(self.envelope.clone()),
         );
         let started = Instant::now();
         let result = match reconcile {
