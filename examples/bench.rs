@@ -534,6 +534,7 @@ async fn publish(
         queue: queue.to_owned(),
         queue_type: idem::QueueType::Classic,
         retry_delays: vec![Duration::from_secs(5)],
+        subscriptions: Vec::new(),
     };
     topology.declare(connection).await?;
     let mut pending = Vec::with_capacity(1000);

@@ -90,6 +90,7 @@ async fn run(outcomes: &Outcomes) -> anyhow::Result<()> {
         queue: QUEUE.into(),
         queue_type: idem::QueueType::Classic,
         retry_delays: vec![retry_delay],
+        subscriptions: Vec::new(),
     };
     for queue in [QUEUE.to_string(), topology.dlq()]
         .into_iter()

@@ -331,6 +331,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         queue: queue.clone(),
         queue_type: idem::QueueType::Classic,
         retry_delays: idem::RetryPolicy::default().delays,
+        subscriptions: Vec::new(),
     };
     let queues = [queue.clone(), topology.dlq()]
         .into_iter()

@@ -340,6 +340,7 @@ async fn declare_follow_up_queue(
         queue: queue.into(),
         queue_type,
         retry_delays: Vec::new(),
+        subscriptions: Vec::new(),
     };
     topology.declare(&connection).await?;
     connection.close(200, "declared".into()).await?;

@@ -105,7 +105,7 @@ pub use key::{Key, KeyError};
 pub use outbox::FollowUp;
 pub use retry::RetryPolicy;
 pub use store::{Record, Status, Store, StoreConfig, StoreError};
-pub use topology::{QueueType, Topology};
+pub use topology::{QueueType, Subscription, Topology};
 pub use worker::{Mode, Outcome, Worker, WorkerConfig, WorkerError};
 
 /// The README's code blocks compile as doc tests, so the first screen stays true (with

@@ -1,11 +1,16 @@
-//! Broker topology: the work queue, its retry queues and its dead-letter queue.
+//! Broker topology: the work queue, its retry queues and its dead-letter queue, and the
+//! exchanges the work queue is bound to.
 
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::uri::AMQPUri;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
 
 use tracing::warn;
 
@@ -39,7 +44,8 @@ impl QueueType {
 }
 
 /// The queues of one work queue: `<queue>`, `<queue>.retry.<delay>` for every retry
-/// delay (TTL, dead-lettering back to `<queue>`), and `<queue>.dlq`.
+/// delay (TTL, dead-lettering back to `<queue>`), and `<queue>.dlq`; and the exchanges
+/// `<queue>` consumes from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Topology {
     /// The work queue.
@@ -48,6 +54,83 @@ pub struct Topology {
     pub queue_type: QueueType,
     /// One retry queue per delay.
     pub retry_delays: Vec<Duration>,
+    /// The exchanges the work queue is bound to (none: producers publish to it through
+    /// the default exchange, by its name).
+    pub subscriptions: Vec<Subscription>,
+}
+
+/// An exchange the work queue consumes from: declared durable if missing, and the queue
+/// bound to it with each binding key. An exchange that exists with another type stops
+/// the worker (406 PRECONDITION_FAILED, naming the exchange), as a queue declared with
+/// other arguments does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Subscription {
+    /// The exchange's name.
+    pub exchange: String,
+    /// Its type: direct, fanout, topic or headers.
+    pub kind: ExchangeKind,
+    /// The binding keys (`order.*` on a topic exchange). None binds once with the empty
+    /// key, which is what a fanout exchange needs.
+    pub binding_keys: Vec<String>,
+}
+
+impl Subscription {
+    /// A topic exchange, bound with these patterns (`order.*`, `#.eu`).
+    pub fn topic(exchange: impl Into<String>, patterns: &[&str]) -> Self {
+        Self::of(exchange, ExchangeKind::Topic, patterns)
+    }
+
+    /// A direct exchange, bound with these routing keys.
+    pub fn direct(exchange: impl Into<String>, routing_keys: &[&str]) -> Self {
+        Self::of(exchange, ExchangeKind::Direct, routing_keys)
+    }
+
+    /// A fanout exchange: every message published to it.
+    pub fn fanout(exchange: impl Into<String>) -> Self {
+        Self::of(exchange, ExchangeKind::Fanout, &[])
+    }
+
+    fn of(exchange: impl Into<String>, kind: ExchangeKind, keys: &[&str]) -> Self {
+        Self {
+            exchange: exchange.into(),
+            kind,
+            binding_keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+        }
+    }
+
+    /// Declares the exchange (durable) and binds `queue` to it with each key.
+    async fn declare(&self, channel: &Channel, queue: &str) -> Result<(), lapin::Error> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                self.kind.clone(),
+                durable,
+                FieldTable::default(),
+            )
+            .await?;
+        let empty = [String::new()];
+        let keys = if self.binding_keys.is_empty() {
+            &empty[..]
+        } else {
+            &self.binding_keys[..]
+        };
+        for key in keys {
+            channel
+                .queue_bind(
+                    queue.into(),
+                    self.exchange.as_str().into(),
+                    key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        Ok(())
+    }
 }
 
 impl Topology {
@@ -64,7 +147,8 @@ impl Topology {
             .collect()
     }
 
-    /// Declares every queue, durable, on channels of `connection`. Idempotent:
+    /// Declares every queue, durable, on channels of `connection`, then the exchanges of
+    /// [`Topology::subscriptions`] and the work queue's bindings to them. Idempotent:
     /// declaring again with the same settings changes nothing; a queue that exists with
     /// other settings fails with 406 PRECONDITION_FAILED, unless it is one an older idem
     /// declared (without the quorum arguments below), which is kept as it is and named
@@ -111,6 +195,9 @@ impl Topology {
                 .queue_declare(name.as_str().into(), durable, older)
                 .await?;
             declared.older.push(name);
+        }
+        for subscription in &self.subscriptions {
+            subscription.declare(&channel, &self.queue).await?;
         }
         let _ = channel.close(200, "declared".into()).await;
         Ok(declared)

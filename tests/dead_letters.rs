@@ -410,6 +410,7 @@ async fn quorum_queues_are_declared_to_keep_their_messages(
         queue: old.name.clone(),
         queue_type: idem::QueueType::Quorum,
         retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+        subscriptions: Vec::new(),
     };
     declare_as_before(&old, &older).await;
     let worker = spawn_orders_worker(&url, &old.name, &quorum);

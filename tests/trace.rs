@@ -187,6 +187,7 @@ async fn downstream_of(q: &TestQueue) -> TestQueue {
         queue: downstream.name.clone(),
         queue_type: idem::QueueType::Classic,
         retry_delays: Vec::new(),
+        subscriptions: Vec::new(),
     }
     .declare(&q.connection)
     .await

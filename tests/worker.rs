@@ -270,6 +270,22 @@ async fn start_in_process<H: Handler>(
     CancellationToken,
     tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
 ) {
+    let (shutdown, task) = start_configured(pool, q, handler, lease, |_| {});
+    wait_for_consumers(q, 1).await;
+    (shutdown, task)
+}
+
+/// [`start_in_process`] with settings of the test's own, not waiting for its consumer.
+fn start_configured<H: Handler>(
+    pool: &PgPool,
+    q: &TestQueue,
+    handler: H,
+    lease: Duration,
+    edit: impl FnOnce(&mut WorkerConfig),
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
+) {
     let store = Store::new(
         pool.clone(),
         StoreConfig {
@@ -294,9 +310,10 @@ async fn start_in_process<H: Handler>(
         shutdown_timeout: Duration::from_secs(10),
         ..WorkerConfig::default()
     };
+    let mut config = config;
+    edit(&mut config);
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(Worker::new(handler, store, config).run(shutdown.clone()));
-    wait_for_consumers(q, 1).await;
     (shutdown, task)
 }
 
@@ -872,4 +889,124 @@ async fn the_handler_sees_what_the_message_carried(pool: PgPool) {
     );
     shutdown.cancel();
     task.await.unwrap().unwrap();
+}
+
+/// A queue that consumes from exchanges: the worker declares them and binds the queue
+/// with each key (again harmlessly at its next start); what is published to them with a
+/// matching key is handled, and the handler sees which exchange and key it came by. An
+/// exchange that exists with another type stops the worker with one line naming it.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn subscriptions_are_declared_bound_and_a_mismatch_stops_the_worker(pool: PgPool) {
+    use idem::Subscription;
+    use lapin::options::{BasicPublishOptions, ExchangeDeleteOptions};
+    let q = TestQueue::new("subscribed").await;
+    let events = format!("{}.events", q.name);
+    let broadcast = format!("{}.broadcast", q.name);
+    let subscriptions = vec![
+        Subscription::topic(events.as_str(), &["order.*"]),
+        Subscription::fanout(broadcast.as_str()),
+    ];
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let output = |event: &'static str| {
+        let store = store.clone();
+        async move {
+            let key = idem::Key::new("tests", EnvelopeEcho::OPERATION, event).unwrap();
+            store.get(&key).await.unwrap().and_then(|r| r.result)
+        }
+    };
+    for round in 0..2 {
+        let subscribed = subscriptions.clone();
+        let (shutdown, task) =
+            start_configured(&pool, &q, EnvelopeEcho, Duration::from_secs(5), |c| {
+                c.subscriptions = subscribed;
+            });
+        wait_for_consumers(&q, 1).await;
+        for (exchange, routing_key, event) in [
+            (
+                events.as_str(),
+                "order.created",
+                format!("evt-topic-{round}"),
+            ),
+            (
+                events.as_str(),
+                "invoice.created",
+                format!("evt-unbound-{round}"),
+            ),
+            (
+                broadcast.as_str(),
+                "anything",
+                format!("evt-fanout-{round}"),
+            ),
+        ] {
+            let body = json!({ "event_id": event }).to_string();
+            let confirm = q
+                .channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions::default(),
+                    body.as_bytes(),
+                    lapin::BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+        }
+        let topic: &'static str = if round == 0 {
+            "evt-topic-0"
+        } else {
+            "evt-topic-1"
+        };
+        let fanout: &'static str = if round == 0 {
+            "evt-fanout-0"
+        } else {
+            "evt-fanout-1"
+        };
+        wait_until(
+            Duration::from_secs(30),
+            "both bound messages handled",
+            || async { output(topic).await.is_some() && output(fanout).await.is_some() },
+        )
+        .await;
+        let seen = output(topic).await.unwrap();
+        assert_eq!(
+            (seen["exchange"].as_str(), seen["routing_key"].as_str()),
+            (Some(events.as_str()), Some("order.created"))
+        );
+        assert_eq!(
+            output(fanout).await.unwrap()["exchange"],
+            broadcast.as_str()
+        );
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
+    }
+    let unbound = idem::Key::new("tests", EnvelopeEcho::OPERATION, "evt-unbound-0").unwrap();
+    assert!(
+        store.get(&unbound).await.unwrap().is_none(),
+        "a key no binding matches is not routed"
+    );
+
+    // The same exchange name with another type: refused, naming the exchange.
+    let (_, task) = start_configured(&pool, &q, EnvelopeEcho, Duration::from_secs(5), |c| {
+        c.subscriptions = vec![Subscription::fanout(events.as_str())];
+    });
+    let refused = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the worker stops")
+        .unwrap()
+        .unwrap_err();
+    let line = refused.to_string();
+    assert!(
+        line.contains(&events) && line.contains("PRECONDITION_FAILED") && !line.contains('\n'),
+        "{line}"
+    );
+
+    for exchange in [&events, &broadcast] {
+        q.channel
+            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .unwrap();
+    }
 }

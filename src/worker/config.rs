@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::outbox::OutboxConfig;
 use crate::retry::RetryPolicy;
 use crate::store::gc::Pace;
-use crate::topology::{self, QueueType};
+use crate::topology::{self, QueueType, Subscription};
 
 /// How a worker commits an operation (docs/DESIGN.md, "Two execution modes").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -57,6 +57,9 @@ pub struct WorkerConfig {
     pub mode: Mode,
     /// Classic or quorum queues.
     pub queue_type: QueueType,
+    /// The exchanges the work queue consumes from, declared and bound by the worker
+    /// (none: producers publish to the queue by its name).
+    pub subscriptions: Vec<Subscription>,
     /// Handlers running at once.
     pub concurrency: usize,
     /// Unacked deliveries the broker sends ahead (basic.qos).
@@ -124,6 +127,7 @@ impl Default for WorkerConfig {
             queue: "idem".into(),
             mode: Mode::Leased,
             queue_type: QueueType::Classic,
+            subscriptions: Vec::new(),
             concurrency: 16,
             prefetch: 64,
             retry: RetryPolicy::default(),

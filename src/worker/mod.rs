@@ -183,6 +183,7 @@ impl<H: Handler> Worker<H> {
             queue: config.queue.clone(),
             queue_type: config.queue_type,
             retry_delays: config.retry.delays.clone(),
+            subscriptions: config.subscriptions.clone(),
         };
         Self {
             handler,

@@ -204,6 +204,7 @@ impl Drop for TestQueue {
                     queue: base.clone(),
                     queue_type: idem::QueueType::Classic,
                     retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+                    subscriptions: Vec::new(),
                 };
                 let queues = [base, topology.dlq()]
                     .into_iter()
