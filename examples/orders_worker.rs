@@ -59,6 +59,8 @@ pub struct Orders {
     pub mode: Mode,
     /// Stage one follow-up message per booked order to this queue.
     pub follow_ups: Option<String>,
+    /// Publish those follow-ups not before this long after booking (a reminder).
+    pub follow_up_delay: Option<Duration>,
 }
 
 impl Handler for Orders {
@@ -128,8 +130,11 @@ impl Handler for Orders {
                 "order_id": order.order_id,
                 "amount_cents": order.amount_cents,
             });
-            ctx.publish(FollowUp::json("", queue.as_str(), &booked).permanent()?)
-                .await?;
+            let mut follow_up = FollowUp::json("", queue.as_str(), &booked).permanent()?;
+            if let Some(delay) = self.follow_up_delay {
+                follow_up = follow_up.delayed(delay);
+            }
+            ctx.publish(follow_up).await?;
         }
         Ok(json!({"order_id": order.order_id, "booked_cents": order.amount_cents}))
     }
@@ -218,6 +223,10 @@ struct Args {
     /// missing), for `notifications_worker`.
     #[arg(long)]
     follow_ups: Option<String>,
+    /// Publish each follow-up not before this many milliseconds after its order was
+    /// booked (a delayed follow-up: a reminder, a timeout).
+    #[arg(long)]
+    follow_up_delay_ms: Option<u64>,
     /// How long a publisher of follow-ups owns the rows it took, in seconds; after
     /// that, another process's relay publishes them again (same id).
     #[arg(long, default_value_t = 30)]
@@ -313,6 +322,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         provider_delay: Duration::from_millis(args.provider_delay_ms),
         mode: args.mode,
         follow_ups: args.follow_ups,
+        follow_up_delay: args.follow_up_delay_ms.map(Duration::from_millis),
     };
     let shutdown = idem::shutdown::on_signal();
     let pool = store.pool().clone();

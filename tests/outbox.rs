@@ -749,3 +749,87 @@ async fn a_hostile_trace_context_reaches_the_follow_ups_normalised(pool: PgPool)
     stop.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// A delayed follow-up (`FollowUp::delayed`) staged by a worker that is SIGKILLed before
+/// it is due: another worker's relay publishes it once, not before its time and within
+/// a second after it; until then `idem outbox stats` counts it as scheduled, not as a
+/// backlog.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_delayed_follow_up_outlives_a_sigkill_and_goes_out_once_on_time(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    use lapin::options::BasicGetOptions;
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("outbox-delayed").await;
+    let to = format!("{}.follow-ups", q.name);
+    let out = q.beside("follow-ups").await;
+    let args = ["--follow-ups", to.as_str(), "--follow-up-delay-ms", "3000"];
+    let first = spawn_orders_worker(&url, &q.name, &args);
+    wait_for_consumers(&q, 1).await;
+    q.publish(&order("evt-remind", "acme", 100)).await;
+    let staged = || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+                "SELECT not_before FROM outbox_messages",
+            )
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    wait_until(SETTLE, "the delayed follow-up staged", || async {
+        staged().await.is_some()
+    })
+    .await;
+    let not_before = staged().await.unwrap();
+    signal(&first, "KILL");
+    let stats = idem::outbox::stats(&pool).await.unwrap();
+    assert_eq!((stats.scheduled, stats.undispatched), (1, 0), "{stats:?}");
+    assert_eq!(stats.next_due, Some(not_before));
+    assert!(chrono::Utc::now() < not_before, "killed before it was due");
+
+    let _second = spawn_orders_worker(&url, &q.name, &args);
+    let deadline = Instant::now() + SETTLE;
+    let received = loop {
+        let got = q
+            .channel
+            .basic_get(out.name.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap();
+        if got.is_some() {
+            break chrono::Utc::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the delayed follow-up never came"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let late = received - not_before;
+    println!(
+        "delayed follow-up: published {} ms after it was due",
+        late.num_milliseconds()
+    );
+    assert!(
+        late >= chrono::Duration::zero(),
+        "published {late} before its time"
+    );
+    assert!(
+        late <= chrono::Duration::seconds(1),
+        "published {late} after its time"
+    );
+    wait_until(SETTLE, "the row marked dispatched", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT dispatched_at IS NOT NULL FROM outbox_messages")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    })
+    .await;
+    assert_eq!(q.counts(&out.name).await.0, 0, "published once");
+}

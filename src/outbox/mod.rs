@@ -23,6 +23,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -35,7 +36,7 @@ mod table;
 
 pub(crate) use publish::{mark_dispatched, publish};
 pub use relay::Relay;
-pub use table::{OutboxEntry, OutboxStats, dispatched, list, stats};
+pub use table::{OutboxEntry, OutboxStats, dispatched, list, scheduled, stats};
 pub(crate) use table::{OutboxRow, stage, take_staged};
 
 /// The longest AMQP short string, in bytes: exchange, routing key, header names,
@@ -78,6 +79,16 @@ pub struct FollowUp {
     routing_key: String,
     body: Vec<u8>,
     pub(crate) properties: Properties,
+    pub(crate) not_before: Option<NotBefore>,
+}
+
+/// When a delayed follow-up may be published at the earliest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum NotBefore {
+    /// At this time.
+    At(DateTime<Utc>),
+    /// This long after it was staged (by the database's clock).
+    After(Duration),
 }
 
 /// The AMQP properties a follow-up keeps, as stored in the outbox.
@@ -107,6 +118,7 @@ impl FollowUp {
             routing_key: routing_key.into(),
             body: body.into(),
             properties: Properties::default(),
+            not_before: None,
         }
     }
 
@@ -148,6 +160,22 @@ impl FollowUp {
     /// anything else as its JSON text.
     pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.properties.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Publishes it not before `at`: it is staged with the operation as any follow-up
+    /// (and rolled back with a failed run), survives restarts in the outbox, and a relay
+    /// publishes it once it is due ("cancel the reservation if unpaid by 18:00"). It does
+    /// not hold back the operation's later follow-ups.
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.not_before = Some(NotBefore::At(at));
+        self
+    }
+
+    /// Publishes it not before `delay` after it was staged, by the database's clock
+    /// ("send the reminder in 24 h"), as [`FollowUp::not_before`] does.
+    pub fn delayed(mut self, delay: Duration) -> Self {
+        self.not_before = Some(NotBefore::After(delay));
         self
     }
 

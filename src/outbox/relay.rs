@@ -29,6 +29,11 @@ use crate::topology;
 /// The `NOTIFY` channel of the outbox's insert trigger.
 pub(crate) const CHANNEL: &str = "idem_outbox";
 
+/// The shortest sleep of a relay that has rows due it could not publish (the broker
+/// down, rows another publisher holds): a delayed row goes out at most this long after
+/// it is due, and a relay with nothing to do asks the database this often at most.
+const DUE_CHECK_MIN: Duration = Duration::from_millis(250);
+
 /// How often the relay refreshes the backlog metrics.
 const STATS_EVERY: Duration = Duration::from_secs(5);
 
@@ -234,9 +239,20 @@ impl Relay {
     }
 
     /// Sleeps until a notification's handoff has passed, this process's wake-up, the
-    /// next poll, or shutdown.
+    /// next poll (sooner when a delayed row comes due before it, but never sooner than
+    /// [`DUE_CHECK_MIN`]), or shutdown.
     async fn wait(&self, listener: &mut Option<PgListener>, shutdown: &CancellationToken) {
-        let poll = tokio::time::sleep(self.config.poll);
+        let next_due = match table::until_next_due(&self.pool).await {
+            Ok(next) => next,
+            Err(error) => {
+                debug!(error = %crate::text::error_line(&error), "outbox: next due row");
+                None
+            }
+        };
+        let poll = next_due.map_or(self.config.poll, |due| {
+            due.clamp(DUE_CHECK_MIN, self.config.poll.max(DUE_CHECK_MIN))
+        });
+        let poll = tokio::time::sleep(poll);
         tokio::pin!(poll);
         let notified = async {
             match listener.as_mut() {

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use sqlx::AssertSqlSafe;
 use sqlx::{PgConnection, PgPool};
 
-use super::{FollowUp, Properties, backoff};
+use super::{FollowUp, NotBefore, Properties, backoff};
 use crate::store::{StoreError, storable};
 
 /// A staged message that is not published yet, as a publisher took it.
@@ -39,12 +39,25 @@ pub(crate) async fn stage(
     handoff: Duration,
 ) -> Result<i64, sqlx::Error> {
     let position = i32::try_from(position).unwrap_or(i32::MAX);
+    let (at, after) = match message.not_before {
+        None => (None, None),
+        Some(NotBefore::At(at)) => (Some(at), None),
+        Some(NotBefore::After(delay)) => (None, Some(millis(delay))),
+    };
+    // A delayed row is due at its time, or after the handoff if that is later (greatest
+    // leaves out NULLs).
     sqlx::query_scalar(
-        "INSERT INTO outbox_messages
+        "WITH due AS (
+             SELECT CASE WHEN $10::timestamptz IS NULL AND $11::bigint IS NULL THEN NULL
+                         ELSE coalesce($10, clock_timestamp() + $11 * interval '1 millisecond')
+                    END AS not_before
+         )
+         INSERT INTO outbox_messages
              (message_id, source, operation, position, exchange, routing_key, body,
-              properties, available_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8,
-                 clock_timestamp() + $9 * interval '1 millisecond')
+              properties, not_before, available_at)
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, due.not_before,
+                greatest(clock_timestamp() + $9 * interval '1 millisecond', due.not_before)
+         FROM due
          RETURNING id",
     )
     .bind(message_id)
@@ -56,6 +69,8 @@ pub(crate) async fn stage(
     .bind(&message.body)
     .bind(sqlx::types::Json(&message.properties))
     .bind(millis(handoff))
+    .bind(at)
+    .bind(after)
     .fetch_one(conn)
     .await
 }
@@ -78,6 +93,7 @@ pub(crate) async fn take_staged(
     Ok(sqlx::query_as(AssertSqlSafe(format!(
         "UPDATE outbox_messages SET {TAKE}
          WHERE id = ANY($1) AND dispatched_at IS NULL AND take_token = 0
+           AND (not_before IS NULL OR not_before <= now())
          RETURNING {ROW}"
     )))
     .bind(ids)
@@ -86,8 +102,9 @@ pub(crate) async fn take_staged(
     .await?)
 }
 
-/// A relay takes up to `batch` rows that are due, oldest first, skipping rows another
-/// publisher is taking at this moment; they are its own for `lease`.
+/// A relay takes up to `batch` rows that are due, the longest due first (through the
+/// index of due times), skipping rows another publisher is taking at this moment; they
+/// are its own for `lease`.
 pub(crate) async fn take_due(
     pool: &PgPool,
     batch: i64,
@@ -97,7 +114,7 @@ pub(crate) async fn take_due(
         "UPDATE outbox_messages SET {TAKE}
          WHERE id IN (SELECT id FROM outbox_messages
                       WHERE dispatched_at IS NULL AND available_at <= now()
-                      ORDER BY id LIMIT $1
+                      ORDER BY available_at LIMIT $1
                       FOR UPDATE SKIP LOCKED)
          RETURNING {ROW}"
     )))
@@ -109,7 +126,8 @@ pub(crate) async fn take_due(
 
 /// For each of `sources`, the first message not yet dispatched among rows other than
 /// `held`: its position, and when it is due again if its last publish failed. A held
-/// row after it must wait, or the operation's messages go out of order.
+/// row after it must wait, or the operation's messages go out of order. A delayed row
+/// not due yet holds nothing back: it goes out when it is due.
 pub(crate) async fn first_waiting(
     pool: &PgPool,
     sources: &[String],
@@ -120,6 +138,7 @@ pub(crate) async fn first_waiting(
                 CASE WHEN last_error IS NOT NULL THEN available_at END
          FROM outbox_messages
          WHERE source = ANY($1) AND dispatched_at IS NULL AND NOT (id = ANY($2))
+           AND (not_before IS NULL OR not_before <= now())
          ORDER BY source, position",
     )
     .bind(sources)
@@ -209,26 +228,49 @@ pub(crate) async fn mark_failed(
 /// The backlog, for `idem outbox stats` and the metrics.
 #[derive(Debug, Clone, Default, PartialEq, sqlx::FromRow)]
 pub struct OutboxStats {
-    /// Staged messages not published yet.
+    /// Staged messages due and not published yet.
     pub undispatched: i64,
-    /// The oldest of them, in seconds since it was staged.
+    /// The oldest of them, in seconds since it was due (staged, or its delay ended).
     pub oldest_age_s: Option<f64>,
     /// Undispatched messages whose last publish failed (returned as unroutable, nacked,
     /// not confirmed in time).
     pub failing: i64,
+    /// Delayed messages not due yet: scheduled, not a backlog.
+    pub scheduled: i64,
+    /// When the next of them is due.
+    pub next_due: Option<DateTime<Utc>>,
 }
 
 /// Counts the backlog through the partial index of undispatched rows (what the relays
-/// refresh the metrics with, every few seconds).
+/// refresh the metrics with, every few seconds). Scheduled messages are counted apart:
+/// a reminder due tomorrow is no backlog, and its age alarms nobody.
 pub async fn stats(pool: &PgPool) -> Result<OutboxStats, StoreError> {
     Ok(sqlx::query_as(
-        "SELECT count(*) AS undispatched,
-                extract(epoch FROM now() - min(staged_at))::float8 AS oldest_age_s,
-                count(*) FILTER (WHERE last_error IS NOT NULL) AS failing
-         FROM outbox_messages WHERE dispatched_at IS NULL",
+        "SELECT count(*) FILTER (WHERE NOT scheduled) AS undispatched,
+                extract(epoch FROM now() - min(coalesce(not_before, staged_at))
+                                           FILTER (WHERE NOT scheduled))::float8
+                    AS oldest_age_s,
+                count(*) FILTER (WHERE last_error IS NOT NULL) AS failing,
+                count(*) FILTER (WHERE scheduled) AS scheduled,
+                min(not_before) FILTER (WHERE scheduled) AS next_due
+         FROM (SELECT *, coalesce(not_before > now(), false) AS scheduled
+               FROM outbox_messages WHERE dispatched_at IS NULL) AS undispatched",
     )
     .fetch_one(pool)
     .await?)
+}
+
+/// How long until the next undispatched row is due (zero when one is due now; none
+/// when there is none), by the database's clock, through the index of due times: what
+/// a relay sleeps at most.
+pub(crate) async fn until_next_due(pool: &PgPool) -> Result<Option<Duration>, StoreError> {
+    let seconds: Option<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM min(available_at) - now())::float8
+         FROM outbox_messages WHERE dispatched_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)))
 }
 
 /// Dispatched messages kept until their retention ends: every one of them is counted
@@ -267,6 +309,8 @@ pub struct OutboxEntry {
     pub last_error: Option<String>,
     /// When it was published, if it was.
     pub dispatched_at: Option<DateTime<Utc>>,
+    /// A delayed message's time: not published before it.
+    pub not_before: Option<DateTime<Utc>>,
     /// The body's size in bytes.
     pub body_bytes: i32,
 }
@@ -288,16 +332,30 @@ pub async fn list(
         (true, true) => "last_error IS NOT NULL",
     };
     Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, message_id, source, operation, position, exchange, routing_key,
-                staged_at, attempts, last_error, dispatched_at,
-                octet_length(body) AS body_bytes
-         FROM outbox_messages WHERE {which}
+        "SELECT {ENTRY} FROM outbox_messages WHERE {which}
          ORDER BY id LIMIT $1"
     )))
     .bind(limit)
     .fetch_all(pool)
     .await?)
 }
+
+/// Delayed messages not due yet, the soonest first (through the index of due times).
+pub async fn scheduled(pool: &PgPool, limit: i64) -> Result<Vec<OutboxEntry>, StoreError> {
+    Ok(sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT {ENTRY} FROM outbox_messages
+         WHERE dispatched_at IS NULL AND not_before > now()
+         ORDER BY available_at LIMIT $1"
+    )))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// The columns of an [`OutboxEntry`].
+const ENTRY: &str = "id, message_id, source, operation, position, exchange, routing_key, \
+                     staged_at, attempts, last_error, dispatched_at, not_before, \
+                     octet_length(body) AS body_bytes";
 
 /// A duration as whole milliseconds for SQL intervals, saturating.
 fn millis(d: Duration) -> i64 {

@@ -19,6 +19,9 @@ pub(crate) enum Outbox {
         /// Only those whose last publish failed.
         #[arg(long)]
         failing: bool,
+        /// Only delayed messages not due yet, the soonest first.
+        #[arg(long, conflicts_with_all = ["failing", "all"])]
+        scheduled: bool,
         /// Dispatched ones too (kept until their retention ends).
         #[arg(long)]
         all: bool,
@@ -45,11 +48,16 @@ pub(crate) async fn run(cli: &Cli, command: &Outbox) -> anyhow::Result<()> {
         }
         Outbox::List {
             failing,
+            scheduled,
             all,
             limit,
             json,
         } => {
-            let entries = outbox::list(pool, *all, *failing, *limit).await?;
+            let entries = if *scheduled {
+                outbox::scheduled(pool, *limit).await?
+            } else {
+                outbox::list(pool, *all, *failing, *limit).await?
+            };
             if *json {
                 for entry in &entries {
                     say!("{}", entry_json(entry));
@@ -74,6 +82,14 @@ fn print_stats(stats: &OutboxStats, dispatched: i64) {
     say!("undispatched: {}", stats.undispatched);
     say!("oldest:       {oldest}");
     say!("failing:      {}", stats.failing);
+    match stats.next_due {
+        Some(next) => say!(
+            "scheduled:    {} (delayed, not due yet; the next at {})",
+            stats.scheduled,
+            next.format("%Y-%m-%d %H:%M:%S")
+        ),
+        None => say!("scheduled:    0"),
+    }
     say!("dispatched:   {dispatched} (kept until their retention ends)");
 }
 
@@ -82,15 +98,20 @@ fn stats_json(stats: &OutboxStats, dispatched: i64) -> serde_json::Value {
         "undispatched": stats.undispatched,
         "oldest_age_s": stats.oldest_age_s,
         "failing": stats.failing,
+        "scheduled": stats.scheduled,
+        "next_due": stats.next_due,
         "dispatched": dispatched,
     })
 }
 
 fn print_entry(entry: &OutboxEntry) {
-    let state = match (&entry.dispatched_at, &entry.last_error) {
-        (Some(at), _) => format!("dispatched {}", at.format("%Y-%m-%d %H:%M:%S")),
-        (None, Some(error)) => format!("failing: {}", idem::text::printable(error)),
-        (None, None) => "waiting".into(),
+    let state = match (&entry.dispatched_at, &entry.last_error, &entry.not_before) {
+        (Some(at), _, _) => format!("dispatched {}", at.format("%Y-%m-%d %H:%M:%S")),
+        (None, Some(error), _) => format!("failing: {}", idem::text::printable(error)),
+        (None, None, Some(at)) if *at > chrono::Utc::now() => {
+            format!("scheduled for {}", at.format("%Y-%m-%d %H:%M:%S"))
+        }
+        (None, None, _) => "waiting".into(),
     };
     say!(
         "{} {} #{} from {}/{} to {:?}/{:?}, {} B, staged {}, {} attempts, {state}",
@@ -121,5 +142,6 @@ fn entry_json(entry: &OutboxEntry) -> serde_json::Value {
         "attempts": entry.attempts,
         "last_error": entry.last_error,
         "dispatched_at": entry.dispatched_at,
+        "not_before": entry.not_before,
     })
 }

@@ -56,6 +56,10 @@ pub(super) async fn outbox(State(console): State<Arc<Console>>) -> Response {
         Ok(rows) => rows,
         Err(error) => return failed("the store", &error.into()),
     };
+    let scheduled = match idem::outbox::scheduled(pool, ROWS).await {
+        Ok(rows) => rows,
+        Err(error) => return failed("the store", &error.into()),
+    };
     let summary = table(
         "outbox",
         &["", ""],
@@ -66,6 +70,10 @@ pub(super) async fn outbox(State(console): State<Arc<Console>>) -> Response {
                 num(stats.oldest_age_s.map_or("-".into(), |s| format!("{s:.0}"))),
             ],
             vec!["last publish failed".into(), num(stats.failing)],
+            vec![
+                "scheduled (delayed, not due yet)".into(),
+                num(stats.scheduled),
+            ],
         ],
     );
     let rows: Vec<Vec<String>> = failing
@@ -80,8 +88,19 @@ pub(super) async fn outbox(State(console): State<Arc<Console>>) -> Response {
             ]
         })
         .collect();
+    let scheduled: Vec<Vec<String>> = scheduled
+        .iter()
+        .map(|e| {
+            vec![
+                when(e.not_before),
+                format!("<code>{}</code>", escape(&e.message_id)),
+                escape(&e.operation),
+                escape(&format!("{} → {}", e.exchange, e.routing_key)),
+            ]
+        })
+        .collect();
     let body = format!(
-        "{summary}<h2>Failing (unroutable, nacked)</h2>{}",
+        "{summary}<h2>Failing (unroutable, nacked)</h2>{}<h2>Scheduled, the soonest first</h2>{}",
         table(
             "failing",
             &[
@@ -92,6 +111,16 @@ pub(super) async fn outbox(State(console): State<Arc<Console>>) -> Response {
                 "last error"
             ],
             &rows
+        ),
+        table(
+            "scheduled",
+            &[
+                "not before",
+                "message id",
+                "operation",
+                "exchange → routing key"
+            ],
+            &scheduled
         )
     );
     page("Outbox", &body).into_response()
