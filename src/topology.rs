@@ -62,7 +62,9 @@ pub struct Topology {
 /// An exchange the work queue consumes from: declared durable if missing, and the queue
 /// bound to it with each binding key. An exchange that exists with another type stops
 /// the worker (406 PRECONDITION_FAILED, naming the exchange), as a queue declared with
-/// other arguments does.
+/// other arguments does. Declaring is additive: a subscription removed from the
+/// configuration leaves its binding on the broker until an operator unbinds it
+/// (`rabbitmqctl` or the management UI).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Subscription {
     /// The exchange's name.
@@ -75,12 +77,15 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// A topic exchange, bound with these patterns (`order.*`, `#.eu`).
+    /// A topic exchange, bound with these patterns (`order.*`, `#.eu`); no pattern binds
+    /// once with the empty key, which matches only messages published with an empty
+    /// routing key.
     pub fn topic(exchange: impl Into<String>, patterns: &[&str]) -> Self {
         Self::of(exchange, ExchangeKind::Topic, patterns)
     }
 
-    /// A direct exchange, bound with these routing keys.
+    /// A direct exchange, bound with these routing keys; none binds once with the empty
+    /// key.
     pub fn direct(exchange: impl Into<String>, routing_keys: &[&str]) -> Self {
         Self::of(exchange, ExchangeKind::Direct, routing_keys)
     }

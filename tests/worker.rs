@@ -898,10 +898,10 @@ async fn the_handler_sees_what_the_message_carried(pool: PgPool) {
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn subscriptions_are_declared_bound_and_a_mismatch_stops_the_worker(pool: PgPool) {
     use idem::Subscription;
-    use lapin::options::{BasicPublishOptions, ExchangeDeleteOptions};
+    use lapin::options::BasicPublishOptions;
     let q = TestQueue::new("subscribed").await;
-    let events = format!("{}.events", q.name);
-    let broadcast = format!("{}.broadcast", q.name);
+    let events = q.exchange("events");
+    let broadcast = q.exchange("broadcast");
     let subscriptions = vec![
         Subscription::topic(events.as_str(), &["order.*"]),
         Subscription::fanout(broadcast.as_str()),
@@ -1002,11 +1002,4 @@ async fn subscriptions_are_declared_bound_and_a_mismatch_stops_the_worker(pool: 
         line.contains(&events) && line.contains("PRECONDITION_FAILED") && !line.contains('\n'),
         "{line}"
     );
-
-    for exchange in [&events, &broadcast] {
-        q.channel
-            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-            .await
-            .unwrap();
-    }
 }

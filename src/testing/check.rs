@@ -1,18 +1,18 @@
 //! The idempotency check: one handler, the intents a closure of the user's makes, and a
 //! counter of each intent's effects, through every hazard of a real deployment.
 
-use std::fmt;
+use std::sync::Arc;
 
 use futures_util::future::join_all;
+use lapin::BasicProperties;
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::{Delivered, Failing, FakeProvider, TestError, TestWorker};
+use super::{Delivered, Failing, FakeProvider, Hazard, Settled, TestError, TestWorker};
 use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler};
-use crate::key::Key;
-use crate::store::{Claim, Origin, StoredError};
+use crate::store::{Claim, Origin, StoreError, StoredError};
 use crate::worker::{Mode, Outcome};
 
 /// How many copies of one message the concurrency hazard delivers at once.
@@ -20,67 +20,6 @@ const COPIES: usize = 8;
 
 /// How many deliveries an uncertain operation gets to be reconciled.
 const RECONCILE_DELIVERIES: usize = 4;
-
-/// What the check puts a handler through, in this order; each hazard but the first two
-/// and the last two gets an intent of its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Hazard {
-    /// The message's first delivery: it must complete with one effect.
-    FirstDelivery,
-    /// The same message again after it completed (a duplicate publish, a redelivery).
-    Redelivery,
-    /// Copies of one message delivered at once (to one or several workers).
-    Concurrent,
-    /// The handler returned, the worker crashed before its outcome was recorded (what
-    /// it wrote through `ctx.tx()` rolled back, what it did elsewhere kept), and another
-    /// worker took the operation over.
-    CrashBeforeRecord,
-    /// The handler returned, recording its outcome failed (its transaction rolled
-    /// back), and the retry ran it again.
-    FailedThenRetried,
-    /// The provider accepted the call and the answer was lost: the operation is
-    /// pending, and its next delivery reconciles it (needs [`Check::provider`]).
-    UncertainThenReconciled,
-    /// The same key with another payload (needs [`Check::other_payload`]).
-    OtherPayload,
-    /// A dead letter of the completed message, replayed by an operator.
-    ReplayedDeadLetter,
-}
-
-impl fmt::Display for Hazard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Hazard::FirstDelivery => "after the first delivery",
-            Hazard::Redelivery => "after the same message again, once it completed",
-            Hazard::Concurrent => "after copies of the message delivered at once",
-            Hazard::CrashBeforeRecord => {
-                "after a crash before the record and a takeover by another worker"
-            }
-            Hazard::FailedThenRetried => "after a failure to record the outcome and a retry",
-            Hazard::UncertainThenReconciled => {
-                "after an uncertain outcome (the provider accepted, the answer was lost) and a reconcile"
-            }
-            Hazard::OtherPayload => "after the same key with another payload",
-            Hazard::ReplayedDeadLetter => "after a replayed dead letter of the completed message",
-        })
-    }
-}
-
-impl Hazard {
-    /// What to look at when this hazard doubled an effect.
-    fn hint(self) -> &'static str {
-        match self {
-            Hazard::CrashBeforeRecord | Hazard::FailedThenRetried => {
-                "writes outside ctx.tx()? a provider call without ctx.provider_key()?"
-            }
-            Hazard::UncertainThenReconciled => {
-                "reconcile() should ask the provider (with ctx.provider_key()) instead of answering NotApplied"
-            }
-            _ => "the handler ran more than once for one intent",
-        }
-    }
-}
 
 /// The hazards a handler went through with one effect each, and those left out.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -134,6 +73,7 @@ pub struct Check<'w, H: Handler> {
     worker: &'w TestWorker<H>,
     other_payload: Option<Change<'w>>,
     provider: Option<FakeProvider>,
+    properties: BasicProperties,
 }
 
 impl<'w, H: Handler> Check<'w, H> {
@@ -142,7 +82,15 @@ impl<'w, H: Handler> Check<'w, H> {
             worker,
             other_payload: None,
             provider: None,
+            properties: BasicProperties::default(),
         }
+    }
+
+    /// The AMQP properties every message of the check is delivered with (a `type` for
+    /// a handler that reads it from [`Context::envelope`]).
+    pub fn properties(mut self, properties: BasicProperties) -> Self {
+        self.properties = properties;
+        self
     }
 
     /// The same intent with another payload, made from a message (another amount, say):
@@ -175,7 +123,7 @@ impl<'w, H: Handler> Check<'w, H> {
         let mut report = Passed::default();
 
         let first = message(0);
-        self.completes(Hazard::FirstDelivery, &first, None).await?;
+        self.completes(Hazard::FirstDelivery, &first).await?;
         once(Hazard::FirstDelivery, count(&first).await)?;
         report.passed.push(Hazard::FirstDelivery);
 
@@ -185,14 +133,10 @@ impl<'w, H: Handler> Check<'w, H> {
         report.passed.push(Hazard::Redelivery);
 
         let copy = message(1);
-        let copies = join_all((0..COPIES).map(|_| self.worker.deliver(&copy))).await;
+        let copies = join_all((0..COPIES).map(|_| self.deliver(Hazard::Concurrent, &copy))).await;
         let mut executed = 0;
         for delivered in copies {
-            let delivered = delivered.map_err(|source| CheckFailed::Worker {
-                hazard: Hazard::Concurrent,
-                source,
-            })?;
-            executed += usize::from(delivered.outcome == Outcome::Executed);
+            executed += usize::from(delivered?.outcome == Outcome::Executed);
         }
         if executed != 1 {
             return Err(CheckFailed::Decided {
@@ -209,7 +153,7 @@ impl<'w, H: Handler> Check<'w, H> {
         ] {
             let m = message(n);
             self.interrupted_run(hazard, &m).await?;
-            self.completes(hazard, &m, Some(Outcome::Executed)).await?;
+            self.completes(hazard, &m).await?;
             once(hazard, count(&m).await)?;
             report.passed.push(hazard);
         }
@@ -217,14 +161,22 @@ impl<'w, H: Handler> Check<'w, H> {
         match &self.provider {
             Some(provider) => {
                 let m = message(4);
-                if self.uncertain(provider, &m).await? {
-                    once(Hazard::UncertainThenReconciled, count(&m).await)?;
-                    report.passed.push(Hazard::UncertainThenReconciled);
-                } else {
-                    report.skipped.push((
+                match self.uncertain(provider, &m).await? {
+                    Uncertain::Reconciled => {
+                        once(Hazard::UncertainThenReconciled, count(&m).await)?;
+                        report.passed.push(Hazard::UncertainThenReconciled);
+                    }
+                    Uncertain::NeverPending => {
+                        once(Hazard::UncertainThenReconciled, count(&m).await)?;
+                        report.skipped.push((
+                            Hazard::UncertainThenReconciled,
+                            "the handler never went pending: does it answer a timeout with HandlerError::Uncertain?",
+                        ));
+                    }
+                    Uncertain::NotCalled => report.skipped.push((
                         Hazard::UncertainThenReconciled,
                         "the handler did not call the FakeProvider",
-                    ));
+                    )),
                 }
             }
             None => report
@@ -253,57 +205,59 @@ impl<'w, H: Handler> Check<'w, H> {
                 .push((Hazard::OtherPayload, "no other_payload given")),
         }
 
+        let hazard = Hazard::ReplayedDeadLetter;
+        let m = message(5);
+        self.interrupted_run(hazard, &m).await?;
         let replayed = self
             .worker
-            .deliver_replayed(&first, 1)
+            .replay_with(&m, &self.properties)
             .await
-            .map_err(|source| CheckFailed::Worker {
-                hazard: Hazard::ReplayedDeadLetter,
-                source,
-            })?;
-        expect(
-            Hazard::ReplayedDeadLetter,
-            &replayed,
-            &[Outcome::DuplicateCompleted],
-        )?;
-        once(Hazard::ReplayedDeadLetter, count(&first).await)?;
-        report.passed.push(Hazard::ReplayedDeadLetter);
+            .map_err(|source| CheckFailed::Worker { hazard, source })?;
+        match replayed {
+            Some(delivered) if delivered.outcome == Outcome::Executed => {}
+            other => {
+                return Err(CheckFailed::Decided {
+                    hazard,
+                    what: format!(
+                        "the replay did not run to completion: {}",
+                        other.map_or("it was only acked".into(), |d| described(&d))
+                    ),
+                });
+            }
+        }
+        once(hazard, count(&m).await)?;
+        report.passed.push(hazard);
         Ok(report)
     }
 
     async fn deliver(&self, hazard: Hazard, m: &Value) -> Result<Delivered, CheckFailed> {
         self.worker
-            .deliver(m)
+            .deliver_with(m.to_string().as_bytes(), &self.properties)
             .await
             .map_err(|source| CheckFailed::Worker { hazard, source })
     }
 
-    /// Delivers `m` and fails unless it completes (as `outcome`, if given).
-    async fn completes(
-        &self,
-        hazard: Hazard,
-        m: &Value,
-        outcome: Option<Outcome>,
-    ) -> Result<Delivered, CheckFailed> {
+    /// Delivers `m` and fails unless the handler runs and its outcome commits.
+    async fn completes(&self, hazard: Hazard, m: &Value) -> Result<Delivered, CheckFailed> {
         let delivered = self.deliver(hazard, m).await?;
-        let completed = matches!(delivered.outcome, Outcome::Executed | Outcome::Reconciled);
-        if !completed || outcome.is_some_and(|o| o != delivered.outcome) {
+        if delivered.outcome != Outcome::Executed {
             return Err(CheckFailed::Decided {
                 hazard,
                 what: format!(
-                    "the message did not run to completion: {} ({:?})",
-                    delivered.outcome.as_str(),
-                    delivered.settled
+                    "the message did not run to completion: {}",
+                    described(&delivered)
                 ),
             });
         }
         Ok(delivered)
     }
 
-    /// The handler runs for `m` under a claim and its outcome is never recorded: for a
-    /// crash, the lease then expires (in transactional mode nothing of the batch was
+    /// The handler runs for `m` under a claim, in a context like the worker's, and its
+    /// outcome is never recorded; what it wrote through `ctx.tx()` is rolled back. Then,
+    /// for a crash, the lease expires (in transactional mode nothing of the batch was
     /// committed, not even the claim); for a failure, the run is recorded as failed,
-    /// retryable. What the handler wrote through `ctx.tx()` is rolled back.
+    /// retryable; for a dead letter, failed for good and dead-lettered, its record
+    /// pinned as a published dead letter pins it.
     async fn interrupted_run(&self, hazard: Hazard, m: &Value) -> Result<(), CheckFailed> {
         let handler = self.worker.handler();
         let store = self.worker.store();
@@ -311,16 +265,11 @@ impl<'w, H: Handler> Check<'w, H> {
             hazard,
             what: format!("the message does not fit the handler: {e}"),
         })?;
-        let key = Key::new(
-            handler.scope(&message),
-            H::OPERATION,
-            handler.idempotency_key(&message),
-        )
-        .map_err(|e| CheckFailed::Decided {
+        let key = self.worker.key_of(m).map_err(|e| CheckFailed::Decided {
             hazard,
-            what: format!("the message has no valid key: {e}"),
+            what: e.to_string(),
         })?;
-        let worker_error = |e: crate::store::StoreError| CheckFailed::Worker {
+        let store_error = |e: StoreError| CheckFailed::Worker {
             hazard,
             source: TestError::Store(e),
         };
@@ -338,29 +287,50 @@ impl<'w, H: Handler> Check<'w, H> {
                         what: format!("a fresh intent was not claimed: {other:?}"),
                     });
                 }
-                Err(e) => return Err(worker_error(e)),
+                Err(e) => return Err(store_error(e)),
             }
         };
         let (attempt, takeover) = lease
             .as_ref()
             .map_or((1, false), |l| (l.attempt, l.takeover));
-        let mut ctx = Context::new(key.clone(), attempt, takeover, store.pool().clone());
+        let mut ctx = Context::new(key.clone(), attempt, takeover, store.pool().clone())
+            .for_follow_ups(None, None, self.worker.config().outbox.handoff)
+            .with_envelope(Arc::new(self.worker.envelope(&self.properties)));
         // What the handler returns is lost with the crash; its transaction rolls back.
-        let _ = handler.handle(message, &mut ctx).await;
+        let ran = handler.handle(message, &mut ctx).await;
         drop(ctx);
+        if let Err(error) = ran {
+            return Err(CheckFailed::Decided {
+                hazard,
+                what: format!(
+                    "the run to interrupt did not complete: {} ({})",
+                    error.message(),
+                    error.kind()
+                ),
+            });
+        }
+        let failed = |kind| StoredError {
+            kind,
+            error: "the outcome could not be recorded (idem::testing)",
+        };
         match (hazard, lease) {
             (Hazard::CrashBeforeRecord, Some(_)) => {
-                store.release(&key).await.map_err(worker_error)?;
+                store.release(&key).await.map_err(store_error)?;
             }
-            (Hazard::FailedThenRetried, Some(lease)) => {
-                let error = StoredError {
-                    kind: "transient",
-                    error: "the outcome could not be recorded (idem::testing)",
-                };
+            (Hazard::FailedThenRetried, Some(lease)) => store
+                .fail(&lease, true, &failed("transient").to_json(), false)
+                .await
+                .map_err(store_error)?,
+            (Hazard::ReplayedDeadLetter, Some(lease)) => {
                 store
-                    .fail(&lease, true, &error.to_json(), false)
+                    .fail(&lease, false, &failed("permanent").to_json(), false)
                     .await
-                    .map_err(worker_error)?;
+                    .map_err(store_error)?;
+                store.pin(lease.id).await.map_err(store_error)?;
+                store
+                    .mark_dead_lettered(lease.id)
+                    .await
+                    .map_err(store_error)?;
             }
             _ => {}
         }
@@ -369,18 +339,34 @@ impl<'w, H: Handler> Check<'w, H> {
 
     /// The provider accepts `m`'s call and the answer is lost; the operation's
     /// deliveries go on until it completes. A delivery after the operation went
-    /// pending must reconcile, not run the handler again. False when the handler never
-    /// called the provider.
-    async fn uncertain(&self, provider: &FakeProvider, m: &Value) -> Result<bool, CheckFailed> {
+    /// pending must reconcile, not run the handler again. The kit's queued failure is
+    /// taken back if no call met it, whatever happens.
+    async fn uncertain(
+        &self,
+        provider: &FakeProvider,
+        m: &Value,
+    ) -> Result<Uncertain, CheckFailed> {
+        let queued = provider.failures_queued();
+        provider.fail_next(Failing::AfterAccepting);
+        let result = self.deliver_until_settled(provider, m).await;
+        if provider.failures_queued() > queued {
+            provider.withdraw_last_failure();
+        }
+        result
+    }
+
+    async fn deliver_until_settled(
+        &self,
+        provider: &FakeProvider,
+        m: &Value,
+    ) -> Result<Uncertain, CheckFailed> {
         let hazard = Hazard::UncertainThenReconciled;
         let calls = provider.calls();
-        provider.fail_next(Failing::AfterAccepting);
         let mut pending = false;
         for _ in 0..RECONCILE_DELIVERIES {
             let delivered = self.deliver(hazard, m).await?;
             if provider.calls() == calls {
-                provider.clear_failures();
-                return Ok(false);
+                return Ok(Uncertain::NotCalled);
             }
             match delivered.outcome {
                 Outcome::Executed if pending => {
@@ -392,7 +378,8 @@ impl<'w, H: Handler> Check<'w, H> {
                         ),
                     });
                 }
-                Outcome::Executed | Outcome::Reconciled => return Ok(true),
+                Outcome::Executed => return Ok(Uncertain::NeverPending),
+                Outcome::Reconciled => return Ok(Uncertain::Reconciled),
                 Outcome::Pending => pending = true,
                 _ => {}
             }
@@ -408,6 +395,29 @@ impl<'w, H: Handler> Check<'w, H> {
                 }
             ),
         })
+    }
+}
+
+/// How the uncertain hazard went.
+enum Uncertain {
+    /// Pending, then reconciled as applied.
+    Reconciled,
+    /// The handler completed without going pending (it retried the timed-out call).
+    NeverPending,
+    /// The handler never called the provider.
+    NotCalled,
+}
+
+/// A delivery's outcome and what the broker was told, for a message.
+fn described(delivered: &Delivered) -> String {
+    match &delivered.settled {
+        Settled::DeadLettered { reason, error } => {
+            format!(
+                "{}, dead-lettered ({reason}: {error})",
+                delivered.outcome.as_str()
+            )
+        }
+        settled => format!("{} ({settled:?})", delivered.outcome.as_str()),
     }
 }
 

@@ -49,21 +49,23 @@
 //! ```
 
 mod check;
+mod hazard;
 mod provider;
 
 use std::time::Duration;
 
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable};
+use serde::Deserialize;
 use serde_json::Value;
 use sqlx::PgPool;
 
-pub use check::{Check, CheckFailed, Hazard, Passed};
+pub use check::{Check, CheckFailed, Passed};
+pub use hazard::Hazard;
 pub use provider::{Failing, FakeProvider, ProviderError, Receipt};
 
 use crate::handler::{Envelope, Handler};
-use crate::headers;
-use crate::store::{Record, Store, StoreConfig, StoreError};
+use crate::key::Key;
+use crate::store::{Record, Status, Store, StoreConfig, StoreError};
 use crate::worker::{Local, LocalDecision, Mode, Outcome, Settle, WorkerConfig};
 
 /// A worker without a broker: it decides each message given to it as a worker decides a
@@ -125,29 +127,28 @@ pub enum TestError {
     /// The store failed or could not be reached.
     #[error("the delivery could not be decided: {0}")]
     Undecided(String),
-    /// Reading the record afterwards failed.
-    #[error("the record could not be read")]
+    /// The store failed while the kit read or prepared a record.
+    #[error("the store failed: {}", crate::text::error_line(.0))]
     Store(#[from] StoreError),
+    /// The message has no key to look its record up by (it does not fit the handler's
+    /// message type, or its key is invalid).
+    #[error("{0}")]
+    NoKey(String),
 }
 
 impl<H: Handler> TestWorker<H> {
-    /// A worker of `handler` on `pool`, which must be migrated, in leased mode.
+    /// A worker of `handler` on `pool`, which must be migrated, in leased mode. Call it
+    /// inside a Tokio runtime (`#[sqlx::test]` and `#[tokio::test]` give one).
     pub fn new(handler: H, pool: PgPool) -> Self {
-        Self::with_config(
-            handler,
-            Store::new(pool, StoreConfig::default()),
-            test_config(Mode::Leased),
-        )
+        let config = test_config(Mode::Leased, &pool);
+        Self::with_config(handler, Store::new(pool, StoreConfig::default()), config)
     }
 
     /// A worker of `handler` on `pool` in transactional mode: each delivery is claimed,
     /// run and recorded in one transaction.
     pub fn transactional(handler: H, pool: PgPool) -> Self {
-        Self::with_config(
-            handler,
-            Store::new(pool, StoreConfig::default()),
-            test_config(Mode::Transactional),
-        )
+        let config = test_config(Mode::Transactional, &pool);
+        Self::with_config(handler, Store::new(pool, StoreConfig::default()), config)
     }
 
     /// A worker of `handler` on `store` with `config` (its broker settings, tally, gc and
@@ -183,18 +184,36 @@ impl<H: Handler> TestWorker<H> {
         self.deliver_with(body, &BasicProperties::default()).await
     }
 
-    /// Decides one delivery of `message` replayed from a dead-letter queue `replays`
-    /// times (`idem-replays`), as `idem dlq replay` republishes it.
-    pub async fn deliver_replayed(
+    /// Replays `message`'s dead letter as `idem dlq replay` does once its cause is
+    /// fixed: a failed record is made retryable again and the message is delivered with
+    /// `idem-replays` one higher than `properties` say; a completed operation is only
+    /// acked (`None`), not run again. The message must have been dead-lettered for a
+    /// failure (`permanent_failure` or `retries_exhausted`), which pins its record.
+    pub async fn replay(&self, message: &Value) -> Result<Option<Delivered>, TestError> {
+        self.replay_with(message, &BasicProperties::default()).await
+    }
+
+    /// [`TestWorker::replay`] of a message delivered with `properties`.
+    pub async fn replay_with(
         &self,
         message: &Value,
-        replays: i64,
-    ) -> Result<Delivered, TestError> {
-        let mut table = FieldTable::default();
-        table.insert(headers::REPLAYS.into(), AMQPValue::LongLongInt(replays));
-        let properties = BasicProperties::default().with_headers(table);
+        properties: &BasicProperties,
+    ) -> Result<Option<Delivered>, TestError> {
+        let key = self.key_of(message)?;
+        let store = self.store();
+        if store.prepare_replay(&key, true).await?.is_none()
+            && store
+                .get(&key)
+                .await?
+                .is_some_and(|r| r.status == Status::Completed)
+        {
+            store.unpin(&key).await?;
+            return Ok(None);
+        }
+        let properties = crate::dead_letter::replay_properties(properties);
         self.deliver_with(message.to_string().as_bytes(), &properties)
             .await
+            .map(Some)
     }
 
     /// Decides one delivery of `body` with the AMQP `properties` a producer set (a
@@ -205,12 +224,7 @@ impl<H: Handler> TestWorker<H> {
         body: &[u8],
         properties: &BasicProperties,
     ) -> Result<Delivered, TestError> {
-        let envelope = Envelope {
-            exchange: String::new(),
-            routing_key: self.local.config().queue.clone(),
-            redelivered: false,
-            properties: properties.clone(),
-        };
+        let envelope = self.envelope(properties);
         let LocalDecision {
             outcome,
             settle,
@@ -231,15 +245,47 @@ impl<H: Handler> TestWorker<H> {
         })
     }
 
+    /// What a handler sees of a delivery with `properties`: published to the worker's
+    /// queue on the default exchange, not redelivered.
+    pub(crate) fn envelope(&self, properties: &BasicProperties) -> Envelope {
+        Envelope {
+            exchange: String::new(),
+            routing_key: self.local.config().queue.clone(),
+            redelivered: false,
+            properties: properties.clone(),
+        }
+    }
+
+    /// The settings the worker runs with.
+    pub(crate) fn config(&self) -> &WorkerConfig {
+        self.local.config()
+    }
+
+    /// The operation key the handler gives `message`.
+    pub(crate) fn key_of(&self, message: &Value) -> Result<Key, TestError> {
+        let handler = self.handler();
+        let typed = H::Message::deserialize(message)
+            .map_err(|e| TestError::NoKey(format!("the message does not fit the handler: {e}")))?;
+        Key::new(
+            handler.scope(&typed),
+            H::OPERATION,
+            handler.idempotency_key(&typed),
+        )
+        .map_err(|e| TestError::NoKey(format!("the message has no valid key: {e}")))
+    }
+
     /// Checks the handler's idempotency: see [`Check`].
     pub fn check(&self) -> Check<'_, H> {
         Check::new(self)
     }
 }
 
-/// Settings for a test: a queue name of its own, no tally, gc or relay, and a short
-/// in-process backoff.
-fn test_config(mode: Mode) -> WorkerConfig {
+/// Settings for a test: a queue name of its own, no tally, gc or relay, a short
+/// in-process backoff, and one delivery per claim batch with up to eight batches at
+/// once, so that copies delivered together race in Postgres as they would on several
+/// workers. A transactional batch holds a connection and its handler may take another,
+/// so at most half the pool's connections are batches.
+fn test_config(mode: Mode, pool: &PgPool) -> WorkerConfig {
     let mut config = WorkerConfig {
         queue: "idem-testing".into(),
         mode,
@@ -248,6 +294,10 @@ fn test_config(mode: Mode) -> WorkerConfig {
         ..WorkerConfig::default()
     };
     config.outbox.relay = false;
+    config.batch_size = 1;
+    config.batches_in_flight = (pool.options().get_max_connections() as usize / 2).clamp(1, 8);
+    config.retry.min_backoff = Duration::from_millis(10);
+    config.retry.max_backoff = Duration::from_millis(50);
     config
 }
 

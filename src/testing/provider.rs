@@ -135,6 +135,16 @@ impl FakeProvider {
         self.state().failing.clear();
     }
 
+    /// How many failures queued by [`FakeProvider::fail_next`] no call has met yet.
+    pub(crate) fn failures_queued(&self) -> usize {
+        self.state().failing.len()
+    }
+
+    /// Takes back the failure queued last, if no call met it.
+    pub(crate) fn withdraw_last_failure(&self) {
+        self.state().failing.pop_back();
+    }
+
     /// Takes the provider down (every call fails with [`ProviderError::Down`]) or back up.
     pub fn set_down(&self, down: bool) {
         self.state().down = down;

@@ -72,6 +72,8 @@ pub struct TestQueue {
     pub name: String,
     pub connection: Connection,
     pub channel: Channel,
+    /// Exchanges a test declared through idem, deleted on drop with the queues.
+    exchanges: std::sync::Mutex<Vec<String>>,
 }
 
 impl TestQueue {
@@ -92,7 +94,19 @@ impl TestQueue {
             name,
             connection,
             channel,
+            exchanges: Default::default(),
         }
+    }
+
+    /// An exchange named `<this queue>.<suffix>`, deleted on drop (whether the test
+    /// passed or not).
+    pub fn exchange(&self, suffix: &str) -> String {
+        let name = format!("{}.{suffix}", self.name);
+        self.exchanges
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(name.clone());
+        name
     }
 
     pub fn dlq(&self) -> String {
@@ -191,6 +205,8 @@ impl Drop for TestQueue {
     fn drop(&mut self) {
         let url = amqp_url();
         let base = self.name.clone();
+        let exchanges =
+            std::mem::take(&mut *self.exchanges.lock().unwrap_or_else(|e| e.into_inner()));
         // Drop cannot await: delete the queues from a thread with its own runtime.
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -212,6 +228,14 @@ impl Drop for TestQueue {
                 for queue in queues {
                     let _ = channel
                         .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                        .await;
+                }
+                for exchange in exchanges {
+                    let _ = channel
+                        .exchange_delete(
+                            exchange.as_str().into(),
+                            lapin::options::ExchangeDeleteOptions::default(),
+                        )
                         .await;
                 }
                 let _ = connection.close(200, "cleanup".into()).await;
