@@ -2,8 +2,9 @@
 //!
 //! The worker and the store record through the `metrics` macros, which cost nothing
 //! until a recorder is installed. [`serve`] installs the Prometheus recorder and answers
-//! `GET /metrics` (Prometheus text format) and `GET /healthz` (200 only while the
-//! broker and the database are reachable; a 503 says which is down and why).
+//! `GET /metrics` (Prometheus text format) and `GET /healthz` (200 only while every
+//! queue is consuming and the database is reachable; a 503 says which is down and why,
+//! one line per queue).
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
@@ -23,10 +24,11 @@
 //! | `idem_outbox_oldest_age_seconds` | gauge | |
 //! | `idem_http_requests_total` | counter | `operation` (`POST /payments`), `outcome` |
 //! | `idem_store_up` (every 5 s), `idem_broker_up` (as it changes) | gauge, 1 or 0 | |
+//! | `idem_queue_up` (as it changes) | gauge, 1 or 0 | `queue` |
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -132,21 +134,41 @@ pub(crate) fn outbox_backlog(undispatched: i64, failing: i64, oldest_age_s: Opti
     ::metrics::gauge!("idem_outbox_oldest_age_seconds").set(oldest_age_s.unwrap_or(0.0));
 }
 
-/// Whether the broker connection is up, set by the worker.
+/// Whether each queue of a worker (or of a service's handlers) is connected and
+/// consuming, set by the worker as it changes.
 #[derive(Debug, Clone, Default)]
-pub struct BrokerHealth(Arc<AtomicBool>);
+pub struct BrokerHealth(Arc<Mutex<BTreeMap<String, bool>>>);
 
 impl BrokerHealth {
-    /// True while the worker is connected and consuming.
+    /// True while every queue is connected and consuming (false before the first).
     pub fn is_up(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        let queues = self.lock();
+        !queues.is_empty() && queues.values().all(|up| *up)
     }
 
-    /// Records the state, and sets `idem_broker_up` at once (not at the next gauge
-    /// refresh: a scrape right after a reconnect must not say down).
-    pub(crate) fn set(&self, up: bool) {
-        self.0.store(up, Ordering::Relaxed);
-        ::metrics::gauge!("idem_broker_up").set(if up { 1.0 } else { 0.0 });
+    /// Each queue, and whether it is consuming, by name.
+    pub fn queues(&self) -> Vec<(String, bool)> {
+        self.lock().iter().map(|(q, up)| (q.clone(), *up)).collect()
+    }
+
+    /// Records `queue`'s state, and sets `idem_queue_up{queue}` and `idem_broker_up`
+    /// (every queue up) at once, not at the next gauge refresh: a scrape right after a
+    /// reconnect must not say down.
+    pub(crate) fn set(&self, queue: &str, up: bool) {
+        let all = {
+            let mut queues = self.lock();
+            queues.insert(queue.to_owned(), up);
+            queues.values().all(|up| *up)
+        };
+        ::metrics::gauge!("idem_queue_up", "queue" => queue.to_owned())
+            .set(f64::from(u8::from(up)));
+        ::metrics::gauge!("idem_broker_up").set(f64::from(u8::from(all)));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, bool>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -241,14 +263,18 @@ async fn answer(
         "/healthz" => {
             let database = database_health(pool).await;
             let up = database.is_ok() && broker.is_up();
-            let body = format!(
-                "broker: {}\ndatabase: {}\n",
-                if broker.is_up() { "up" } else { "down" },
-                match &database {
-                    Ok(()) => "up".to_owned(),
-                    Err(why) => format!("down ({why})"),
-                }
-            );
+            let mut body = format!("broker: {}\n", if broker.is_up() { "up" } else { "down" });
+            for (queue, up) in broker.queues() {
+                let state = if up { "consuming" } else { "down" };
+                body.push_str(&format!(
+                    "queue {}: {state}\n",
+                    crate::text::printable(&queue)
+                ));
+            }
+            body.push_str(&match &database {
+                Ok(()) => "database: up\n".to_owned(),
+                Err(why) => format!("database: down ({why})\n"),
+            });
             if up {
                 ("200 OK", "text/plain", body)
             } else {

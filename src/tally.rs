@@ -186,11 +186,11 @@ impl Tally {
 /// The shortest interval between two flushes.
 const MIN_FLUSH_EVERY: Duration = Duration::from_millis(100);
 
-/// Flushes `tally` every `every` (at least [`MIN_FLUSH_EVERY`]) until `stop` is
-/// cancelled, which ends it between two flushes. The last flush is the caller's, once
-/// the deliveries in flight are decided.
+/// Flushes `tallies` (a statement each) every `every` (at least [`MIN_FLUSH_EVERY`])
+/// until `stop` is cancelled, which ends it between two flushes. The last flush is the
+/// caller's, once the deliveries in flight are decided.
 pub(crate) async fn flush_every(
-    tally: std::sync::Arc<Tally>,
+    tallies: Vec<std::sync::Arc<Tally>>,
     pool: PgPool,
     every: Duration,
     stop: CancellationToken,
@@ -206,8 +206,10 @@ pub(crate) async fn flush_every(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        if let Err(error) = tally.flush(&pool).await {
-            warn!(error = %crate::text::error_line(&error), "delivery outcomes not written; kept for the next flush");
+        for tally in &tallies {
+            if let Err(error) = tally.flush(&pool).await {
+                warn!(queue = %tally.queue, error = %crate::text::error_line(&error), "delivery outcomes not written; kept for the next flush");
+            }
         }
     }
 }

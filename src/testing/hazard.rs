@@ -24,9 +24,9 @@ pub enum Hazard {
     /// back), and the retry ran it again.
     FailedThenRetried,
     /// The provider accepted the call and the answer was lost: the operation is
-    /// pending, and its next delivery reconciles it (needs [`Check::provider`]).
+    /// pending, and its next delivery reconciles it (needs [`Check::provider`](super::Check::provider)).
     UncertainThenReconciled,
-    /// The same key with another payload (needs [`Check::other_payload`]).
+    /// The same key with another payload (needs [`Check::other_payload`](super::Check::other_payload)).
     OtherPayload,
     /// The handler returned, the run was recorded as failed for good after all (a
     /// later step refused it), the message was dead-lettered, and an operator replayed

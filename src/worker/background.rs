@@ -1,7 +1,9 @@
-//! What a worker runs beside its deliveries, started with it and stopped after its last
-//! delivery: the watch for overdue retries, garbage collection (`gc_every`), the
-//! tally's flushes (`tally_every`) and the outbox relay (`outbox.relay`).
+//! What a worker or service runs beside its deliveries, started with it and stopped
+//! after its last delivery: garbage collection (`gc_every`), the tallies' flushes
+//! (`tally_every`) and the outbox relay (`outbox.relay`), once per process; and per
+//! queue the watch for overdue retries.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,20 +12,22 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use super::{Runtime, WorkerConfig};
+use super::ServiceConfig;
 use crate::handler::Handler;
 use crate::outbox::Relay;
 use crate::store::{Store, gc};
 use crate::tally::{self, Tally};
 
-/// The background tasks of one worker.
+/// The background tasks of one worker or service.
 pub(super) struct Background {
     /// Awaited on the way out so that their connections are closed when `run` returns
     /// (aborted when the broker refused the topology).
     tasks: Vec<JoinHandle<()>>,
-    /// The deliveries' outcomes per minute, for the console (none when `tally_every` is
-    /// `None`).
-    pub(super) tally: Option<Arc<Tally>>,
+    /// Each queue's delivery outcomes per minute, for the console (none when
+    /// `tally_every` is `None`), until its queue takes it.
+    pub(super) tallies: BTreeMap<String, Arc<Tally>>,
+    /// All of them, for the last flush.
+    flushed: Vec<Arc<Tally>>,
     /// The tally's flushes stop on their own token, so that every way out of `run` (a
     /// refused topology too) ends them between two flushes, never in one.
     tally_stop: CancellationToken,
@@ -33,18 +37,15 @@ pub(super) struct Background {
 }
 
 impl Background {
-    /// Starts what `config` asks for beside a worker of `H` on `store`.
-    pub(super) fn start<H: Handler>(
+    /// Starts what `config` asks for beside the `queues` of a service on `store`: one gc
+    /// loop, one flusher for every queue's tally, one relay.
+    pub(super) fn start(
         store: &Store,
-        config: &WorkerConfig,
+        config: &ServiceConfig,
+        queues: &[String],
         shutdown: &CancellationToken,
     ) -> Self {
-        let overdue = watch_overdue::<H>(
-            store.clone(),
-            config.overdue_after(store.config().lease),
-            shutdown.clone(),
-        );
-        let mut tasks = vec![tokio::spawn(overdue)];
+        let mut tasks = Vec::new();
         if let Some(every) = config.gc_every {
             let gc = gc::collect_every(
                 store.clone(),
@@ -55,14 +56,19 @@ impl Background {
             tasks.push(tokio::spawn(gc));
         }
         let tally_stop = shutdown.child_token();
-        let (tally, flushes) = match config.tally_every {
+        let (tallies, flushes) = match config.tally_every {
             Some(every) => {
-                let tally = Arc::new(Tally::new(&config.queue, store.config().retention));
+                let retention = store.config().retention;
+                let tallies: BTreeMap<String, Arc<Tally>> = queues
+                    .iter()
+                    .map(|q| (q.clone(), Arc::new(Tally::new(q, retention))))
+                    .collect();
+                let all = tallies.values().cloned().collect();
                 let pool = store.pool().clone();
-                let flushes = tally::flush_every(tally.clone(), pool, every, tally_stop.clone());
-                (Some(tally), Some(tokio::spawn(flushes)))
+                let flushes = tally::flush_every(all, pool, every, tally_stop.clone());
+                (tallies, Some(tokio::spawn(flushes)))
             }
-            None => (None, None),
+            None => (BTreeMap::new(), None),
         };
         let relay_wake = Arc::new(Notify::new());
         if config.outbox.relay {
@@ -78,7 +84,8 @@ impl Background {
         }
         Self {
             tasks,
-            tally,
+            flushed: tallies.values().cloned().collect(),
+            tallies,
             tally_stop,
             flushes,
             relay_wake,
@@ -86,9 +93,9 @@ impl Background {
     }
 
     /// Stops the background once no delivery runs any more: waits for its tasks (they
-    /// end with the shutdown), or aborts them when the worker stops `refused`; then the
-    /// tally's last flush.
-    pub(super) async fn stop<H>(self, runtime: &Runtime<H>, refused: bool) {
+    /// end with the shutdown), or aborts them when the service stops `refused`; then the
+    /// tallies' last flush.
+    pub(super) async fn stop(self, pool: &sqlx::PgPool, refused: bool) {
         for task in self.tasks {
             if refused {
                 task.abort();
@@ -96,8 +103,7 @@ impl Background {
                 let _ = task.await;
             }
         }
-        let pool = runtime.store.pool();
-        last_flush(self.tally.as_deref(), pool, self.tally_stop, self.flushes).await;
+        last_flush(&self.flushed, pool, self.tally_stop, self.flushes).await;
     }
 }
 
@@ -110,7 +116,7 @@ const LAST_FLUSH_WITHIN: Duration = Duration::from_secs(5);
 /// the outcomes decided since, now that no delivery is in flight (handlers abandoned by
 /// a shutdown timeout count nowhere), giving up after [`LAST_FLUSH_WITHIN`].
 async fn last_flush(
-    tally: Option<&Tally>,
+    tallies: &[Arc<Tally>],
     pool: &sqlx::PgPool,
     stop: CancellationToken,
     flushes: Option<JoinHandle<()>>,
@@ -120,10 +126,13 @@ async fn last_flush(
         if let Some(flushes) = flushes {
             let _ = flushes.await;
         }
-        match tally {
-            Some(tally) => tally.flush(pool).await.map(drop),
-            None => Ok(()),
+        let mut failed = None;
+        for tally in tallies {
+            if let Err(error) = tally.flush(pool).await {
+                failed.get_or_insert(error);
+            }
         }
+        failed.map_or(Ok(()), Err)
     };
     match tokio::time::timeout(LAST_FLUSH_WITHIN, last).await {
         Ok(Ok(())) => {}
@@ -140,7 +149,11 @@ async fn last_flush(
 /// Until shutdown, counts the records of `H`'s operation whose next delivery is overdue
 /// by `after` (`Store::overdue`): the gauge `idem_retries_overdue`, and a warning while
 /// there are any. Looks every half of `after`, between 1 s and a minute.
-async fn watch_overdue<H: Handler>(store: Store, after: Duration, shutdown: CancellationToken) {
+pub(super) async fn watch_overdue<H: Handler>(
+    store: Store,
+    after: Duration,
+    shutdown: CancellationToken,
+) {
     let every = (after / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
     loop {
         match store.overdue(H::OPERATION, after).await {

@@ -8,7 +8,10 @@
 //! redeliveries and are decided by the store again.
 //!
 //! - `config`: [`WorkerConfig`];
-//! - `session`: one broker connection (declare, consume, dispatch, drain);
+//! - `service`: [`Service`], many handlers on their queues in one process, sharing
+//!   one connection, relay, tally flusher and gc loop (a [`Worker`] is its one-queue case);
+//! - `connector`: the broker connection a service's queues share;
+//! - `session`: one queue's channels on that connection (declare, consume, dispatch, drain);
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, and walk the decision table to the settling step;
 //! - `handle`: run or reconcile the handler under the lease, and record its outcome;
@@ -26,12 +29,13 @@ use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::warn;
 
 mod acks;
 mod background;
 mod batch;
 mod config;
+mod connector;
 mod decision;
 mod execute;
 mod follow_ups;
@@ -39,6 +43,7 @@ mod guard;
 mod handle;
 #[cfg(feature = "testing")]
 mod local;
+mod service;
 mod session;
 mod settle;
 mod transactional;
@@ -50,6 +55,7 @@ pub use decision::Outcome;
 pub(crate) use decision::Settle;
 #[cfg(feature = "testing")]
 pub(crate) use local::{Local, LocalDecision};
+pub use service::{Service, ServiceConfig};
 
 use crate::fault::Fault;
 use crate::handler::Handler;
@@ -57,7 +63,6 @@ use crate::metrics::BrokerHealth;
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
 use crate::tally::Tally;
 use crate::topology::{self, Topology};
-use background::Background;
 use batch::Batcher;
 use follow_ups::FollowUps;
 use session::{Session, SessionError};
@@ -77,6 +82,12 @@ pub enum WorkerError {
         /// The worker's queue.
         queue: String,
         /// What the broker said; it names the queue and the argument that differs.
+        reason: String,
+    },
+    /// A service that cannot start as assembled (two handlers on one queue, say).
+    #[error("the service cannot start: {reason}")]
+    Invalid {
+        /// What is wrong, naming the queue or operation.
         reason: String,
     },
 }
@@ -144,7 +155,8 @@ impl From<lapin::Error> for Failure {
     }
 }
 
-/// Consumes one queue with one [`Handler`].
+/// Consumes one queue with one [`Handler`]: a [`Service`] of one handler, with every
+/// setting in one [`WorkerConfig`].
 pub struct Worker<H: Handler> {
     handler: H,
     store: Store,
@@ -179,12 +191,7 @@ struct Runtime<H> {
 impl<H: Handler> Worker<H> {
     /// A worker running `handler` on `store` (whose lease time is the claim lease).
     pub fn new(handler: H, store: Store, config: WorkerConfig) -> Self {
-        let topology = Topology {
-            queue: config.queue.clone(),
-            queue_type: config.queue_type,
-            retry_delays: config.retry.delays.clone(),
-            subscriptions: config.subscriptions.clone(),
-        };
+        let topology = topology_of(&config);
         Self {
             handler,
             store,
@@ -216,32 +223,24 @@ impl<H: Handler> Worker<H> {
             handler,
             store,
             config,
-            topology,
+            topology: _,
             broker,
         } = self;
-        if let Err(error) = store.note_queue(&config.queue, H::OPERATION).await {
-            warn!(error = %crate::text::error_line(&error), "the queue's operation not noted for operators");
-        }
-        let background = Background::start::<H>(&store, &config, &shutdown);
-        let runtime = Arc::new(Runtime::new(
-            handler,
-            store,
-            config,
-            background.tally.clone(),
-            background.relay_wake.clone(),
-        ));
-        let session = Session {
-            runtime: runtime.clone(),
-            topology,
-            broker,
-        };
-        let refused = consume(&session, &shutdown).await;
-        background.stop(&runtime, refused.is_some()).await;
-        info!("worker stopped");
-        match refused {
-            Some((queue, reason)) => Err(WorkerError::Refused { queue, reason }),
-            None => Ok(()),
-        }
+        Service::new(store, ServiceConfig::of(&config))
+            .with_health(broker)
+            .handler(handler, config)
+            .run(shutdown)
+            .await
+    }
+}
+
+/// The queues a worker of `config` declares.
+fn topology_of(config: &WorkerConfig) -> Topology {
+    Topology {
+        queue: config.queue.clone(),
+        queue_type: config.queue_type,
+        retry_delays: config.retry.delays.clone(),
+        subscriptions: config.subscriptions.clone(),
     }
 }
 
@@ -305,7 +304,7 @@ async fn consume<H: Handler>(
     let mut reconnects = session::Reconnects::new(config.max_reconnect_delay);
     while !shutdown.is_cancelled() {
         let result = session.run(shutdown, &tasks, &permits).await;
-        session.broker.set(false);
+        session.broker.set(&config.queue, false);
         let SessionError { lived, error } = match result {
             // The session drained the handlers in flight itself.
             Ok(()) => return None,

@@ -16,18 +16,21 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use super::acks::Acks;
+use super::connector::Connector;
 use super::follow_ups::FollowUpChannel;
 use super::settle::Links;
 use super::{Failure, Runtime, drain, execute};
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
-use crate::topology::{self, Topology};
+use crate::topology::Topology;
 
 /// The broker side of a running worker: one connection at a time.
 pub(super) struct Session<H> {
     pub(super) runtime: Arc<Runtime<H>>,
     pub(super) topology: Topology,
     pub(super) broker: BrokerHealth,
+    /// The connection this queue shares with the others of its service.
+    pub(super) connector: Arc<Connector>,
 }
 
 /// How long a connection must have consumed for the reconnect backoff to start afresh
@@ -80,7 +83,7 @@ impl<H: Handler> Session<H> {
 
     async fn try_open(&self) -> Result<Open, lapin::Error> {
         let config = &self.runtime.config;
-        let connection = topology::connect(&config.amqp_url, &config.name).await?;
+        let connection = self.connector.get().await?;
         let declared = self.topology.declare(&connection).await?;
         for queue in &declared.older {
             warn!(
@@ -132,7 +135,6 @@ impl<H: Handler> Session<H> {
             .await
             .map_err(|error| SessionError { lived: None, error })?;
         let frame_max = connection.configuration().frame_max();
-        let connection = Arc::new(connection);
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
         let links = Links {
             publish: publish.clone(),
@@ -141,7 +143,7 @@ impl<H: Handler> Session<H> {
             frame_max,
         };
         info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
-        self.broker.set(true);
+        self.broker.set(&config.queue, true);
 
         let consuming = Instant::now();
         let lost = |error: Failure| SessionError {
@@ -170,28 +172,44 @@ impl<H: Handler> Session<H> {
                         drop(permit);
                     });
                 }
-                Some(Err(error)) => return Err(lost(error.into())),
-                None => return Err(lost(Failure::ConsumerCancelled)),
+                Some(Err(error)) => {
+                    close_channels(&consume, &publish).await;
+                    return Err(lost(error.into()));
+                }
+                None => {
+                    // The queue's channel ended (the queue deleted, say); the shared
+                    // connection may live on, and its other channel with it.
+                    close_channels(&consume, &publish).await;
+                    return Err(lost(Failure::ConsumerCancelled));
+                }
             }
         }
 
-        info!("shutting down: no new deliveries, waiting for handlers in flight");
+        info!(queue = %config.queue, "shutting down: no new deliveries, waiting for handlers in flight");
         let _ = consume
             .basic_cancel(consumer.tag(), BasicCancelOptions::default())
             .await;
         drain(tasks, config.shutdown_timeout).await;
         acks.flush().await;
-        // Deliveries prefetched but never started are requeued by the broker on close.
-        let _ = consume.close(200, "shutdown".into()).await;
-        let _ = publish.close(200, "shutdown".into()).await;
-        let _ = connection.close(200, "shutdown".into()).await;
+        // Deliveries prefetched but never started are requeued by the broker on close;
+        // the connection is closed once every queue sharing it has drained.
+        close_channels(&consume, &publish).await;
         Ok(())
+    }
+}
+
+/// Closes a session's channels, waiting at most a second for each (a connection that
+/// went silent may never answer).
+async fn close_channels(consume: &lapin::Channel, publish: &lapin::Channel) {
+    for channel in [consume, publish] {
+        let close = channel.close(200, "shutdown".into());
+        let _ = tokio::time::timeout(Duration::from_secs(1), close).await;
     }
 }
 
 /// A connection's channels and its consumer.
 struct Open {
-    connection: lapin::Connection,
+    connection: Arc<lapin::Connection>,
     /// Consumes and acks (prefetch applies here).
     consume: lapin::Channel,
     /// Publishes retries and dead letters, in confirm mode.

@@ -442,6 +442,14 @@ pub fn spawn_notifications_worker(database_url: &str, queue: &str) -> WorkerProc
     spawn_example("notifications_worker", database_url, queue, &args, &[])
 }
 
+/// A `shop` process (the example service) with its queues under `prefix`.
+pub fn spawn_shop(database_url: &str, prefix: &str, extra: &[&str]) -> WorkerProcess {
+    let delays = retry_delays_arg();
+    let mut args = vec!["--prefix", prefix, "--retry-delays-ms", &delays];
+    args.extend_from_slice(extra);
+    spawn_example("shop", database_url, prefix, &args, &[])
+}
+
 /// A `payments_api` process listening on 127.0.0.1:`port` (the HTTP layer's example).
 pub fn spawn_payments_api(database_url: &str, port: u16, extra: &[&str]) -> WorkerProcess {
     let listen = format!("127.0.0.1:{port}");

@@ -1,0 +1,208 @@
+//! One service, three job types: orders, the notifications their bookings stage, and
+//! refunds, each on its own queue with its own settings, in one process that shares one
+//! broker connection, one Postgres pool, one outbox relay and one `/healthz`.
+//!
+//! ```sh
+//! cargo run --example shop -- --metrics-addr 127.0.0.1:9464 &
+//! cargo run --example orders_producer -- --queue shop.orders --orders 100
+//! curl -s 127.0.0.1:9464/healthz    # broker: up, one line per queue, database: up
+//! ```
+//!
+//! - `shop.orders`: [`Orders`] (leased: it calls a stand-in provider), staging one
+//!   follow-up per booked order to `shop.notifications`;
+//! - `shop.notifications`: [`Notifications`] (transactional: database writes only);
+//! - `shop.refunds`: [`Refunds`] (transactional), messages
+//!   `{"event_id", "tenant", "order_id", "amount_cents"}`.
+//!
+//! `--prefix` names the queues (`<prefix>.orders`, …). SIGTERM drains every queue.
+
+#[allow(dead_code)]
+#[path = "orders_worker.rs"]
+mod orders_worker;
+
+#[allow(dead_code)]
+#[path = "notifications_worker.rs"]
+mod notifications_worker;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use idem::{
+    Context, Handler, HandlerError, Mode, RetryPolicy, Service, ServiceConfig, Store, StoreConfig,
+    WorkerConfig,
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use notifications_worker::Notifications;
+use orders_worker::Orders;
+
+/// A refund, as producers publish it.
+#[derive(Debug, Deserialize)]
+pub struct Refund {
+    /// The business event ID: the idempotency key.
+    pub event_id: String,
+    /// The scope.
+    pub tenant: String,
+    /// The order refunded.
+    pub order_id: String,
+    /// How much.
+    pub amount_cents: i64,
+}
+
+/// Writes one refund row per refund, in the operation's transaction.
+#[derive(Debug, Clone, Default)]
+pub struct Refunds;
+
+impl Handler for Refunds {
+    type Message = Refund;
+    type Output = Value;
+    const OPERATION: &'static str = "refunds.issue";
+
+    fn scope(&self, refund: &Refund) -> String {
+        refund.tenant.clone()
+    }
+
+    fn idempotency_key(&self, refund: &Refund) -> String {
+        refund.event_id.clone()
+    }
+
+    async fn handle(&self, refund: Refund, ctx: &mut Context) -> Result<Value, HandlerError> {
+        if refund.amount_cents <= 0 {
+            return Err(HandlerError::permanent("a refund must be positive"));
+        }
+        sqlx::query(
+            "INSERT INTO example_refunds (event_id, tenant, order_id, amount_cents, created_at)
+             VALUES ($1, $2, $3, $4, now())",
+        )
+        .bind(&refund.event_id)
+        .bind(&refund.tenant)
+        .bind(&refund.order_id)
+        .bind(refund.amount_cents)
+        .execute(ctx.tx().await?)
+        .await?;
+        Ok(json!({"refunded_cents": refund.amount_cents}))
+    }
+}
+
+/// The refunds table, without a unique constraint: a duplicate must be visible.
+pub async fn create_refunds_table(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(
+        "SELECT pg_advisory_xact_lock(hashtext('idem_example_tables'));
+         CREATE TABLE IF NOT EXISTS example_refunds (
+             event_id text NOT NULL,
+             tenant text NOT NULL,
+             order_id text NOT NULL,
+             amount_cents bigint NOT NULL,
+             created_at timestamptz NOT NULL
+         );",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "idem example service: orders, notifications and refunds in one process")]
+struct Args {
+    /// The queues are <prefix>.orders, <prefix>.notifications and <prefix>.refunds.
+    #[arg(long, default_value = "shop")]
+    prefix: String,
+    /// Handlers running at once, per queue.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Delays of the retry queues in milliseconds, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [5_000u64, 30_000, 300_000])]
+    retry_delays_ms: Vec<u64>,
+    /// Serve Prometheus metrics on http://HOST:PORT/metrics and health on /healthz.
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// How long a shutdown waits for each queue's handlers in flight, in seconds.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout_secs: u64,
+    /// Postgres URL.
+    #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
+    amqp_url: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let _telemetry = match idem::telemetry::init("shop") {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("shop: error: {}", idem::text::error_line(&error));
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("shop: error: {}", idem::text::error_line(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let name = format!("shop-{}", std::process::id());
+    // One pool for the three queues: their concurrency summed, and a few more for the
+    // batches, the relay and gc.
+    let pool = idem::db::connect_and_migrate(&args.database_url, 3 * args.concurrency as u32 + 6)
+        .await
+        .context("prepare the database")?;
+    orders_worker::create_example_tables(&pool).await?;
+    notifications_worker::create_notifications_table(&pool).await?;
+    create_refunds_table(&pool).await?;
+    let store = Store::new(
+        pool,
+        StoreConfig {
+            owner: name.clone(),
+            ..StoreConfig::default()
+        },
+    );
+    let queue = |job: &str, mode: Mode| WorkerConfig {
+        queue: format!("{}.{job}", args.prefix),
+        mode,
+        concurrency: args.concurrency,
+        retry: RetryPolicy {
+            delays: args
+                .retry_delays_ms
+                .iter()
+                .map(|ms| Duration::from_millis(*ms))
+                .collect(),
+            ..RetryPolicy::default()
+        },
+        shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
+        ..WorkerConfig::default()
+    };
+    let orders = Orders {
+        follow_ups: Some(format!("{}.notifications", args.prefix)),
+        ..Orders::default()
+    };
+    let service = Service::new(
+        store.clone(),
+        ServiceConfig {
+            amqp_url: args.amqp_url,
+            name,
+            ..ServiceConfig::default()
+        },
+    )
+    .handler(orders, queue("orders", Mode::Leased))
+    .handler(Notifications, queue("notifications", Mode::Transactional))
+    .handler(Refunds, queue("refunds", Mode::Transactional));
+    let shutdown = idem::shutdown::on_signal();
+    if let Some(addr) = &args.metrics_addr {
+        let health = service.broker_health();
+        let bound = idem::metrics::serve(addr, store.pool().clone(), health, shutdown.clone())
+            .await
+            .context("metrics")?;
+        tracing::info!(%bound, "serving /metrics and /healthz");
+    }
+    service.run(shutdown).await.context("service")?;
+    Ok(())
+}

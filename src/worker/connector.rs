@@ -1,0 +1,48 @@
+//! The broker connection the queues of a worker or service share: one connection,
+//! opened by the first session that needs it and again by the first one to find it
+//! lost, so that every queue reconnects on the same new connection, a channel each.
+
+use std::sync::Arc;
+
+use lapin::Connection;
+use tokio::sync::Mutex;
+
+use crate::topology;
+
+/// One shared AMQP connection to `url`, named `name` on the broker.
+pub(super) struct Connector {
+    url: String,
+    name: String,
+    current: Mutex<Option<Arc<Connection>>>,
+}
+
+impl Connector {
+    pub(super) fn new(url: &str, name: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            name: name.to_owned(),
+            current: Mutex::new(None),
+        }
+    }
+
+    /// The connection, if it is still connected; else a new one. Sessions asking while
+    /// one connects wait for it and share it.
+    pub(super) async fn get(&self) -> Result<Arc<Connection>, lapin::Error> {
+        let mut current = self.current.lock().await;
+        if let Some(connection) = current.as_ref()
+            && connection.status().connected()
+        {
+            return Ok(connection.clone());
+        }
+        let connection = Arc::new(topology::connect(&self.url, &self.name).await?);
+        *current = Some(connection.clone());
+        Ok(connection)
+    }
+
+    /// Closes the connection, once no session uses it any more.
+    pub(super) async fn close(&self) {
+        if let Some(connection) = self.current.lock().await.take() {
+            let _ = connection.close(200, "shutdown".into()).await;
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! One service, many handlers (`idem::Service`): the example service's three queues
+//! through SIGKILLs on one shared connection, its `/healthz` naming a queue that is down;
+//! in process, a hung handler holding back only its own queue's shutdown, and a service
+//! refused as assembled or by the broker, naming the queue.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use idem::{
+    Context, Handler, HandlerError, QueueType, Service, ServiceConfig, Store, StoreConfig,
+    WorkerConfig, WorkerError,
+};
+use lapin::options::QueueDeleteOptions;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+
+const SETTLE: Duration = Duration::from_secs(60);
+
+/// A free port on loopback.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+async fn healthz(port: u16) -> Option<(u16, String)> {
+    let response = reqwest::get(format!("http://127.0.0.1:{port}/healthz"))
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
+async fn counts(pool: &PgPool, table: &str) -> std::collections::BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT event_id, count(*) FROM {table} GROUP BY event_id"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    rows.into_iter().collect()
+}
+
+/// How many of the broker's connections carry `name` in their client-provided name
+/// (`rabbitmqctl`, as the operator would count them); `None` without rabbitmqctl.
+fn broker_connections(name: &str) -> Option<usize> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "client_properties"])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Some(
+        text.lines()
+            .filter(|l| {
+                l.contains(&format!("\"{name}\"")) || l.contains(&format!("\"{name}-relay\""))
+            })
+            .count(),
+    )
+}
+
+/// The example service (orders leased with a follow-up each, notifications and refunds
+/// transactional), SIGKILLed twice while orders and refunds, each published twice,
+/// flow: every order is booked once and notified once, every refund written once; the
+/// three queues share one connection (and the relay has its own); its `/healthz` names
+/// each queue and a queue whose consumer is gone.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn three_queues_share_a_connection_and_survive_two_sigkills_with_one_effect_each(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    const ORDERS: usize = 150;
+    const REFUNDS: usize = 60;
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("shop").await;
+    let orders = q.beside("orders").await;
+    let notifications = q.beside("notifications").await;
+    let refunds = q.beside("refunds").await;
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let args = ["--metrics-addr", metrics.as_str(), "--concurrency", "4"];
+    let mut shop = spawn_shop(&url, &q.name, &args);
+    for queue in [&orders, &notifications, &refunds] {
+        wait_for_consumers(queue, 1).await;
+    }
+    let name = format!("shop-{}", shop.pid());
+    if let Some(connections) = broker_connections(&name) {
+        assert_eq!(
+            connections, 2,
+            "one for the three queues, one for the relay"
+        );
+    }
+
+    // Each order and refund twice (a producer's retry, with another sent_at), while
+    // the service is killed.
+    let publisher = {
+        let (to_orders, to_refunds) = (orders.name.clone(), refunds.name.clone());
+        let p = TestQueue::new("shop-publisher").await;
+        tokio::spawn(async move {
+            let persistent = || lapin::BasicProperties::default().with_delivery_mode(2);
+            for _ in 0..2 {
+                for n in 0..ORDERS {
+                    let body = order(&format!("o-{n}"), "acme", 100 + n as i64);
+                    p.publish_to(&to_orders, &body, persistent()).await;
+                    if n < REFUNDS {
+                        let refund = json!({"event_id": format!("r-{n}"), "tenant": "acme",
+                                            "order_id": format!("o-{n}"), "amount_cents": 10});
+                        p.publish_to(&to_refunds, refund.to_string().as_bytes(), persistent())
+                            .await;
+                    }
+                }
+            }
+        })
+    };
+    for killed_after in [ORDERS / 4, ORDERS / 2] {
+        wait_until(SETTLE, "orders booked before the kill", || async {
+            ledger(&pool).await.len() >= killed_after
+        })
+        .await;
+        signal(&shop, "KILL");
+        let _ = shop.child.wait().await;
+        shop = spawn_shop(&url, &q.name, &args);
+    }
+    publisher.await.unwrap();
+    wait_until(
+        SETTLE,
+        "every order notified, every refund written",
+        || async {
+            common::notifications(&pool).await.len() == ORDERS
+                && counts(&pool, "example_refunds").await.len() == REFUNDS
+        },
+    )
+    .await;
+    for queue in [&orders, &notifications, &refunds] {
+        wait_until(SETTLE, "the queues drained", || async {
+            queue.counts(&queue.name).await.0 == 0
+        })
+        .await;
+    }
+    let booked = ledger(&pool).await;
+    assert_eq!(booked.len(), ORDERS, "no order lost");
+    assert!(
+        booked.values().all(|n| *n == 1),
+        "one booking per order: {booked:?}"
+    );
+    let notified = common::notifications(&pool).await;
+    assert!(
+        notified.values().all(|n| *n == 1),
+        "one notification per order: {notified:?}"
+    );
+    let refunded = counts(&pool, "example_refunds").await;
+    assert_eq!(refunded.len(), REFUNDS);
+    assert!(
+        refunded.values().all(|n| *n == 1),
+        "one refund each: {refunded:?}"
+    );
+
+    // /healthz names each queue; a queue whose consumer the broker ended is down until
+    // its session comes back (it reconnects within its backoff, so delete it until the
+    // probe sees it).
+    wait_until(SETTLE, "the service healthy", || async {
+        healthz(port).await.is_some_and(|(status, _)| status == 200)
+    })
+    .await;
+    let (_, body) = healthz(port).await.unwrap();
+    for queue in [&orders, &notifications, &refunds] {
+        assert!(
+            body.contains(&format!("queue {}: consuming", queue.name)),
+            "{body}"
+        );
+    }
+    let down = format!("queue {}: down", refunds.name);
+    let deadline = Instant::now() + SETTLE;
+    let seen = loop {
+        let _ = q
+            .channel
+            .queue_delete(refunds.name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let probing = Instant::now();
+        let mut seen = None;
+        while seen.is_none() && probing.elapsed() < Duration::from_secs(2) {
+            seen = healthz(port).await.filter(|(_, body)| body.contains(&down));
+        }
+        if let Some(seen) = seen {
+            break seen;
+        }
+        assert!(Instant::now() < deadline, "/healthz never said {down}");
+    };
+    assert_eq!(seen.0, 503, "{}", seen.1);
+    assert!(
+        seen.1
+            .contains(&format!("queue {}: consuming", orders.name)),
+        "{}",
+        seen.1
+    );
+    wait_until(SETTLE, "the refunds queue back", || async {
+        healthz(port).await.is_some_and(|(status, _)| status == 200)
+    })
+    .await;
+    signal(&shop, "TERM");
+    let status = tokio::time::timeout(SETTLE, shop.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        status.success(),
+        "SIGTERM drains every queue and exits 0: {status}"
+    );
+}
+
+/// Records its event id in `service_effects`, in the operation's transaction, after
+/// `delay_ms` from the message.
+struct Effect<const HANG: bool>;
+
+impl<const HANG: bool> Handler for Effect<HANG> {
+    type Message = Value;
+    type Output = ();
+    const OPERATION: &'static str = if HANG { "tests.hang" } else { "tests.effect" };
+    fn scope(&self, _: &Value) -> String {
+        "tests".into()
+    }
+    fn idempotency_key(&self, m: &Value) -> String {
+        m["event_id"].as_str().unwrap_or_default().into()
+    }
+    async fn handle(&self, m: Value, ctx: &mut Context) -> Result<(), HandlerError> {
+        if HANG {
+            std::future::pending::<()>().await;
+        }
+        let delay = m["delay_ms"].as_u64().unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        sqlx::query("INSERT INTO service_effects (event_id) VALUES ($1)")
+            .bind(m["event_id"].as_str())
+            .execute(ctx.tx().await?)
+            .await?;
+        Ok(())
+    }
+}
+
+fn queue_config(queue: &TestQueue, shutdown_timeout: Duration) -> WorkerConfig {
+    WorkerConfig {
+        queue: queue.name.clone(),
+        shutdown_timeout,
+        retry: idem::RetryPolicy {
+            delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+            ..idem::RetryPolicy::default()
+        },
+        ..WorkerConfig::default()
+    }
+}
+
+fn service_config() -> ServiceConfig {
+    ServiceConfig {
+        amqp_url: amqp_url(),
+        name: format!("test-service-{}", uuid::Uuid::new_v4().simple()),
+        tally_every: None,
+        ..ServiceConfig::default()
+    }
+}
+
+/// A handler that hangs past its queue's shutdown timeout holds back that queue only:
+/// the other queue's handler in flight at the shutdown finishes, is recorded and acked;
+/// the service returns once the hung queue's timeout is over, and the hung message is
+/// back in its queue for the next start.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_hung_handler_holds_back_only_its_own_queue_at_shutdown(pool: PgPool) {
+    sqlx::query("CREATE TABLE service_effects (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let hung = TestQueue::new("service-hung").await;
+    let busy = TestQueue::new("service-busy").await;
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let shutdown = CancellationToken::new();
+    let service = Service::new(store.clone(), service_config())
+        .handler(Effect::<true>, queue_config(&hung, Duration::from_secs(3)))
+        .handler(
+            Effect::<false>,
+            queue_config(&busy, Duration::from_secs(30)),
+        );
+    let running = tokio::spawn(service.run(shutdown.clone()));
+    wait_for_consumers(&hung, 1).await;
+    wait_for_consumers(&busy, 1).await;
+    hung.publish(json!({"event_id": "stuck"}).to_string().as_bytes())
+        .await;
+    busy.publish(
+        json!({"event_id": "slow", "delay_ms": 1500})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    let key = |queue: &str, id: &str| {
+        let op = if queue == "hung" {
+            "tests.hang"
+        } else {
+            "tests.effect"
+        };
+        idem::Key::new("tests", op, id).unwrap()
+    };
+    wait_until(SETTLE, "both handlers running", || async {
+        let hung = store.get(&key("hung", "stuck")).await.unwrap();
+        let slow = store.get(&key("busy", "slow")).await.unwrap();
+        hung.is_some() && slow.is_some()
+    })
+    .await;
+    let stopping = Instant::now();
+    shutdown.cancel();
+    let result = tokio::time::timeout(SETTLE, running)
+        .await
+        .unwrap()
+        .unwrap();
+    let took = stopping.elapsed();
+    assert!(result.is_ok(), "{result:?}");
+    assert!(
+        took >= Duration::from_secs(3),
+        "the hung queue waited its timeout: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "nobody waited for the hung one past it: {took:?}"
+    );
+    let slow = store.get(&key("busy", "slow")).await.unwrap().unwrap();
+    assert_eq!(
+        slow.status,
+        idem::Status::Completed,
+        "the other queue drained"
+    );
+    assert_eq!(counts(&pool, "service_effects").await.get("slow"), Some(&1));
+    assert_eq!(busy.counts(&busy.name).await.0, 0, "and acked");
+    wait_until(SETTLE, "the hung message back in its queue", || async {
+        hung.counts(&hung.name).await.0 == 1
+    })
+    .await;
+}
+
+/// A service with two handlers on one queue, or two of one operation, does not start,
+/// saying which; a queue the broker refuses (declared with other arguments) stops the
+/// service naming it, after the other queue stopped too.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_service_refused_as_assembled_or_by_the_broker_names_the_queue(pool: PgPool) {
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let a = TestQueue::new("service-a").await;
+    let b = TestQueue::new("service-b").await;
+    let two_on_one = Service::new(store.clone(), service_config())
+        .handler(Effect::<false>, queue_config(&a, Duration::from_secs(5)))
+        .handler(Effect::<true>, queue_config(&a, Duration::from_secs(5)))
+        .run(CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(two_on_one, WorkerError::Invalid { .. }),
+        "{two_on_one}"
+    );
+    assert!(
+        two_on_one
+            .to_string()
+            .contains(&format!("queue {} has two handlers", a.name)),
+        "{two_on_one}"
+    );
+    let one_op_twice = Service::new(store.clone(), service_config())
+        .handler(Effect::<false>, queue_config(&a, Duration::from_secs(5)))
+        .handler(Effect::<false>, queue_config(&b, Duration::from_secs(5)))
+        .run(CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(
+        one_op_twice
+            .to_string()
+            .contains("operation tests.effect is handled on two queues"),
+        "{one_op_twice}"
+    );
+
+    // b exists as a quorum queue; the service declares it classic.
+    let quorum = idem::Topology {
+        queue: b.name.clone(),
+        queue_type: QueueType::Quorum,
+        retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+        subscriptions: Vec::new(),
+    };
+    quorum.declare(&a.connection).await.unwrap();
+    let refused = Service::new(store, service_config())
+        .handler(Effect::<false>, queue_config(&a, Duration::from_secs(5)))
+        .handler(Effect::<true>, queue_config(&b, Duration::from_secs(5)))
+        .run(CancellationToken::new());
+    let refused = tokio::time::timeout(SETTLE, refused)
+        .await
+        .expect("the service stops")
+        .unwrap_err();
+    let line = refused.to_string();
+    assert!(
+        matches!(&refused, WorkerError::Refused { queue, .. } if *queue == b.name)
+            && line.contains("PRECONDITION_FAILED")
+            && !line.contains('\n'),
+        "{line}"
+    );
+}
