@@ -1,6 +1,7 @@
-//! One service, three job types: orders, the notifications their bookings stage, and
-//! refunds, each on its own queue with its own settings, in one process that shares one
-//! broker connection, one Postgres pool, one outbox relay and one `/healthz`.
+//! One service, four job types over three queues: orders, the notifications their
+//! bookings stage, and refunds and cancellations, two message types on one queue fed by
+//! a topic exchange; one process that shares one broker connection, one Postgres pool,
+//! one outbox relay and one `/healthz`.
 //!
 //! ```sh
 //! cargo run --example shop -- --metrics-addr 127.0.0.1:9464 &
@@ -11,8 +12,11 @@
 //! - `shop.orders`: [`Orders`] (leased: it calls a stand-in provider), staging one
 //!   follow-up per booked order to `shop.notifications`;
 //! - `shop.notifications`: [`Notifications`] (transactional: database writes only);
-//! - `shop.refunds`: [`Refunds`] (transactional), messages
-//!   `{"event_id", "tenant", "order_id", "amount_cents"}`.
+//! - `shop.order-events`, bound to the topic exchange `shop.events` with `order.*`:
+//!   [`Refunds`] for messages of type `order.refunded` and [`Cancellations`] for
+//!   `order.cancelled` (transactional); any other type (`order.shipped`, until
+//!   `--shipments` hosts [`Shipments`]) is dead-lettered as `unroutable`, and
+//!   `idem dlq replay --queue shop.order-events` brings it back once it is handled.
 //!
 //! `--prefix` names the queues (`<prefix>.orders`, …). SIGTERM drains every queue.
 
@@ -31,7 +35,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use idem::{
     Context, Handler, HandlerError, Mode, RetryPolicy, Service, ServiceConfig, Store, StoreConfig,
-    WorkerConfig,
+    Subscription, WorkerConfig,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -39,59 +43,87 @@ use serde_json::{Value, json};
 use notifications_worker::Notifications;
 use orders_worker::Orders;
 
-/// A refund, as producers publish it.
+/// An event about an order, as the order service publishes it to the topic exchange
+/// `<prefix>.events` with the routing key and AMQP `type` `order.refunded`,
+/// `order.cancelled` or `order.shipped`.
 #[derive(Debug, Deserialize)]
-pub struct Refund {
+pub struct OrderEvent {
     /// The business event ID: the idempotency key.
     pub event_id: String,
     /// The scope.
     pub tenant: String,
-    /// The order refunded.
+    /// The order.
     pub order_id: String,
-    /// How much.
+    /// How much (a refund's).
+    #[serde(default)]
     pub amount_cents: i64,
 }
 
-/// Writes one refund row per refund, in the operation's transaction.
+/// Refunds an order: one row in `example_order_events`, in the operation's transaction.
 #[derive(Debug, Clone, Default)]
 pub struct Refunds;
 
-impl Handler for Refunds {
-    type Message = Refund;
-    type Output = Value;
-    const OPERATION: &'static str = "refunds.issue";
+/// Cancels an order, likewise.
+#[derive(Debug, Clone, Default)]
+pub struct Cancellations;
 
-    fn scope(&self, refund: &Refund) -> String {
-        refund.tenant.clone()
-    }
+/// Ships an order, likewise: the handler deployed after its first events came
+/// (`--shipments`), which `idem dlq replay` then runs.
+#[derive(Debug, Clone, Default)]
+pub struct Shipments;
 
-    fn idempotency_key(&self, refund: &Refund) -> String {
-        refund.event_id.clone()
-    }
+macro_rules! order_event_handler {
+    ($handler:ty, $operation:literal, $kind:literal) => {
+        impl Handler for $handler {
+            type Message = OrderEvent;
+            type Output = Value;
+            const OPERATION: &'static str = $operation;
 
-    async fn handle(&self, refund: Refund, ctx: &mut Context) -> Result<Value, HandlerError> {
-        if refund.amount_cents <= 0 {
-            return Err(HandlerError::permanent("a refund must be positive"));
+            fn scope(&self, event: &OrderEvent) -> String {
+                event.tenant.clone()
+            }
+
+            fn idempotency_key(&self, event: &OrderEvent) -> String {
+                event.event_id.clone()
+            }
+
+            async fn handle(
+                &self,
+                event: OrderEvent,
+                ctx: &mut Context,
+            ) -> Result<Value, HandlerError> {
+                record(ctx, $kind, &event).await
+            }
         }
-        sqlx::query(
-            "INSERT INTO example_refunds (event_id, tenant, order_id, amount_cents, created_at)
-             VALUES ($1, $2, $3, $4, now())",
-        )
-        .bind(&refund.event_id)
-        .bind(&refund.tenant)
-        .bind(&refund.order_id)
-        .bind(refund.amount_cents)
-        .execute(ctx.tx().await?)
-        .await?;
-        Ok(json!({"refunded_cents": refund.amount_cents}))
-    }
+    };
 }
 
-/// The refunds table, without a unique constraint: a duplicate must be visible.
-pub async fn create_refunds_table(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+order_event_handler!(Refunds, "orders.refund", "refunded");
+order_event_handler!(Cancellations, "orders.cancel", "cancelled");
+order_event_handler!(Shipments, "orders.ship", "shipped");
+
+/// Writes `event` as `kind` through `ctx.tx()`: it commits with the operation's record.
+async fn record(ctx: &mut Context, kind: &str, event: &OrderEvent) -> Result<Value, HandlerError> {
+    sqlx::query(
+        "INSERT INTO example_order_events (kind, event_id, tenant, order_id, amount_cents, created_at)
+         VALUES ($1, $2, $3, $4, $5, now())",
+    )
+    .bind(kind)
+    .bind(&event.event_id)
+    .bind(&event.tenant)
+    .bind(&event.order_id)
+    .bind(event.amount_cents)
+    .execute(ctx.tx().await?)
+    .await?;
+    Ok(json!({ kind: event.order_id }))
+}
+
+/// The events table, without a unique constraint: a duplicate must be visible.
+pub async fn create_order_events_table(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(
         "SELECT pg_advisory_xact_lock(hashtext('idem_example_tables'));
-         CREATE TABLE IF NOT EXISTS example_refunds (
+         CREATE TABLE IF NOT EXISTS example_order_events (
+             kind text NOT NULL,
              event_id text NOT NULL,
              tenant text NOT NULL,
              order_id text NOT NULL,
@@ -107,9 +139,14 @@ pub async fn create_refunds_table(pool: &sqlx::PgPool) -> Result<(), sqlx::Error
 #[derive(Parser, Debug)]
 #[command(about = "idem example service: orders, notifications and refunds in one process")]
 struct Args {
-    /// The queues are <prefix>.orders, <prefix>.notifications and <prefix>.refunds.
+    /// The queues are <prefix>.orders, <prefix>.notifications and <prefix>.order-events
+    /// (bound to the topic exchange <prefix>.events with order.*).
     #[arg(long, default_value = "shop")]
     prefix: String,
+    /// Host the handler of order.shipped too (without it, those events are
+    /// dead-lettered as unroutable).
+    #[arg(long)]
+    shipments: bool,
     /// Handlers running at once, per queue.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
@@ -157,7 +194,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .context("prepare the database")?;
     orders_worker::create_example_tables(&pool).await?;
     notifications_worker::create_notifications_table(&pool).await?;
-    create_refunds_table(&pool).await?;
+    create_order_events_table(&pool).await?;
     let store = Store::new(
         pool,
         StoreConfig {
@@ -184,7 +221,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         follow_ups: Some(format!("{}.notifications", args.prefix)),
         ..Orders::default()
     };
-    let service = Service::new(
+    let events = WorkerConfig {
+        subscriptions: vec![Subscription::topic(
+            format!("{}.events", args.prefix),
+            &["order.*"],
+        )],
+        ..queue("order-events", Mode::Transactional)
+    };
+    let mut service = Service::new(
         store.clone(),
         ServiceConfig {
             amqp_url: args.amqp_url,
@@ -194,7 +238,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )
     .handler(orders, queue("orders", Mode::Leased))
     .handler(Notifications, queue("notifications", Mode::Transactional))
-    .handler(Refunds, queue("refunds", Mode::Transactional));
+    // Two message types on one queue, told apart by their AMQP `type`.
+    .handler_for("order.refunded", Refunds, events.clone())
+    .handler_for("order.cancelled", Cancellations, events.clone());
+    if args.shipments {
+        service = service.handler_for("order.shipped", Shipments, events);
+    }
     let shutdown = idem::shutdown::on_signal();
     if let Some(addr) = &args.metrics_addr {
         let health = service.broker_health();

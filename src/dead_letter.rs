@@ -28,6 +28,9 @@ pub(crate) enum Reason {
     /// The delivery could not be decided many times in a row while the store decided
     /// others: an error nobody foresaw, stopped from looping forever. Replayable.
     Undecidable,
+    /// No handler of the queue takes the message's type: the message may be fine, only
+    /// its handler is missing. Replayable once one is deployed.
+    Unroutable,
 }
 
 impl Reason {
@@ -39,6 +42,7 @@ impl Reason {
             Reason::PermanentFailure => "permanent_failure",
             Reason::RetriesExhausted => "retries_exhausted",
             Reason::Undecidable => "undecidable",
+            Reason::Unroutable => "unroutable",
         }
     }
 }

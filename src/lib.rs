@@ -106,7 +106,9 @@ pub use outbox::FollowUp;
 pub use retry::RetryPolicy;
 pub use store::{Record, Status, Store, StoreConfig, StoreError};
 pub use topology::{QueueType, Subscription, Topology};
-pub use worker::{Mode, Outcome, Service, ServiceConfig, Worker, WorkerConfig, WorkerError};
+pub use worker::{
+    Mode, Outcome, RouteBy, Service, ServiceConfig, Worker, WorkerConfig, WorkerError,
+};
 
 /// The README's code blocks compile as doc tests, so the first screen stays true (with
 /// the features `http` and `testing`, which two of them use: `cargo test --all-features`).

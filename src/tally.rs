@@ -59,7 +59,7 @@ impl Line {
     /// The line an outcome label belongs to; `None` for those that are counted apart
     /// from a delivery's one outcome (`takeover`), or that end in a dead letter, which
     /// `dead_lettered` counts already (`conflict`, `malformed`, `failed_permanent`,
-    /// `retries_exhausted`, `undecidable`).
+    /// `retries_exhausted`, `undecidable`, `unroutable`).
     pub fn of(outcome: &str) -> Option<Line> {
         match outcome {
             "executed" | "reconciled" => Some(Line::Executed),

@@ -205,7 +205,7 @@ impl Pass<'_> {
         }
         self.selected += 1;
         if action == Action::Replay
-            && let Some(left) = left_alone(&m)
+            && let Some(left) = left_alone(&m).filter(|p| *p != Preview::Runs)
         {
             match left {
                 Preview::Conflict => summary.conflicts_left += 1,
@@ -239,6 +239,12 @@ impl Pass<'_> {
                     Replayed::AlreadyDone => self.summary.already_done += 1,
                     Replayed::Republished => self.summary.replayed += 1,
                 }
+            }
+            // No handler took it when it came: it has no key and no record, so it
+            // is only republished, for the handler deployed since.
+            (Action::Replay, None) if preview::unroutable(&m) => {
+                republish(self.channel, &m, self.queue).await?;
+                self.summary.replayed += 1;
             }
             // Counted as malformed above.
             (Action::Replay, None) => return Ok(self.hold()),
@@ -293,10 +299,17 @@ async fn replay_one(
         }
         return Ok(Replayed::AlreadyDone);
     }
+    republish(channel, m, queue).await?;
+    Ok(Replayed::Republished)
+}
+
+/// Republishes `m` to `queue` (confirmed, `idem-replays` one higher), then acks it in
+/// the DLQ.
+async fn republish(channel: &Channel, m: &DlqMessage, queue: &str) -> Result<(), ReplayError> {
     let properties = dead_letter::replay_properties(&m.delivery.properties);
     topology::publish_confirmed(channel, queue, &m.delivery.data, properties).await?;
     m.delivery.ack(BasicAckOptions::default()).await?;
-    Ok(Replayed::Republished)
+    Ok(())
 }
 
 /// Whether `m` is a letter that pinned its record when it was published: a permanent

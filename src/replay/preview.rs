@@ -53,12 +53,23 @@ pub async fn preview_all(
         .collect())
 }
 
-/// What a replay leaves in the DLQ, known from the headers alone: a conflict, or a
-/// message malformed by its own data (no valid key, or one the database refused, even
-/// with a valid key): the same bytes would fail the same way.
+/// Whether `m` was dead-lettered because no handler of its queue took its type: it has
+/// no key (no handler derived one), and a replay republishes it as it is, for the
+/// handler deployed since.
+pub(super) fn unroutable(m: &DlqMessage) -> bool {
+    m.reason.as_deref() == Some(Reason::Unroutable.as_str())
+}
+
+/// What a replay does with `m`, known from the headers alone: it leaves a conflict in
+/// the DLQ, and a message malformed by its own data (no valid key, or one the database
+/// refused, even with a valid key): the same bytes would fail the same way; it
+/// republishes an unroutable one.
 pub(super) fn left_alone(m: &DlqMessage) -> Option<Preview> {
     if m.reason.as_deref() == Some(Reason::FingerprintConflict.as_str()) {
         return Some(Preview::Conflict);
+    }
+    if unroutable(m) {
+        return Some(Preview::Runs);
     }
     let malformed = m.key().is_none() || m.reason.as_deref() == Some(Reason::Malformed.as_str());
     malformed.then_some(Preview::Malformed)

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::route::RouteBy;
 use crate::outbox::OutboxConfig;
 use crate::retry::RetryPolicy;
 use crate::store::gc::Pace;
@@ -60,6 +61,9 @@ pub struct WorkerConfig {
     /// The exchanges the work queue consumes from, declared and bound by the worker
     /// (none: producers publish to the queue by its name).
     pub subscriptions: Vec<Subscription>,
+    /// When several handlers of a [`crate::Service`] share the queue, where the message
+    /// type that picks one is read (the AMQP `type` property unless told otherwise).
+    pub route_by: RouteBy,
     /// Handlers running at once.
     pub concurrency: usize,
     /// Unacked deliveries the broker sends ahead (basic.qos).
@@ -128,6 +132,7 @@ impl Default for WorkerConfig {
             mode: Mode::Leased,
             queue_type: QueueType::Classic,
             subscriptions: Vec::new(),
+            route_by: RouteBy::default(),
             concurrency: 16,
             prefetch: 64,
             retry: RetryPolicy::default(),

@@ -116,6 +116,8 @@ pub enum Outcome {
     Requeued,
     /// Not decidable many times in a row while others were: dead-lettered.
     Undecidable,
+    /// No handler of the queue takes the message's type: dead-lettered.
+    Unroutable,
 }
 
 impl Outcome {
@@ -136,6 +138,7 @@ impl Outcome {
             Outcome::LeaseLost => "lease_lost",
             Outcome::Requeued => "requeued",
             Outcome::Undecidable => "undecidable",
+            Outcome::Unroutable => "unroutable",
         }
     }
 }

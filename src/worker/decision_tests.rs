@@ -336,6 +336,7 @@ fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
         Outcome::LeaseLost,
         Outcome::Requeued,
         Outcome::Undecidable,
+        Outcome::Unroutable,
     ];
     for outcome in all {
         let line = match outcome {
@@ -351,7 +352,8 @@ fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
             | Outcome::Malformed
             | Outcome::FailedPermanent
             | Outcome::RetriesExhausted
-            | Outcome::Undecidable => None,
+            | Outcome::Undecidable
+            | Outcome::Unroutable => None,
         };
         assert_eq!(Line::of(outcome.as_str()), line, "{outcome:?}");
     }

@@ -11,6 +11,7 @@
 //! - `service`: [`Service`], many handlers on their queues in one process, sharing
 //!   one connection, relay, tally flusher and gc loop (a [`Worker`] is its one-queue case);
 //! - `connector`: the broker connection a service's queues share;
+//! - `route`: which handler of a queue a delivery goes to, by message type;
 //! - `session`: one queue's channels on that connection (declare, consume, dispatch, drain);
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, and walk the decision table to the settling step;
@@ -43,6 +44,7 @@ mod guard;
 mod handle;
 #[cfg(feature = "testing")]
 mod local;
+mod route;
 mod service;
 mod session;
 mod settle;
@@ -55,6 +57,7 @@ pub use decision::Outcome;
 pub(crate) use decision::Settle;
 #[cfg(feature = "testing")]
 pub(crate) use local::{Local, LocalDecision};
+pub use route::RouteBy;
 pub use service::{Service, ServiceConfig};
 
 use crate::fault::Fault;
@@ -294,11 +297,8 @@ impl<H: Handler> Runtime<H> {
 /// Runs sessions, one broker connection at a time, reconnecting with backoff, until
 /// `shutdown`; then lets the handlers in flight finish. Returns the queue and the
 /// reason when the broker refused the topology for good.
-async fn consume<H: Handler>(
-    session: &Session<H>,
-    shutdown: &CancellationToken,
-) -> Option<(String, String)> {
-    let config = &session.runtime.config;
+async fn consume(session: &Session, shutdown: &CancellationToken) -> Option<(String, String)> {
+    let config = &session.config;
     let tasks = TaskTracker::new();
     let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
     let mut reconnects = session::Reconnects::new(config.max_reconnect_delay);

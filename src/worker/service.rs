@@ -7,7 +7,7 @@
 //!
 //! [`Worker`]: super::Worker
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use tracing::{error, info, warn};
 
 use super::background::{self, Background};
 use super::connector::Connector;
+use super::route::{Route, Routes, Unrouted};
 use super::session::Session;
 use super::{Runtime, WorkerConfig, WorkerError, consume, topology_of};
 use crate::handler::Handler;
@@ -97,12 +98,20 @@ pub struct Service {
     health: BrokerHealth,
 }
 
-/// One handler of a service, its type erased: its queue, its operation and how to run
-/// it on what the service shares.
+/// One handler of a service, its type erased: its queue and settings, its operation,
+/// the message type it takes (none: every message of its queue), and how to start its
+/// runtime and its watch for overdue retries on what the service shares.
 struct Hosted {
-    queue: String,
+    config: WorkerConfig,
     operation: &'static str,
-    run: Box<dyn FnOnce(Shared, CancellationToken) -> BoxFuture<'static, Refusal> + Send>,
+    message_type: Option<String>,
+    start: Box<dyn FnOnce(&Shared) -> Started + Send>,
+}
+
+/// A hosted handler, running: its runtime, and the watch for its overdue retries.
+struct Started {
+    route: Arc<dyn Route>,
+    watch: BoxFuture<'static, ()>,
 }
 
 /// The broker's refusal of a queue for good: its name and what the broker said.
@@ -110,6 +119,8 @@ type Refusal = Option<(String, String)>;
 
 /// What every queue of a service is given to run on.
 struct Shared {
+    /// The queue's shutdown.
+    stop: CancellationToken,
     store: Store,
     connector: Arc<Connector>,
     health: BrokerHealth,
@@ -129,11 +140,37 @@ impl Service {
         }
     }
 
-    /// Hosts `handler` on `config.queue`, with `config`'s queue settings. Its
-    /// service-wide fields (`amqp_url`, `name`, `gc_every`, `gc_pace`, `tally_every`,
-    /// `outbox`) are the service's. Two handlers on one queue, or two of one
-    /// operation, are refused when the service starts.
-    pub fn handler<H: Handler>(mut self, handler: H, config: WorkerConfig) -> Self {
+    /// Hosts `handler` on `config.queue`, for every message of that queue, with
+    /// `config`'s queue settings. Its service-wide fields (`amqp_url`, `name`,
+    /// `gc_every`, `gc_pace`, `tally_every`, `outbox`) are the service's. Two handlers of
+    /// one operation, or another handler on the queue, are refused when it starts.
+    pub fn handler<H: Handler>(self, handler: H, config: WorkerConfig) -> Self {
+        self.host(None, handler, config)
+    }
+
+    /// Hosts `handler` on `config.queue` for the messages of type `message_type` (the
+    /// AMQP `type` property, or what `config.route_by` names), beside the queue's other
+    /// typed handlers: `order.created` and `order.cancelled` on one queue, say. A
+    /// message whose type none of them takes is dead-lettered as `unroutable`, and
+    /// `idem dlq replay` brings it back once its handler is deployed. The queue's
+    /// settings (prefetch, concurrency, queue type, retry delays, subscriptions,
+    /// shutdown timeout, route_by) are its first handler's; each handler keeps its own
+    /// mode and retry policy. Two handlers of one type on a queue are refused at start.
+    pub fn handler_for<H: Handler>(
+        self,
+        message_type: &str,
+        handler: H,
+        config: WorkerConfig,
+    ) -> Self {
+        self.host(Some(message_type.to_owned()), handler, config)
+    }
+
+    fn host<H: Handler>(
+        mut self,
+        message_type: Option<String>,
+        handler: H,
+        config: WorkerConfig,
+    ) -> Self {
         let shared = &self.config;
         let config = WorkerConfig {
             amqp_url: shared.amqp_url.clone(),
@@ -144,12 +181,12 @@ impl Service {
             outbox: shared.outbox.clone(),
             ..config
         };
+        let runtime_config = config.clone();
         self.hosted.push(Hosted {
-            queue: config.queue.clone(),
+            config,
             operation: H::OPERATION,
-            run: Box::new(move |shared, shutdown| {
-                Box::pin(run_queue(handler, config, shared, shutdown))
-            }),
+            message_type,
+            start: Box::new(move |shared: &Shared| start::<H>(handler, runtime_config, shared)),
         });
         self
     }
@@ -177,23 +214,29 @@ impl Service {
             hosted,
             health,
         } = self;
-        for queue in &hosted {
-            health.set(&queue.queue, false);
+        let mut queues: BTreeMap<String, Vec<Hosted>> = BTreeMap::new();
+        for hosted in hosted {
+            health.set(&hosted.config.queue, false);
+            queues
+                .entry(hosted.config.queue.clone())
+                .or_default()
+                .push(hosted);
         }
         let stop = shutdown.child_token();
-        let queues: Vec<String> = hosted.iter().map(|h| h.queue.clone()).collect();
-        let mut background = Background::start(&store, &config, &queues, &stop);
+        let names: Vec<String> = queues.keys().cloned().collect();
+        let mut background = Background::start(&store, &config, &names, &stop);
         let connector = Arc::new(Connector::new(&config.amqp_url, &config.name));
         let mut running = JoinSet::new();
-        for queue in hosted {
+        for (queue, group) in queues {
             let shared = Shared {
+                stop: stop.clone(),
                 store: store.clone(),
                 connector: connector.clone(),
                 health: health.clone(),
                 relay_wake: background.relay_wake.clone(),
-                tally: background.tallies.remove(&queue.queue),
+                tally: background.tallies.remove(&queue),
             };
-            running.spawn((queue.run)(shared, stop.clone()));
+            running.spawn(run_queue(group, shared, stop.clone()));
         }
         let mut refused = None;
         while let Some(done) = running.join_next().await {
@@ -216,27 +259,49 @@ impl Service {
         }
     }
 
-    /// Refuses a service without handlers, two handlers on one queue (routing by
-    /// message type is not built yet) and two handlers of one operation (their keys and
-    /// records would mix).
+    /// Refuses a service without handlers, a queue with an untyped handler and
+    /// another, two handlers of one type on a queue, typed handlers of one queue with
+    /// other retry delays (the queue has one set of retry queues), and two handlers of
+    /// one operation (their keys and records would mix).
     fn check(&self) -> Result<(), WorkerError> {
         let invalid = |reason: String| Err(WorkerError::Invalid { reason });
         if self.hosted.is_empty() {
             return invalid("no handler: add one with Service::handler".into());
         }
-        let mut queues = BTreeMap::new();
+        let mut queues: BTreeMap<&str, &Hosted> = BTreeMap::new();
+        let mut types = BTreeMap::new();
         let mut operations = BTreeMap::new();
         for hosted in &self.hosted {
-            if let Some(other) = queues.insert(hosted.queue.as_str(), hosted.operation) {
+            let queue = hosted.config.queue.as_str();
+            if let Some(other) = operations.insert(hosted.operation, queue) {
                 return invalid(format!(
-                    "queue {} has two handlers ({other} and {}): one handler per queue",
-                    hosted.queue, hosted.operation
+                    "operation {} is handled twice (on {other} and {queue}): operation names must be distinct",
+                    hosted.operation
                 ));
             }
-            if let Some(other) = operations.insert(hosted.operation, hosted.queue.as_str()) {
+            let Some(first) = queues.insert(queue, hosted) else {
+                types.insert((queue, hosted.message_type.clone()), hosted.operation);
+                continue;
+            };
+            if first.message_type.is_none() || hosted.message_type.is_none() {
                 return invalid(format!(
-                    "operation {} is handled on two queues ({other} and {}): operation names must be distinct",
-                    hosted.operation, hosted.queue
+                    "queue {queue} has two handlers ({} and {}): give each its message type (Service::handler_for), or each its queue",
+                    first.operation, hosted.operation
+                ));
+            }
+            if let Some(other) =
+                types.insert((queue, hosted.message_type.clone()), hosted.operation)
+            {
+                return invalid(format!(
+                    "queue {queue} has two handlers for message type {:?} ({other} and {})",
+                    hosted.message_type.as_deref().unwrap_or_default(),
+                    hosted.operation
+                ));
+            }
+            if first.config.retry.delays != hosted.config.retry.delays {
+                return invalid(format!(
+                    "the handlers of queue {queue} ({} and {}) have other retry delays: the queue has one set of retry queues",
+                    first.operation, hosted.operation
                 ));
             }
         }
@@ -244,38 +309,73 @@ impl Service {
     }
 }
 
-/// One queue of a service, until `shutdown` or the broker's refusal.
-async fn run_queue<H: Handler>(
-    handler: H,
-    config: WorkerConfig,
-    shared: Shared,
-    shutdown: CancellationToken,
-) -> Refusal {
-    let Shared {
-        store,
-        connector,
-        health,
-        relay_wake,
-        tally,
-    } = shared;
-    if let Err(error) = store.note_queue(&config.queue, H::OPERATION).await {
-        warn!(queue = %config.queue, error = %crate::text::error_line(&error), "the queue's operation not noted for operators");
-    }
-    let overdue = background::watch_overdue::<H>(
+/// Starts `handler`'s runtime on what the service shares.
+fn start<H: Handler>(handler: H, config: WorkerConfig, shared: &Shared) -> Started {
+    let store = shared.store.clone();
+    let watch = background::watch_overdue::<H>(
         store.clone(),
         config.overdue_after(store.config().lease),
-        shutdown.clone(),
+        shared.stop.clone(),
     );
-    let overdue = tokio::spawn(overdue);
-    let topology = topology_of(&config);
-    let runtime = Arc::new(Runtime::new(handler, store, config, tally, relay_wake));
+    let runtime = Runtime::new(
+        handler,
+        store,
+        config,
+        shared.tally.clone(),
+        shared.relay_wake.clone(),
+    );
+    Started {
+        route: Arc::new(runtime),
+        watch: Box::pin(watch),
+    }
+}
+
+/// One queue of a service and its handlers, until `shutdown` or the broker's refusal.
+async fn run_queue(group: Vec<Hosted>, shared: Shared, shutdown: CancellationToken) -> Refusal {
+    let config = group.first().map(|h| h.config.clone())?;
+    let typed = group.iter().any(|h| h.message_type.is_some());
+    let mut watches = Vec::new();
+    let mut routes = HashMap::new();
+    let mut one = None;
+    for hosted in group {
+        if let Err(error) = shared
+            .store
+            .note_queue(&config.queue, hosted.operation)
+            .await
+        {
+            warn!(queue = %config.queue, error = %crate::text::error_line(&error), "the queue's operation not noted for operators");
+        }
+        let started = (hosted.start)(&shared);
+        watches.push(tokio::spawn(started.watch));
+        match hosted.message_type {
+            Some(kind) => {
+                routes.insert(kind, started.route);
+            }
+            None => one = Some(started.route),
+        }
+    }
+    let routes = match one {
+        Some(route) if !typed => Routes::One(route),
+        _ => Routes::ByType {
+            by: config.route_by.clone(),
+            routes,
+        },
+    };
     let session = Session {
-        runtime,
-        topology,
-        broker: health,
-        connector,
+        topology: topology_of(&config),
+        unrouted: Arc::new(Unrouted {
+            store: shared.store.clone(),
+            queue: config.queue.clone(),
+            tally: shared.tally.clone(),
+        }),
+        config,
+        routes,
+        broker: shared.health,
+        connector: shared.connector,
     };
     let refused = consume(&session, &shutdown).await;
-    overdue.abort();
+    for watch in watches {
+        watch.abort();
+    }
     refused
 }

@@ -18,15 +18,20 @@ use tracing::{info, warn};
 use super::acks::Acks;
 use super::connector::Connector;
 use super::follow_ups::FollowUpChannel;
+use super::route::{Routes, Unrouted};
 use super::settle::Links;
-use super::{Failure, Runtime, drain, execute};
-use crate::handler::Handler;
+use super::{Failure, WorkerConfig, drain};
 use crate::metrics::BrokerHealth;
 use crate::topology::Topology;
 
-/// The broker side of a running worker: one connection at a time.
-pub(super) struct Session<H> {
-    pub(super) runtime: Arc<Runtime<H>>,
+/// The broker side of one queue of a running worker or service.
+pub(super) struct Session {
+    /// The queue's settings (its first handler's).
+    pub(super) config: WorkerConfig,
+    /// Its handlers.
+    pub(super) routes: Routes,
+    /// Where the deliveries no handler takes go.
+    pub(super) unrouted: Arc<Unrouted>,
     pub(super) topology: Topology,
     pub(super) broker: BrokerHealth,
     /// The connection this queue shares with the others of its service.
@@ -73,16 +78,16 @@ impl Reconnects {
     }
 }
 
-impl<H: Handler> Session<H> {
+impl Session {
     /// Connects, declares the topology and starts consuming.
     async fn open(&self) -> Result<Open, Failure> {
         self.try_open()
             .await
-            .map_err(|error| Failure::opening(error, &self.runtime.config.queue))
+            .map_err(|error| Failure::opening(error, &self.config.queue))
     }
 
     async fn try_open(&self) -> Result<Open, lapin::Error> {
-        let config = &self.runtime.config;
+        let config = &self.config;
         let connection = self.connector.get().await?;
         let declared = self.topology.declare(&connection).await?;
         for queue in &declared.older {
@@ -124,7 +129,7 @@ impl<H: Handler> Session<H> {
         tasks: &TaskTracker,
         permits: &Arc<Semaphore>,
     ) -> Result<(), SessionError> {
-        let config = &self.runtime.config;
+        let config = &self.config;
         let Open {
             connection,
             consume,
@@ -165,10 +170,14 @@ impl<H: Handler> Session<H> {
             match next {
                 Some(Ok(delivery)) => {
                     acks.delivered(delivery.delivery_tag);
-                    let runtime = self.runtime.clone();
+                    let route = self.routes.pick(&delivery);
+                    let unrouted = self.unrouted.clone();
                     let links = links.clone();
                     tasks.spawn(async move {
-                        execute::process(&runtime, &links, delivery).await;
+                        match route {
+                            Ok(route) => route.process(links, delivery).await,
+                            Err(why) => unrouted.dead_letter(&links, delivery, why).await,
+                        }
                         drop(permit);
                     });
                 }
