@@ -13,7 +13,8 @@
 //! prints one line per set-up: messages per second (first to last completion, from
 //! the records), the broker connections of the child (`rabbitmqctl`), its relay
 //! `LISTEN` connections and its Postgres connections (`pg_stat_activity`) and its peak
-//! RSS, then `ratio=` (service over workers).
+//! RSS; after `--runs` runs of both (alternating which goes first), the medians and
+//! their `ratio=` (service over workers).
 
 use std::process::{ExitCode, Stdio};
 use std::time::Duration;
@@ -74,6 +75,9 @@ struct Args {
     /// Handlers running at once, per queue.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Runs of both set-ups, alternating which goes first; medians at the end.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
     /// Run as the consuming child: `workers` or `service`, on queues under `--prefix`.
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -192,29 +196,42 @@ async fn parent(args: Args) -> anyhow::Result<()> {
     .execute(&pool)
     .await?;
     let connection = idem::topology::connect(&args.amqp_url, "service_bench").await?;
-    let mut measured = Vec::new();
-    for setup in ["workers", "service"] {
-        let prefix = format!("bench.svc.{}.{setup}", uuid::Uuid::new_v4().simple());
-        let m = measure(&args, &pool, &connection, setup, &prefix).await;
-        delete_queues(&connection, &prefix).await;
-        let m = m?;
-        println!(
-            "service_bench: setup={setup} job_types={JOB_TYPES} messages={} msgs_per_s={:.0} \
-             amqp_connections={} listen_connections={} pg_connections={} peak_rss_mb={:.1}",
-            JOB_TYPES * args.messages_per_type,
-            m.msgs_per_s,
-            m.amqp.map_or("?".into(), |n| n.to_string()),
-            m.listeners,
-            m.pg,
-            m.rss_mb
-        );
-        measured.push(m);
+    let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for run in 0..args.runs {
+        // Alternate which goes first, so that neither always meets a warmer database.
+        let order = if run % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let setup = SETUPS[i];
+            let prefix = format!("bench.svc.{}.{setup}", uuid::Uuid::new_v4().simple());
+            let m = measure(&args, &pool, &connection, setup, &prefix).await;
+            delete_queues(&connection, &prefix).await;
+            let m = m?;
+            println!(
+                "service_bench: run={run} setup={setup} job_types={JOB_TYPES} messages={} msgs_per_s={:.0} \
+                 amqp_connections={} listen_connections={} pg_connections={} peak_rss_mb={:.1}",
+                JOB_TYPES * args.messages_per_type,
+                m.msgs_per_s,
+                m.amqp.map_or("?".into(), |n| n.to_string()),
+                m.listeners,
+                m.pg,
+                m.rss_mb
+            );
+            rates[i].push(m.msgs_per_s);
+        }
     }
+    let [workers, service] = rates.map(median);
     println!(
-        "service_bench: ratio={:.2} (service msgs/s over ten workers')",
-        measured[1].msgs_per_s / measured[0].msgs_per_s
+        "service_bench: median_workers_msgs_per_s={workers:.0} median_service_msgs_per_s={service:.0} ratio={:.2}",
+        service / workers
     );
     Ok(())
+}
+
+const SETUPS: [&str; 2] = ["workers", "service"];
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 async fn measure(
@@ -312,6 +329,7 @@ fn clone_args(args: &Args) -> Args {
     Args {
         messages_per_type: args.messages_per_type,
         concurrency: args.concurrency,
+        runs: args.runs,
         child: args.child.clone(),
         prefix: args.prefix.clone(),
         database_url: args.database_url.clone(),

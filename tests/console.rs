@@ -627,6 +627,13 @@ async fn replaying_a_group_from_the_page_books_each_order_once(
     let page = browser.source().await;
     browser.screenshot("dead-letters").await;
     assert!(page.contains("fingerprint_conflict"), "{page}");
+    // What each letter carried, folded under it: the conflict's body with its other
+    // amount, escaped (a browser serialises the quotes of a text node as they are).
+    assert!(
+        page.contains("<details><summary>no type")
+            && (page.contains("amount_cents\":101") || page.contains("amount_cents&quot;:101")),
+        "{page}"
+    );
     assert_eq!(
         row_number(&page, "permanent_failure"),
         outage_letters,

@@ -74,6 +74,37 @@ impl DlqMessage {
     pub fn body_text(&self) -> String {
         String::from_utf8_lossy(&self.delivery.data).into_owned()
     }
+
+    /// The AMQP `type` the producer gave it, if any.
+    pub fn message_type(&self) -> Option<&str> {
+        self.delivery.properties.kind().as_ref().map(|t| t.as_str())
+    }
+
+    /// Its headers (the producer's and idem's), by name: text and numbers as they are,
+    /// other values as AMQP describes them.
+    pub fn headers(&self) -> BTreeMap<String, String> {
+        use lapin::types::AMQPValue;
+        let mut out = BTreeMap::new();
+        for (name, value) in self
+            .delivery
+            .properties
+            .headers()
+            .iter()
+            .flat_map(|h| h.inner())
+        {
+            let value = match value {
+                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                AMQPValue::ShortString(s) => s.to_string(),
+                AMQPValue::LongLongInt(n) => n.to_string(),
+                AMQPValue::LongInt(n) => n.to_string(),
+                AMQPValue::ShortInt(n) => n.to_string(),
+                AMQPValue::Boolean(b) => b.to_string(),
+                other => format!("{other:?}"),
+            };
+            out.insert(name.to_string(), value);
+        }
+        out
+    }
 }
 
 /// Which dead letters a command works on.

@@ -209,8 +209,8 @@ async fn show(
             "attempts": m.attempts, "original_queue": m.original_queue,
             "failed_at": m.failed_at,
             "message_id": m.delivery.properties.message_id().as_ref().map(|s| s.as_str()),
-            "type": m.delivery.properties.kind().as_ref().map(|s| s.as_str()),
-            "headers": headers_json(&m.delivery.properties),
+            "type": m.message_type(),
+            "headers": m.headers(),
             "body": m.body_text(),
         });
         if json {
@@ -223,26 +223,6 @@ async fn show(
         say!("{} dead letters shown from {dlq}", messages.len());
     }
     Ok(())
-}
-
-/// A message's headers as JSON: text and numbers as they are, anything else as AMQP
-/// describes it.
-fn headers_json(properties: &lapin::BasicProperties) -> serde_json::Value {
-    use lapin::types::AMQPValue;
-    let mut out = serde_json::Map::new();
-    for (name, value) in properties.headers().iter().flat_map(|h| h.inner()) {
-        let value = match value {
-            AMQPValue::LongString(s) => json!(String::from_utf8_lossy(s.as_bytes())),
-            AMQPValue::ShortString(s) => json!(s.as_str()),
-            AMQPValue::LongLongInt(n) => json!(n),
-            AMQPValue::LongInt(n) => json!(n),
-            AMQPValue::ShortInt(n) => json!(n),
-            AMQPValue::Boolean(b) => json!(b),
-            other => json!(format!("{other:?}")),
-        };
-        out.insert(name.to_string(), value);
-    }
-    serde_json::Value::Object(out)
 }
 
 /// Dead letters grouped by reason, then operation and error, as a table.

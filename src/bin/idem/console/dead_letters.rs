@@ -82,7 +82,14 @@ async fn queue_section(
             .collect();
         listed.push_str(&table(
             "messages",
-            &["scope", "key", "attempts", "failed at", ""],
+            &[
+                "scope",
+                "key",
+                "attempts",
+                "failed at",
+                "what it carried",
+                "",
+            ],
             &message_rows,
         ));
     }
@@ -175,6 +182,7 @@ fn message_row(queue: &str, m: &DlqMessage) -> Vec<String> {
         format!("<code>{}</code>", escape(key)),
         num(m.attempts.unwrap_or(0)),
         when(m.failed_at),
+        carried(m),
         if key.is_empty() {
             String::new()
         } else {
@@ -185,6 +193,32 @@ fn message_row(queue: &str, m: &DlqMessage) -> Vec<String> {
             )
         },
     ]
+}
+
+/// How much of a dead letter's body the page shows.
+const BODY_SHOWN: usize = 4096;
+
+/// What a dead letter carried, folded: its type, message id, headers and body (cut at
+/// [`BODY_SHOWN`] bytes), escaped, so that a missing handler (a fine message of an
+/// unknown type) can be told from a broken producer without a terminal.
+fn carried(m: &DlqMessage) -> String {
+    let mut text = format!("type: {}\n", m.message_type().unwrap_or("-"));
+    let id = m.delivery.properties.message_id();
+    text.push_str(&format!(
+        "message id: {}\n",
+        id.as_ref().map_or("-", |i| i.as_str())
+    ));
+    for (name, value) in m.headers() {
+        text.push_str(&format!("{name}: {}\n", idem::text::cut(&value, 512)));
+    }
+    let body = m.body_text();
+    text.push_str(&format!("\n{}", idem::text::cut(&body, BODY_SHOWN)));
+    format!(
+        "<details><summary>{} · {} bytes</summary><pre>{}</pre></details>",
+        escape(m.message_type().unwrap_or("no type")),
+        num(m.delivery.data.len()),
+        escape(&text)
+    )
 }
 
 /// Which dead letters an action is about: a group, or one message by key.
