@@ -323,12 +323,16 @@ async fn assert_healthz_names_a_queue_down(
 
 /// Records its event id in `service_effects`, in the operation's transaction, after
 /// `delay_ms` from the message.
-struct Effect<const HANG: bool>;
+struct Effect<const HANG: bool, const OTHER: bool = false>;
 
-impl<const HANG: bool> Handler for Effect<HANG> {
+impl<const HANG: bool, const OTHER: bool> Handler for Effect<HANG, OTHER> {
     type Message = Value;
     type Output = ();
-    const OPERATION: &'static str = if HANG { "tests.hang" } else { "tests.effect" };
+    const OPERATION: &'static str = match (HANG, OTHER) {
+        (true, _) => "tests.hang",
+        (false, false) => "tests.effect",
+        (false, true) => "tests.other",
+    };
     fn scope(&self, _: &Value) -> String {
         "tests".into()
     }
@@ -359,6 +363,24 @@ fn queue_config(queue: &TestQueue, shutdown_timeout: Duration) -> WorkerConfig {
         },
         ..WorkerConfig::default()
     }
+}
+
+/// The broker's connections whose client-provided name is `name`: their pids
+/// (`rabbitmqctl`); `None` without rabbitmqctl.
+fn connection_pids(name: &str) -> Option<Vec<String>> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "pid", "client_properties"])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let named = format!("{{\"connection_name\",\"{name}\"}}");
+    Some(
+        text.lines()
+            .filter(|l| l.contains(&named))
+            .filter_map(|l| l.split('\t').next().map(str::to_owned))
+            .collect(),
+    )
 }
 
 fn service_config() -> ServiceConfig {
@@ -525,4 +547,76 @@ async fn a_service_refused_as_assembled_or_by_the_broker_names_the_queue(pool: P
             && !line.contains('\n'),
         "{line}"
     );
+}
+
+/// The broker closes the connection the service's queues share: both queues reconnect
+/// on one new connection and consume again, and what is published then is handled.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_queues_reconnect_together_when_their_connection_is_closed(pool: PgPool) {
+    sqlx::query("CREATE TABLE service_effects (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let config = service_config();
+    let name = config.name.clone();
+    let Some(_) = connection_pids(&name) else {
+        assert!(
+            !std::env::var("IDEM_CI").is_ok_and(|v| v == "1"),
+            "rabbitmqctl list_connections failed: CI must close the connection"
+        );
+        println!("skipped: closing a connection needs rabbitmqctl");
+        return;
+    };
+    let a = TestQueue::new("service-reconnect-a").await;
+    let b = TestQueue::new("service-reconnect-b").await;
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let shutdown = CancellationToken::new();
+    let service = Service::new(store.clone(), config)
+        .handler(Effect::<false>, queue_config(&a, Duration::from_secs(5)))
+        .handler(
+            Effect::<false, true>,
+            queue_config(&b, Duration::from_secs(5)),
+        );
+    let health = service.broker_health();
+    let running = tokio::spawn(service.run(shutdown.clone()));
+    wait_for_consumers(&a, 1).await;
+    wait_for_consumers(&b, 1).await;
+    let first = connection_pids(&name).unwrap();
+    assert_eq!(first.len(), 1, "two queues, one connection: {first:?}");
+    let closed = std::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "close_connection",
+            &first[0],
+            "test: the broker closes it",
+        ])
+        .status()
+        .unwrap();
+    assert!(closed.success());
+    wait_until(
+        SETTLE,
+        "both queues consuming on a new connection",
+        || async {
+            let now = connection_pids(&name).unwrap_or_default();
+            now.len() == 1 && now != first && health.is_up()
+        },
+    )
+    .await;
+    wait_for_consumers(&a, 1).await;
+    wait_for_consumers(&b, 1).await;
+    a.publish(json!({"event_id": "after-a"}).to_string().as_bytes())
+        .await;
+    b.publish(json!({"event_id": "after-b"}).to_string().as_bytes())
+        .await;
+    wait_until(SETTLE, "both handled after the reconnect", || async {
+        let effects = counts(&pool, "service_effects").await;
+        effects.get("after-a") == Some(&1) && effects.get("after-b") == Some(&1)
+    })
+    .await;
+    shutdown.cancel();
+    let result = tokio::time::timeout(SETTLE, running)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(result.is_ok(), "{result:?}");
 }

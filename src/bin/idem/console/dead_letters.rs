@@ -216,7 +216,7 @@ fn carried(m: &DlqMessage) -> String {
     format!(
         "<details><summary>{} · {} bytes</summary><pre>{}</pre></details>",
         escape(m.message_type().unwrap_or("no type")),
-        num(m.delivery.data.len()),
+        m.delivery.data.len(),
         escape(&text)
     )
 }
