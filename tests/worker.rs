@@ -786,6 +786,11 @@ async fn connections_the_broker_keeps_closing_are_retried_less_and_less_often(po
         amqp_url: through_proxy.to_string(),
         queue: q.name.clone(),
         max_reconnect_delay: Duration::from_secs(5),
+        // The delays TestQueue's cleanup deletes the retry queues of.
+        retry: RetryPolicy {
+            delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+            ..RetryPolicy::default()
+        },
         outbox: idem::outbox::OutboxConfig {
             relay: false,
             ..idem::outbox::OutboxConfig::default()
