@@ -524,6 +524,25 @@ async fn a_service_refused_as_assembled_or_by_the_broker_names_the_queue(pool: P
         "{one_type_twice}"
     );
 
+    let by_idem_header = Service::new(store.clone(), service_config())
+        .handler_for(
+            "t",
+            Effect::<false>,
+            WorkerConfig {
+                route_by: idem::RouteBy::Header("idem-kind".into()),
+                ..queue_config(&a, Duration::from_secs(5))
+            },
+        )
+        .run(CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(
+        by_idem_header
+            .to_string()
+            .contains("routes by header idem-kind"),
+        "{by_idem_header}"
+    );
+
     // b exists as a quorum queue; the service declares it classic.
     let quorum = idem::Topology {
         queue: b.name.clone(),

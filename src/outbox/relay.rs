@@ -141,11 +141,13 @@ impl Relay {
                     }
                 }
             }
-            if let Some((_, publish)) = &broker
-                && publish.status().connected()
-            {
-                self.drain(publish, &shutdown).await;
-            }
+            let publishing = match &broker {
+                Some((_, publish)) if publish.status().connected() => {
+                    self.drain(publish, &shutdown).await;
+                    true
+                }
+                _ => false,
+            };
             if stats_at.elapsed() >= STATS_EVERY {
                 stats_at = Instant::now();
                 match table::stats(&self.pool).await {
@@ -157,7 +159,7 @@ impl Relay {
                     Err(error) => debug!(error = %crate::text::error_line(&error), "outbox stats"),
                 }
             }
-            self.wait(&mut listener, &shutdown).await;
+            self.wait(&mut listener, &shutdown, publishing).await;
         }
         if let Some((connection, publish)) = broker {
             let _ = publish.close(200, "shutdown".into()).await;
@@ -240,14 +242,23 @@ impl Relay {
 
     /// Sleeps until a notification's handoff has passed, this process's wake-up, the
     /// next poll (sooner when a delayed row comes due before it, but never sooner than
-    /// [`DUE_CHECK_MIN`]), or shutdown.
-    async fn wait(&self, listener: &mut Option<PgListener>, shutdown: &CancellationToken) {
-        let next_due = match table::until_next_due(&self.pool).await {
-            Ok(next) => next,
-            Err(error) => {
-                debug!(error = %crate::text::error_line(&error), "outbox: next due row");
-                None
+    /// [`DUE_CHECK_MIN`], and only while it has a broker to publish on), or shutdown.
+    async fn wait(
+        &self,
+        listener: &mut Option<PgListener>,
+        shutdown: &CancellationToken,
+        publishing: bool,
+    ) {
+        let next_due = if publishing {
+            match table::until_next_due(&self.pool).await {
+                Ok(next) => next,
+                Err(error) => {
+                    debug!(error = %crate::text::error_line(&error), "outbox: next due row");
+                    None
+                }
             }
+        } else {
+            None
         };
         let poll = next_due.map_or(self.config.poll, |due| {
             due.clamp(DUE_CHECK_MIN, self.config.poll.max(DUE_CHECK_MIN))

@@ -42,7 +42,9 @@ pub(crate) async fn stage(
     let (at, after) = match message.not_before {
         None => (None, None),
         Some(NotBefore::At(at)) => (Some(at), None),
-        Some(NotBefore::After(delay)) => (None, Some(millis(delay))),
+        // Past a century it is a mistake, not a schedule; Postgres's intervals end
+        // before Duration's do.
+        Some(NotBefore::After(delay)) => (None, Some(millis(delay.min(CENTURY)))),
     };
     // A delayed row is due at its time, or after the handoff if that is later (greatest
     // leaves out NULLs).
@@ -247,7 +249,7 @@ pub struct OutboxStats {
 pub async fn stats(pool: &PgPool) -> Result<OutboxStats, StoreError> {
     Ok(sqlx::query_as(
         "SELECT count(*) FILTER (WHERE NOT scheduled) AS undispatched,
-                extract(epoch FROM now() - min(coalesce(not_before, staged_at))
+                extract(epoch FROM now() - min(greatest(not_before, staged_at))
                                            FILTER (WHERE NOT scheduled))::float8
                     AS oldest_age_s,
                 count(*) FILTER (WHERE last_error IS NOT NULL) AS failing,
@@ -358,6 +360,9 @@ const ENTRY: &str = "id, message_id, source, operation, position, exchange, rout
                      octet_length(body) AS body_bytes";
 
 /// A duration as whole milliseconds for SQL intervals, saturating.
+/// The longest delay a follow-up is staged with.
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

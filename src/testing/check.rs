@@ -346,12 +346,9 @@ impl<'w, H: Handler> Check<'w, H> {
         provider: &FakeProvider,
         m: &Value,
     ) -> Result<Uncertain, CheckFailed> {
-        let queued = provider.failures_queued();
-        provider.fail_next(Failing::AfterAccepting);
+        let ticket = provider.fail_next_once(Failing::AfterAccepting);
         let result = self.deliver_until_settled(provider, m).await;
-        if provider.failures_queued() > queued {
-            provider.withdraw_last_failure();
-        }
+        provider.withdraw(ticket);
         result
     }
 

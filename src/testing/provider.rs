@@ -22,6 +22,8 @@ struct State {
     accepted: Vec<Receipt>,
     /// How the next calls fail, one each.
     failing: VecDeque<Failing>,
+    /// How many queued failures calls have met.
+    failures_met: usize,
     down: bool,
 }
 
@@ -87,6 +89,7 @@ impl FakeProvider {
             return Err(ProviderError::Down);
         }
         let failing = state.failing.pop_front();
+        state.failures_met += usize::from(failing.is_some());
         if failing == Some(Failing::BeforeAccepting) {
             return Err(ProviderError::Unavailable);
         }
@@ -135,14 +138,22 @@ impl FakeProvider {
         self.state().failing.clear();
     }
 
-    /// How many failures queued by [`FakeProvider::fail_next`] no call has met yet.
-    pub(crate) fn failures_queued(&self) -> usize {
-        self.state().failing.len()
+    /// Queues `how` as [`FakeProvider::fail_next`] does, and returns what to give
+    /// [`FakeProvider::withdraw`] to take it back if no call meets it.
+    pub(crate) fn fail_next_once(&self, how: Failing) -> usize {
+        let mut state = self.state();
+        state.failing.push_back(how);
+        state.failures_met + state.failing.len()
     }
 
-    /// Takes back the failure queued last, if no call met it.
-    pub(crate) fn withdraw_last_failure(&self) {
-        self.state().failing.pop_back();
+    /// Takes back the failure [`FakeProvider::fail_next_once`] queued (`ticket`), unless
+    /// a call met it: failures are met in order, so it was met once as many were met
+    /// as stood before it, and it is then the last queued if it is still there.
+    pub(crate) fn withdraw(&self, ticket: usize) {
+        let mut state = self.state();
+        if state.failures_met < ticket {
+            state.failing.pop_back();
+        }
     }
 
     /// Takes the provider down (every call fails with [`ProviderError::Down`]) or back up.

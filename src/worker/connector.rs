@@ -9,6 +9,9 @@ use tokio::sync::Mutex;
 
 use crate::topology;
 
+/// How long closing the connection waits for the broker.
+const CLOSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// One shared AMQP connection to `url`, named `name` on the broker.
 pub(super) struct Connector {
     url: String,
@@ -39,10 +42,13 @@ impl Connector {
         Ok(connection)
     }
 
-    /// Closes the connection, once no session uses it any more.
+    /// Closes the connection, once no session uses it any more, waiting at most
+    /// [`CLOSE_WITHIN`] for the broker's answer (a connection that went silent may
+    /// never give one).
     pub(super) async fn close(&self) {
         if let Some(connection) = self.current.lock().await.take() {
-            let _ = connection.close(200, "shutdown".into()).await;
+            let close = connection.close(200, "shutdown".into());
+            let _ = tokio::time::timeout(CLOSE_WITHIN, close).await;
         }
     }
 }

@@ -87,6 +87,15 @@ pub enum WorkerError {
         /// What the broker said; it names the queue and the argument that differs.
         reason: String,
     },
+    /// A queue's task of a service panicked (a bug of idem's: a handler's panic is
+    /// caught where it runs and fails only its delivery); the others were stopped.
+    #[error("queue {queue} stopped: idem panicked: {reason}")]
+    Crashed {
+        /// The queue.
+        queue: String,
+        /// The panic's message.
+        reason: String,
+    },
     /// A service that cannot start as assembled (two handlers on one queue, say).
     #[error("the service cannot start: {reason}")]
     Invalid {

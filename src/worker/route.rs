@@ -30,6 +30,11 @@ pub enum RouteBy {
     Header(String),
 }
 
+/// How long an unroutable delivery whose dead letter failed waits before it goes back
+/// to its queue (holding its queue's permit, so a queue spends at most its concurrency
+/// on them).
+const UNROUTED_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The metrics and tally label of a delivery no handler took.
 const UNROUTED: &str = "(unroutable)";
 
@@ -133,7 +138,10 @@ impl Unrouted {
             match settler.apply(Settle::DeadLetter(order), None).await {
                 Ok(()) => Outcome::Unroutable,
                 Err(error) => {
-                    warn!(error = %crate::text::error_line(&error), "the unroutable message was not dead-lettered; requeued");
+                    // Its DLQ refused it or the broker failed: the same message would
+                    // fail the same way at once, so it waits before it goes back.
+                    warn!(error = %crate::text::error_line(&error), pause_ms = UNROUTED_PAUSE.as_millis() as u64, "the unroutable message was not dead-lettered; requeued");
+                    tokio::time::sleep(UNROUTED_PAUSE).await;
                     settler.requeue();
                     Outcome::Requeued
                 }

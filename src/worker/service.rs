@@ -11,6 +11,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -19,7 +22,7 @@ use tracing::{error, info, warn};
 
 use super::background::{self, Background};
 use super::connector::Connector;
-use super::route::{Route, Routes, Unrouted};
+use super::route::{Route, RouteBy, Routes, Unrouted};
 use super::session::Session;
 use super::{Runtime, WorkerConfig, WorkerError, consume, topology_of};
 use crate::handler::Handler;
@@ -205,7 +208,8 @@ impl Service {
     /// queue stops consuming and drains its handlers (each up to its own shutdown
     /// timeout, side by side, so a hung handler holds back only its own queue), then
     /// the connection closes. A queue the broker refuses for good stops the service
-    /// ([`WorkerError::Refused`], naming it) after the others drained.
+    /// ([`WorkerError::Refused`], naming it) after the others drained; so does a queue
+    /// whose own task fails ([`WorkerError::Crashed`], a bug of idem's).
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         self.check()?;
         let Service {
@@ -223,8 +227,11 @@ impl Service {
                 .push(hosted);
         }
         let stop = shutdown.child_token();
+        // The relay, gc and the tallies' flushes stop once every queue has drained:
+        // follow-ups whose publish failed meanwhile still get the relay.
+        let background_stop = CancellationToken::new();
         let names: Vec<String> = queues.keys().cloned().collect();
-        let mut background = Background::start(&store, &config, &names, &stop);
+        let mut background = Background::start(&store, &config, &names, &background_stop);
         let connector = Arc::new(Connector::new(&config.amqp_url, &config.name));
         let mut running = JoinSet::new();
         for (queue, group) in queues {
@@ -236,27 +243,35 @@ impl Service {
                 relay_wake: background.relay_wake.clone(),
                 tally: background.tallies.remove(&queue),
             };
-            running.spawn(run_queue(group, shared, stop.clone()));
+            let run = AssertUnwindSafe(run_queue(group, shared, stop.clone())).catch_unwind();
+            running.spawn(async move { (queue, run.await) });
         }
-        let mut refused = None;
+        let mut ended = None;
         while let Some(done) = running.join_next().await {
-            match done {
-                Ok(None) => {}
-                Ok(Some(refusal)) => {
-                    refused.get_or_insert(refusal);
-                    stop.cancel();
+            let error = match done {
+                Ok((_, Ok(None))) => continue,
+                Ok((_, Ok(Some((queue, reason))))) => WorkerError::Refused { queue, reason },
+                // Handlers' panics are caught where they run: this one is idem's own.
+                Ok((queue, Err(panic))) => {
+                    health.set(&queue, false);
+                    let reason = panic_message(&panic);
+                    error!(queue = %queue, reason = %reason, "a queue stopped: idem panicked");
+                    WorkerError::Crashed { queue, reason }
                 }
-                // Handlers' panics are caught where they run; this is idem's own.
-                Err(join) => error!(error = %join, "a queue's task ended abnormally"),
-            }
+                Err(join) => {
+                    error!(error = %join, "a queue's task ended abnormally");
+                    continue;
+                }
+            };
+            // The others drain and stop too: a service runs whole or not at all.
+            ended.get_or_insert(error);
+            stop.cancel();
         }
+        background_stop.cancel();
+        background.stop(store.pool(), ended.is_some()).await;
         connector.close().await;
-        background.stop(store.pool(), refused.is_some()).await;
         info!("stopped");
-        match refused {
-            Some((queue, reason)) => Err(WorkerError::Refused { queue, reason }),
-            None => Ok(()),
-        }
+        ended.map_or(Ok(()), Err)
     }
 
     /// Refuses a service without handlers, a queue with an untyped handler and
@@ -273,6 +288,13 @@ impl Service {
         let mut operations = BTreeMap::new();
         for hosted in &self.hosted {
             let queue = hosted.config.queue.as_str();
+            if let RouteBy::Header(name) = &hosted.config.route_by
+                && (name.starts_with("x-") || name.starts_with("idem-"))
+            {
+                return invalid(format!(
+                    "queue {queue} routes by header {name}, which a dead letter or a retry does not carry (x- and idem- headers are the broker's and idem's): route by another"
+                ));
+            }
             if let Some(other) = operations.insert(hosted.operation, queue) {
                 return invalid(format!(
                     "operation {} is handled twice (on {other} and {queue}): operation names must be distinct",
@@ -378,4 +400,13 @@ async fn run_queue(group: Vec<Hosted>, shared: Shared, shutdown: CancellationTok
         watch.abort();
     }
     refused
+}
+
+/// What a panic said.
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }

@@ -130,15 +130,18 @@ impl Session {
         permits: &Arc<Semaphore>,
     ) -> Result<(), SessionError> {
         let config = &self.config;
+        // A connect can take its timeout per node, and the queues sharing the
+        // connection wait for each other's: a shutdown meanwhile ends it.
+        let opened = tokio::select! {
+            opened = self.open() => opened,
+            _ = shutdown.cancelled() => return Ok(()),
+        };
         let Open {
             connection,
             consume,
             publish,
             mut consumer,
-        } = self
-            .open()
-            .await
-            .map_err(|error| SessionError { lived: None, error })?;
+        } = opened.map_err(|error| SessionError { lived: None, error })?;
         let frame_max = connection.configuration().frame_max();
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
         let links = Links {
@@ -195,9 +198,8 @@ impl Session {
         }
 
         info!(queue = %config.queue, "shutting down: no new deliveries, waiting for handlers in flight");
-        let _ = consume
-            .basic_cancel(consumer.tag(), BasicCancelOptions::default())
-            .await;
+        let cancel = consume.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+        let _ = tokio::time::timeout(Duration::from_secs(1), cancel).await;
         drain(tasks, config.shutdown_timeout).await;
         acks.flush().await;
         // Deliveries prefetched but never started are requeued by the broker on close;
