@@ -639,3 +639,80 @@ async fn the_queues_reconnect_together_when_their_connection_is_closed(pool: PgP
         .unwrap();
     assert!(result.is_ok(), "{result:?}");
 }
+
+/// Handlers chosen by a field of the JSON body: each type reaches its handler; a type
+/// none takes is dead-lettered `unroutable`, a body that is not JSON `malformed`.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn handlers_chosen_by_a_json_field(pool: PgPool) {
+    sqlx::query("CREATE TABLE service_effects (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let q = TestQueue::new("service-by-field").await;
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let by_kind = WorkerConfig {
+        route_by: idem::RouteBy::Field("kind".into()),
+        ..queue_config(&q, Duration::from_secs(5))
+    };
+    let shutdown = CancellationToken::new();
+    let service = Service::new(store, service_config())
+        .handler_for("a", Effect::<false>, by_kind.clone())
+        .handler_for("b", Effect::<false, true>, by_kind);
+    let running = tokio::spawn(service.run(shutdown.clone()));
+    wait_for_consumers(&q, 1).await;
+    for body in [
+        json!({"event_id": "f-a", "kind": "a"}).to_string(),
+        json!({"event_id": "f-b", "kind": "b"}).to_string(),
+        json!({"event_id": "f-c", "kind": "c"}).to_string(),
+        "not json".to_string(),
+    ] {
+        q.publish(body.as_bytes()).await;
+    }
+    wait_until(
+        SETTLE,
+        "both typed messages handled, two dead letters",
+        || async {
+            let effects = counts(&pool, "service_effects").await;
+            effects.len() == 2 && q.counts(&q.dlq()).await.0 == 2
+        },
+    )
+    .await;
+    let mut reasons: Vec<String> = q
+        .drain(&q.dlq())
+        .await
+        .into_iter()
+        .map(|m| {
+            format!(
+                "{} {}",
+                m.reason.unwrap_or_default(),
+                m.error.unwrap_or_default()
+            )
+        })
+        .collect();
+    reasons.sort();
+    assert!(
+        reasons[0].starts_with("malformed body is not JSON"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1].starts_with("unroutable no handler for message field kind \"c\""),
+        "{reasons:?}"
+    );
+    for (op, key) in [("tests.effect", "f-a"), ("tests.other", "f-b")] {
+        let record = Store::new(pool.clone(), StoreConfig::default())
+            .get(&idem::Key::new("tests", op, key).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(
+            record.map(|r| r.status),
+            Some(idem::Status::Completed),
+            "{op}"
+        );
+    }
+    shutdown.cancel();
+    tokio::time::timeout(SETTLE, running)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

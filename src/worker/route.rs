@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use futures_util::future::BoxFuture;
 use lapin::message::Delivery;
+use serde_json::Value;
 use tracing::{Instrument, info_span, warn};
 
 use super::decision::{DeadLetterOrder, Outcome, Settle};
@@ -16,6 +17,7 @@ use super::settle::{Incoming, Links, Settler};
 use super::{Runtime, execute};
 use crate::dead_letter::Reason;
 use crate::handler::{Envelope, Handler};
+use crate::headers;
 use crate::store::Store;
 use crate::tally::Tally;
 
@@ -26,8 +28,12 @@ pub enum RouteBy {
     /// The AMQP `type` property (`order.created`), as most producers set it.
     #[default]
     Type,
-    /// A header of this name, holding text.
+    /// A header of this name, holding text (or a number).
     Header(String),
+    /// A top-level field of the JSON body (`{"kind": "order.created", …}`), text or a
+    /// number: the body is parsed once more to read it, and a body that is not a JSON
+    /// object is dead-lettered as `malformed`.
+    Field(String),
 }
 
 /// How long an unroutable delivery whose dead letter failed waits before it goes back
@@ -60,42 +66,73 @@ pub(super) enum Routes {
     },
 }
 
+/// Why no handler of a queue takes a delivery, and what its dead letter says.
+pub(super) struct NoRoute {
+    /// `unroutable` (a type no handler takes, or none), or `malformed` (a body that is
+    /// not the JSON object a field is read from).
+    reason: Reason,
+    error: String,
+}
+
 impl Routes {
     /// The handler of `delivery`, or why none takes it.
-    pub(super) fn pick(&self, delivery: &Delivery) -> Result<Arc<dyn Route>, String> {
+    pub(super) fn pick(&self, delivery: &Delivery) -> Result<Arc<dyn Route>, NoRoute> {
         let (by, routes) = match self {
             Routes::One(route) => return Ok(route.clone()),
             Routes::ByType { by, routes } => (by, routes),
         };
-        let envelope = Envelope {
-            exchange: String::new(),
-            routing_key: String::new(),
-            redelivered: false,
-            properties: delivery.properties.clone(),
-        };
+        let properties = &delivery.properties;
         let (kind, source) = match by {
             RouteBy::Type => (
-                envelope.message_type().map(str::to_owned),
+                properties.kind().as_ref().map(|t| t.to_string()),
                 "type".to_owned(),
             ),
-            RouteBy::Header(name) => (envelope.header(name), format!("header {name}")),
+            RouteBy::Header(name) => (
+                headers::text(properties, name)
+                    .or_else(|| headers::integer(properties, name).map(|n| n.to_string())),
+                format!("header {name}"),
+            ),
+            RouteBy::Field(name) => (field(&delivery.data, name)?, format!("field {name}")),
         };
         let mut known: Vec<&str> = routes.keys().map(String::as_str).collect();
         known.sort_unstable();
+        let unroutable = |error| NoRoute {
+            reason: Reason::Unroutable,
+            error,
+        };
         match kind {
             Some(kind) => routes.get(&kind).cloned().ok_or_else(|| {
-                format!(
+                unroutable(format!(
                     "no handler for message {source} {:?} on this queue (it has {})",
                     crate::text::cut(&kind, 200),
                     known.join(", ")
-                )
+                ))
             }),
-            None => Err(format!(
+            None => Err(unroutable(format!(
                 "the message has no {source}, which this queue's handlers are chosen by ({})",
                 known.join(", ")
-            )),
+            ))),
         }
     }
+}
+
+/// The text (or number) of the top-level field `name` of a JSON object body; a body
+/// that is not one is malformed.
+fn field(body: &[u8], name: &str) -> Result<Option<String>, NoRoute> {
+    let malformed = |error| NoRoute {
+        reason: Reason::Malformed,
+        error,
+    };
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| malformed(format!("body is not JSON: {e}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| malformed("body is not a JSON object".into()))?;
+    Ok(match object.get(name) {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Number(n)) => Some(n.to_string()),
+        _ => None,
+    })
 }
 
 /// What a queue's unroutable deliveries are dead-lettered with.
@@ -106,9 +143,9 @@ pub(super) struct Unrouted {
 }
 
 impl Unrouted {
-    /// Dead-letters `delivery` as `unroutable` with `why` (its DLQ is the queue's), then
-    /// acks it; a publish that fails gives it back to the queue.
-    pub(super) async fn dead_letter(&self, links: &Links, delivery: Delivery, why: String) {
+    /// Dead-letters `delivery` as `why` says (its DLQ is the queue's), then acks it; a
+    /// publish that fails gives it back to the queue after a pause.
+    pub(super) async fn dead_letter(&self, links: &Links, delivery: Delivery, why: NoRoute) {
         let envelope = Envelope {
             exchange: delivery.exchange.to_string(),
             routing_key: delivery.routing_key.to_string(),
@@ -126,21 +163,24 @@ impl Unrouted {
             queue: &self.queue,
             tally: self.tally.as_deref(),
         };
+        let decided = match why.reason {
+            Reason::Malformed => Outcome::Malformed,
+            _ => Outcome::Unroutable,
+        };
         let order = DeadLetterOrder {
-            reason: Reason::Unroutable,
-            error: why,
+            reason: why.reason,
+            error: why.error,
             attempts: 0,
             pin: None,
         };
-        let span =
-            info_span!("delivery", queue = %self.queue, outcome = Outcome::Unroutable.as_str());
+        let span = info_span!("delivery", queue = %self.queue, outcome = decided.as_str());
         let outcome = async {
             match settler.apply(Settle::DeadLetter(order), None).await {
-                Ok(()) => Outcome::Unroutable,
+                Ok(()) => decided,
                 Err(error) => {
                     // Its DLQ refused it or the broker failed: the same message would
                     // fail the same way at once, so it waits before it goes back.
-                    warn!(error = %crate::text::error_line(&error), pause_ms = UNROUTED_PAUSE.as_millis() as u64, "the unroutable message was not dead-lettered; requeued");
+                    warn!(error = %crate::text::error_line(&error), pause_ms = UNROUTED_PAUSE.as_millis() as u64, "the message no handler takes was not dead-lettered; requeued");
                     tokio::time::sleep(UNROUTED_PAUSE).await;
                     settler.requeue();
                     Outcome::Requeued
@@ -150,5 +190,30 @@ impl Unrouted {
         .instrument(span)
         .await;
         settler.count(outcome.as_str());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_field_is_read_as_text_or_a_number_and_a_body_not_an_object_is_malformed() {
+        let read = |body: &str| field(body.as_bytes(), "kind");
+        assert_eq!(
+            read(r#"{"kind":"order.created"}"#)
+                .ok()
+                .flatten()
+                .as_deref(),
+            Some("order.created")
+        );
+        assert_eq!(read(r#"{"kind":7}"#).ok().flatten().as_deref(), Some("7"));
+        assert!(read(r#"{"kind":null,"other":"x"}"#).is_ok_and(|k| k.is_none()));
+        for bad in ["not json", "[1,2]"] {
+            let Err(no) = read(bad) else {
+                panic!("{bad} routed")
+            };
+            assert_eq!(no.reason, Reason::Malformed, "{bad}");
+        }
     }
 }
