@@ -66,6 +66,7 @@
 #![warn(missing_docs)]
 #![deny(unreachable_pub)]
 
+mod connector;
 pub mod db;
 mod dead_letter;
 mod failpoint;

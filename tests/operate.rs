@@ -692,6 +692,20 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    // The probe's statements give up after waiting 250 ms for a lock: waiting for gc
+    // (a lock held by a batch) fails the test, however slow the disk is meanwhile.
+    let probe_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, "SET lock_timeout = '250ms'")
+                    .await
+                    .map(drop)
+            })
+        })
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
     let started = Instant::now();
     let mut longest = Duration::ZERO;
     let mut claims = 0;
@@ -711,17 +725,19 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
             lease_secs: Some(30),
             ..RecordFixture::default()
         };
-        let (id, token) = insert_record(&pool, &probe).await;
-        sqlx::query(
+        let (id, token) = insert_record(&probe_pool, &probe).await;
+        let completed = sqlx::query(
             "UPDATE processed_operations SET status = 'completed', lease_expires_at = NULL,
                     completed_at = now(), expires_at = now() + interval '7 days'
              WHERE id = $1 AND lease_token = $2 AND status = 'processing'",
         )
         .bind(id)
         .bind(token)
-        .execute(&pool)
-        .await
-        .unwrap();
+        .execute(&probe_pool)
+        .await;
+        if let Err(error) = completed {
+            panic!("a completion waited on gc: {error}");
+        }
         longest = longest.max(t.elapsed());
         claims += 1;
     }
@@ -762,9 +778,11 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
         longest.as_secs_f64() * 1000.0
     );
     assert!(claims >= 5, "claims ran during gc");
+    // No lock wait (above); what is left is the machine's: a 2-core box flushing the
+    // WAL of 200k deletes stalls a commit for up to a second at times.
     assert!(
-        longest < Duration::from_millis(500),
-        "a claim waited {longest:?} on gc"
+        longest < Duration::from_secs(5),
+        "a claim took {longest:?} beside gc"
     );
 }
 

@@ -57,7 +57,7 @@ fn broker_connections(name: &str) -> Option<usize> {
     Some(
         text.lines()
             .filter(|l| {
-                l.contains(&format!("\"{name}\"")) || l.contains(&format!("\"{name}-relay\""))
+                l.contains(&format!("\"{name}\"")) || l.contains(&format!("\"{name}-publish\""))
             })
             .count(),
     )

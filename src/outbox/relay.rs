@@ -23,8 +23,8 @@ use tracing::{debug, info, warn};
 use super::OutboxConfig;
 use super::publish::{mark_dispatched, publish};
 use super::table;
+use crate::connector::Connector;
 use crate::metrics;
-use crate::topology;
 
 /// The `NOTIFY` channel of the outbox's insert trigger.
 pub(crate) const CHANNEL: &str = "idem_outbox";
@@ -55,6 +55,9 @@ pub struct Relay {
     /// Woken by this process when its own publish failed, so it does not wait for the
     /// next poll.
     wake: Arc<Notify>,
+    /// The connection it publishes on when it shares one (a service's publishing
+    /// connection); none: its own, named `name`.
+    shared: Option<Arc<Connector>>,
 }
 
 impl Relay {
@@ -69,6 +72,7 @@ impl Relay {
             config,
             retention,
             wake: Arc::new(Notify::new()),
+            shared: None,
         }
     }
 
@@ -84,12 +88,25 @@ impl Relay {
         self
     }
 
+    /// Publishes on `connector`'s connection, shared with others (a service's queues
+    /// publish on it too), instead of one of its own; it never closes it.
+    pub(crate) fn sharing(mut self, connector: Arc<Connector>) -> Self {
+        self.shared = Some(connector);
+        self
+    }
+
     /// Runs until `shutdown`, reconnecting to the broker and the listener when they drop.
     /// While the broker is unreachable it goes on listening and refreshing the backlog
     /// metrics, and tries the broker again with backoff.
     pub async fn run(self, shutdown: CancellationToken) {
+        let (connector, owned) = match &self.shared {
+            Some(shared) => (shared.clone(), false),
+            None => (Arc::new(Connector::new(&self.amqp_url, &self.name)), true),
+        };
         let mut listener = None;
-        let mut broker: Option<(lapin::Connection, Channel)> = None;
+        // The channel it publishes on, and the connection it was opened on (dropped
+        // to give up on it: a shared connection is its owner's to close).
+        let mut broker: Option<(Arc<lapin::Connection>, Channel)> = None;
         let mut stats_at = Instant::now() - STATS_EVERY;
         let mut broker_backoff = Duration::from_millis(200);
         let mut broker_retry_at = Instant::now();
@@ -110,9 +127,7 @@ impl Relay {
                     Ok(fresh) => *channel = fresh,
                     Err(error) => {
                         warn!(error = %crate::text::error_line(&error), "outbox relay: cannot reopen its channel");
-                        if let Some((connection, _)) = broker.take() {
-                            let _ = connection.close(200, "reconnecting".into()).await;
-                        }
+                        broker = None;
                     }
                 }
             }
@@ -121,21 +136,17 @@ impl Relay {
                 .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected());
             if !up && Instant::now() >= broker_retry_at {
                 let opened = tokio::select! {
-                    opened = self.open() => opened,
+                    opened = Self::open(&connector) => opened,
                     _ = shutdown.cancelled() => break,
                 };
                 match opened {
                     Ok(open) => {
-                        if let Some((connection, _)) = broker.replace(open) {
-                            let _ = connection.close(200, "reconnected".into()).await;
-                        }
+                        broker = Some(open);
                         broker_backoff = Duration::from_millis(200);
                     }
                     Err(error) => {
                         warn!(error = %crate::text::error_line(&error), retry_in_ms = broker_backoff.as_millis() as u64, "outbox relay: broker unreachable");
-                        if let Some((connection, _)) = broker.take() {
-                            let _ = connection.close(200, "reconnecting".into()).await;
-                        }
+                        broker = None;
                         broker_retry_at = Instant::now() + broker_backoff;
                         broker_backoff = (broker_backoff * 2).min(Duration::from_secs(5));
                     }
@@ -161,9 +172,12 @@ impl Relay {
             }
             self.wait(&mut listener, &shutdown, publishing).await;
         }
-        if let Some((connection, publish)) = broker {
-            let _ = publish.close(200, "shutdown".into()).await;
-            let _ = connection.close(200, "shutdown".into()).await;
+        if let Some((_, publish)) = broker {
+            let close = publish.close(200, "shutdown".into());
+            let _ = tokio::time::timeout(Duration::from_secs(1), close).await;
+        }
+        if owned {
+            connector.close().await;
         }
     }
 
@@ -189,8 +203,10 @@ impl Relay {
         }
     }
 
-    async fn open(&self) -> Result<(lapin::Connection, Channel), lapin::Error> {
-        let connection = topology::connect(&self.amqp_url, &self.name).await?;
+    async fn open(
+        connector: &Connector,
+    ) -> Result<(Arc<lapin::Connection>, Channel), lapin::Error> {
+        let connection = connector.get().await?;
         let channel = Self::confirming(&connection).await?;
         info!("outbox relay connected");
         Ok((connection, channel))

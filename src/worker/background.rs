@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::ServiceConfig;
+use crate::connector::Connector;
 use crate::handler::Handler;
 use crate::outbox::Relay;
 use crate::store::{Store, gc};
@@ -38,11 +39,13 @@ pub(super) struct Background {
 
 impl Background {
     /// Starts what `config` asks for beside the `queues` of a service on `store`: one gc
-    /// loop, one flusher for every queue's tally, one relay.
+    /// loop, one flusher for every queue's tally, one relay (publishing on the queues'
+    /// `publishing` connection).
     pub(super) fn start(
         store: &Store,
         config: &ServiceConfig,
         queues: &[String],
+        publishing: &Arc<Connector>,
         shutdown: &CancellationToken,
     ) -> Self {
         let mut tasks = Vec::new();
@@ -78,7 +81,7 @@ impl Background {
                 config.outbox.clone(),
                 store.config().retention,
             )
-            .named(format!("{}-relay", config.name))
+            .sharing(publishing.clone())
             .waking_on(relay_wake.clone());
             tasks.push(tokio::spawn(relay.run(shutdown.clone())));
         }

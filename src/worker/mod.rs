@@ -10,7 +10,6 @@
 //! - `config`: [`WorkerConfig`];
 //! - `service`: [`Service`], many handlers on their queues in one process, sharing
 //!   one connection, relay, tally flusher and gc loop (a [`Worker`] is its one-queue case);
-//! - `connector`: the broker connection a service's queues share;
 //! - `route`: which handler of a queue a delivery goes to, by message type;
 //! - `session`: one queue's channels on that connection (declare, consume, dispatch, drain);
 //! - `decision`: the decision table as pure functions;
@@ -36,7 +35,6 @@ mod acks;
 mod background;
 mod batch;
 mod config;
-mod connector;
 mod decision;
 mod execute;
 mod follow_ups;
@@ -120,6 +118,9 @@ pub(crate) enum Failure {
     /// The broker ended the consumer (queue deleted, or the channel closed).
     #[error("the broker cancelled the consumer")]
     ConsumerCancelled,
+    /// The connection retries and dead letters are published on was lost.
+    #[error("the publishing connection was lost")]
+    PublisherLost,
     /// The message parsed for its first run but not for a second one (a handler
     /// whose `Message` type deserializes differently from the same JSON).
     #[error("the message no longer deserializes for another run")]
@@ -140,7 +141,10 @@ impl Failure {
     pub(crate) fn fault(&self) -> Fault {
         match self {
             Failure::Store(error) => error.fault(),
-            Failure::Broker(_) | Failure::Publish(_) | Failure::ConsumerCancelled => Fault::Outage,
+            Failure::Broker(_)
+            | Failure::Publish(_)
+            | Failure::ConsumerCancelled
+            | Failure::PublisherLost => Fault::Outage,
             Failure::Reparse(_) => Fault::Message,
             Failure::Refused { .. } | Failure::Internal(_) => Fault::Unknown,
         }

@@ -21,10 +21,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::background::{self, Background};
-use super::connector::Connector;
 use super::route::{Route, RouteBy, Routes, Unrouted};
 use super::session::Session;
 use super::{Runtime, WorkerConfig, WorkerError, consume, topology_of};
+use crate::connector::Connector;
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::outbox::OutboxConfig;
@@ -38,7 +38,8 @@ pub struct ServiceConfig {
     /// AMQP URL of the broker (default: `AMQP_URL`, else
     /// [`crate::topology::DEFAULT_AMQP_URL`]).
     pub amqp_url: String,
-    /// The connection name shown by the broker (its relay's is `<name>-relay`).
+    /// The connection name shown by the broker: the queues consume on `<name>` and
+    /// publish (the relay too) on `<name>-publish`.
     pub name: String,
     /// Run garbage collection of expired records this often (`None`: leave it to
     /// `idem gc`); see [`WorkerConfig::gc_every`].
@@ -126,6 +127,7 @@ struct Shared {
     stop: CancellationToken,
     store: Store,
     connector: Arc<Connector>,
+    publishing: Arc<Connector>,
     health: BrokerHealth,
     relay_wake: Arc<Notify>,
     tally: Option<Arc<Tally>>,
@@ -231,14 +233,24 @@ impl Service {
         // follow-ups whose publish failed meanwhile still get the relay.
         let background_stop = CancellationToken::new();
         let names: Vec<String> = queues.keys().cloned().collect();
-        let mut background = Background::start(&store, &config, &names, &background_stop);
+        // One connection to consume on, one to publish on (the queues' retries, dead
+        // letters and follow-ups, and the relay's), as RabbitMQ advises: the broker
+        // blocks a publishing connection under a memory or disk alarm, and the
+        // consumers' acks must not wait behind it.
         let connector = Arc::new(Connector::new(&config.amqp_url, &config.name));
+        let publishing = Arc::new(Connector::new(
+            &config.amqp_url,
+            &format!("{}-publish", config.name),
+        ));
+        let mut background =
+            Background::start(&store, &config, &names, &publishing, &background_stop);
         let mut running = JoinSet::new();
         for (queue, group) in queues {
             let shared = Shared {
                 stop: stop.clone(),
                 store: store.clone(),
                 connector: connector.clone(),
+                publishing: publishing.clone(),
                 health: health.clone(),
                 relay_wake: background.relay_wake.clone(),
                 tally: background.tallies.remove(&queue),
@@ -270,6 +282,7 @@ impl Service {
         background_stop.cancel();
         background.stop(store.pool(), ended.is_some()).await;
         connector.close().await;
+        publishing.close().await;
         info!("stopped");
         ended.map_or(Ok(()), Err)
     }
@@ -394,6 +407,7 @@ async fn run_queue(group: Vec<Hosted>, shared: Shared, shutdown: CancellationTok
         routes,
         broker: shared.health,
         connector: shared.connector,
+        publishing: shared.publishing,
     };
     let refused = consume(&session, &shutdown).await;
     for watch in watches {

@@ -16,11 +16,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use super::acks::Acks;
-use super::connector::Connector;
 use super::follow_ups::FollowUpChannel;
 use super::route::{Routes, Unrouted};
 use super::settle::Links;
 use super::{Failure, WorkerConfig, drain};
+use crate::connector::Connector;
 use crate::metrics::BrokerHealth;
 use crate::topology::Topology;
 
@@ -34,8 +34,12 @@ pub(super) struct Session {
     pub(super) unrouted: Arc<Unrouted>,
     pub(super) topology: Topology,
     pub(super) broker: BrokerHealth,
-    /// The connection this queue shares with the others of its service.
+    /// The connection this queue consumes on, shared with the others of its service.
     pub(super) connector: Arc<Connector>,
+    /// The connection its retries, dead letters and follow-ups are published on,
+    /// shared with the other queues and the relay: a publisher the broker blocks for
+    /// flow control does not hold back the consumers' acks.
+    pub(super) publishing: Arc<Connector>,
 }
 
 /// How long a connection must have consumed for the reconnect backoff to start afresh
@@ -88,8 +92,8 @@ impl Session {
 
     async fn try_open(&self) -> Result<Open, lapin::Error> {
         let config = &self.config;
-        let connection = self.connector.get().await?;
-        let declared = self.topology.declare(&connection).await?;
+        let consuming = self.connector.get().await?;
+        let declared = self.topology.declare(&consuming).await?;
         for queue in &declared.older {
             warn!(
                 queue = %queue,
@@ -98,14 +102,16 @@ impl Session {
                  before; to upgrade it, stop its workers, let it empty, delete it and start them again"
             );
         }
-        let consume = connection.create_channel().await?;
-        consume
-            .basic_qos(config.prefetch, BasicQosOptions::default())
-            .await?;
-        let publish = connection.create_channel().await?;
+        let publishing = self.publishing.get().await?;
+        let publish = publishing.create_channel().await?;
         publish
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
+        let consume = consuming.create_channel().await?;
+        consume
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await?;
+        // Last: no delivery arrives before it can be settled.
         let consumer = consume
             .basic_consume(
                 config.queue.as_str().into(),
@@ -115,7 +121,7 @@ impl Session {
             )
             .await?;
         Ok(Open {
-            connection,
+            publishing,
             consume,
             publish,
             consumer,
@@ -137,16 +143,16 @@ impl Session {
             _ = shutdown.cancelled() => return Ok(()),
         };
         let Open {
-            connection,
+            publishing,
             consume,
             publish,
             mut consumer,
         } = opened.map_err(|error| SessionError { lived: None, error })?;
-        let frame_max = connection.configuration().frame_max();
+        let frame_max = publishing.configuration().frame_max();
         let acks = Acks::spawn(consume.clone(), config.batch_linger);
         let links = Links {
             publish: publish.clone(),
-            follow_ups: Arc::new(FollowUpChannel::new(connection.clone())),
+            follow_ups: Arc::new(FollowUpChannel::new(publishing.clone())),
             acks: acks.clone(),
             frame_max,
         };
@@ -183,6 +189,13 @@ impl Session {
                         }
                         drop(permit);
                     });
+                    if !publishing.status().connected() {
+                        // Settling needs it: a new session, with a new one. The
+                        // deliveries in flight on this one come back and are decided
+                        // again.
+                        close_channels(&consume, &publish).await;
+                        return Err(lost(Failure::PublisherLost));
+                    }
                 }
                 Some(Err(error)) => {
                     close_channels(&consume, &publish).await;
@@ -220,7 +233,8 @@ async fn close_channels(consume: &lapin::Channel, publish: &lapin::Channel) {
 
 /// A connection's channels and its consumer.
 struct Open {
-    connection: Arc<lapin::Connection>,
+    /// The connection retries, dead letters and follow-ups are published on.
+    publishing: Arc<lapin::Connection>,
     /// Consumes and acks (prefetch applies here).
     consume: lapin::Channel,
     /// Publishes retries and dead letters, in confirm mode.
