@@ -51,7 +51,7 @@ impl<const N: usize> Handler for Job<N> {
     type Output = ();
     const OPERATION: &'static str = OPERATIONS[N];
     fn scope(&self, _: &Value) -> String {
-        "bench".into()
+        "service_bench".into()
     }
     fn idempotency_key(&self, m: &Value) -> String {
         m["event_id"].as_str().unwrap_or_default().into()
@@ -241,11 +241,13 @@ async fn measure(
     setup: &str,
     prefix: &str,
 ) -> anyhow::Result<Measured> {
-    // Each set-up starts from an empty scope: the records of earlier runs would slow
+    // Each set-up starts from an empty scope (the bench's own): the records of earlier runs would slow
     // the counting below and the claims alike.
-    sqlx::raw_sql("DELETE FROM processed_operations WHERE scope = 'bench'; TRUNCATE bench_jobs")
-        .execute(pool)
-        .await?;
+    sqlx::raw_sql(
+        "DELETE FROM processed_operations WHERE scope = 'service_bench'; TRUNCATE bench_jobs",
+    )
+    .execute(pool)
+    .await?;
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(lapin::options::ConfirmSelectOptions::default())
@@ -287,7 +289,7 @@ async fn measure(
     // Through the key's index (its scope leads): no scan of the table.
     let completed = || async {
         sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM processed_operations WHERE scope = 'bench' AND status = 'completed'",
+            "SELECT count(*) FROM processed_operations WHERE scope = 'service_bench' AND status = 'completed'",
         )
         .fetch_one(pool)
         .await
@@ -301,7 +303,7 @@ async fn measure(
     }
     let (first, last): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
         sqlx::query_as(
-            "SELECT min(completed_at), max(completed_at) FROM processed_operations WHERE scope = 'bench'",
+            "SELECT min(completed_at), max(completed_at) FROM processed_operations WHERE scope = 'service_bench'",
         )
         .fetch_one(pool)
         .await?;

@@ -128,6 +128,10 @@ impl Relay {
                     Err(error) => {
                         warn!(error = %crate::text::error_line(&error), "outbox relay: cannot reopen its channel");
                         broker = None;
+                        // Its own connection is replaced; a shared one is its owner's.
+                        if owned {
+                            connector.close().await;
+                        }
                     }
                 }
             }

@@ -20,10 +20,10 @@ struct State {
     calls: usize,
     /// The accepted requests, in order: the provider's effects.
     accepted: Vec<Receipt>,
-    /// How the next calls fail, one each.
-    failing: VecDeque<Failing>,
-    /// How many queued failures calls have met.
-    failures_met: usize,
+    /// How the next calls fail, one each, with the number each was queued under.
+    failing: VecDeque<(u64, Failing)>,
+    /// The number the next queued failure gets.
+    next_failure: u64,
     down: bool,
 }
 
@@ -88,8 +88,7 @@ impl FakeProvider {
         if state.down {
             return Err(ProviderError::Down);
         }
-        let failing = state.failing.pop_front();
-        state.failures_met += usize::from(failing.is_some());
+        let failing = state.failing.pop_front().map(|(_, how)| how);
         if failing == Some(Failing::BeforeAccepting) {
             return Err(ProviderError::Unavailable);
         }
@@ -130,7 +129,7 @@ impl FakeProvider {
 
     /// Makes the next call fail `how` (several calls queue up, one failure each).
     pub fn fail_next(&self, how: Failing) {
-        self.state().failing.push_back(how);
+        self.fail_next_once(how);
     }
 
     /// Forgets the failures queued by [`FakeProvider::fail_next`] that no call met.
@@ -140,20 +139,17 @@ impl FakeProvider {
 
     /// Queues `how` as [`FakeProvider::fail_next`] does, and returns what to give
     /// [`FakeProvider::withdraw`] to take it back if no call meets it.
-    pub(crate) fn fail_next_once(&self, how: Failing) -> usize {
+    pub(crate) fn fail_next_once(&self, how: Failing) -> u64 {
         let mut state = self.state();
-        state.failing.push_back(how);
-        state.failures_met + state.failing.len()
+        let ticket = state.next_failure;
+        state.next_failure += 1;
+        state.failing.push_back((ticket, how));
+        ticket
     }
 
-    /// Takes back the failure [`FakeProvider::fail_next_once`] queued (`ticket`), unless
-    /// a call met it: failures are met in order, so it was met once as many were met
-    /// as stood before it, and it is then the last queued if it is still there.
-    pub(crate) fn withdraw(&self, ticket: usize) {
-        let mut state = self.state();
-        if state.failures_met < ticket {
-            state.failing.pop_back();
-        }
+    /// Takes back the failure queued under `ticket`, if no call met it.
+    pub(crate) fn withdraw(&self, ticket: u64) {
+        self.state().failing.retain(|(queued, _)| *queued != ticket);
     }
 
     /// Takes the provider down (every call fails with [`ProviderError::Down`]) or back up.

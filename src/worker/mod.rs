@@ -8,10 +8,12 @@
 //! redeliveries and are decided by the store again.
 //!
 //! - `config`: [`WorkerConfig`];
-//! - `service`: [`Service`], many handlers on their queues in one process, sharing
-//!   one connection, relay, tally flusher and gc loop (a [`Worker`] is its one-queue case);
+//! - `service`: [`Service`], many handlers on their queues in one process, sharing a
+//!   connection to consume on and one to publish on, the relay, the tally flusher and
+//!   the gc loop (a [`Worker`] is its one-queue case);
 //! - `route`: which handler of a queue a delivery goes to, by message type;
-//! - `session`: one queue's channels on that connection (declare, consume, dispatch, drain);
+//! - `session`: one queue's channels on those connections (declare, consume, dispatch,
+//!   drain);
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, and walk the decision table to the settling step;
 //! - `handle`: run or reconcile the handler under the lease, and record its outcome;

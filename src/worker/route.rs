@@ -1,7 +1,7 @@
 //! How a delivery finds its handler: a queue of one handler gives it every delivery; a
 //! queue of several gives each delivery to the handler of its message type (the AMQP
-//! `type` property, or a header: [`RouteBy`]), and dead-letters one whose type no
-//! handler takes as `unroutable` (docs/DESIGN.md, "One service, many handlers").
+//! `type` property, a header or a field of the JSON body: [`RouteBy`]), and
+//! dead-letters one whose type no handler takes as `unroutable` (docs/DESIGN.md, "One service, many handlers").
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,7 +109,7 @@ impl Routes {
                 ))
             }),
             None => Err(unroutable(format!(
-                "the message has no {source}, which this queue's handlers are chosen by ({})",
+                "the message has no {source} as text or a number, which this queue's handlers are chosen by ({})",
                 known.join(", ")
             ))),
         }

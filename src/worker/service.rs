@@ -1,8 +1,8 @@
 //! A service: many handlers, each on a queue of its own with its own settings (mode,
 //! concurrency, prefetch, retries, queue type), run by one process that shares what a
-//! worker runs beside its deliveries: one broker connection (a channel pair per queue),
-//! one Postgres pool, one outbox relay, one tally flusher, one gc loop and one health
-//! that names each queue (docs/DESIGN.md, "One service, many handlers"). A [`Worker`]
+//! worker runs beside its deliveries: one broker connection to consume on and one to
+//! publish on (channels of each per queue), one Postgres pool, one outbox relay, one
+//! tally flusher, one gc loop and one health that names each queue (docs/DESIGN.md, "One service, many handlers"). A [`Worker`]
 //! is the service of one handler.
 //!
 //! [`Worker`]: super::Worker
@@ -404,7 +404,7 @@ async fn run_queue(group: Vec<Hosted>, shared: Shared, shutdown: CancellationTok
             tally: shared.tally.clone(),
         }),
         config,
-        routes,
+        routes: Arc::new(routes),
         broker: shared.health,
         connector: shared.connector,
         publishing: shared.publishing,

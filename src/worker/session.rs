@@ -29,7 +29,7 @@ pub(super) struct Session {
     /// The queue's settings (its first handler's).
     pub(super) config: WorkerConfig,
     /// Its handlers.
-    pub(super) routes: Routes,
+    pub(super) routes: Arc<Routes>,
     /// Where the deliveries no handler takes go.
     pub(super) unrouted: Arc<Unrouted>,
     pub(super) topology: Topology,
@@ -140,7 +140,11 @@ impl Session {
         // connection wait for each other's: a shutdown meanwhile ends it.
         let opened = tokio::select! {
             opened = self.open() => opened,
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = shutdown.cancelled() => {
+                // Handlers of a lost session may still run: they finish first.
+                drain(tasks, self.config.shutdown_timeout).await;
+                return Ok(());
+            }
         };
         let Open {
             publishing,
@@ -178,24 +182,26 @@ impl Session {
             };
             match next {
                 Some(Ok(delivery)) => {
+                    if !publishing.status().connected() || !publish.status().connected() {
+                        // Settling needs it: this delivery is left unacked (the close
+                        // gives it back), the decided acks go out first, and a new
+                        // session opens a new publishing connection.
+                        acks.flush().await;
+                        close_channels(&consume, &publish).await;
+                        return Err(lost(Failure::PublisherLost));
+                    }
                     acks.delivered(delivery.delivery_tag);
-                    let route = self.routes.pick(&delivery);
+                    let routes = self.routes.clone();
                     let unrouted = self.unrouted.clone();
                     let links = links.clone();
                     tasks.spawn(async move {
-                        match route {
+                        // In the delivery's task: routing by a field parses the body.
+                        match routes.pick(&delivery) {
                             Ok(route) => route.process(links, delivery).await,
                             Err(why) => unrouted.dead_letter(&links, delivery, why).await,
                         }
                         drop(permit);
                     });
-                    if !publishing.status().connected() {
-                        // Settling needs it: a new session, with a new one. The
-                        // deliveries in flight on this one come back and are decided
-                        // again.
-                        close_channels(&consume, &publish).await;
-                        return Err(lost(Failure::PublisherLost));
-                    }
                 }
                 Some(Err(error)) => {
                     close_channels(&consume, &publish).await;
