@@ -1107,13 +1107,28 @@ async fn a_reconciler_settles_an_uncertain_key(pool: PgPool) {
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn a_client_that_hangs_up_does_not_abandon_its_request(pool: PgPool) {
     let base = serve_test_routes(&pool, Duration::from_secs(30), DAY).await;
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
     let url = format!("{base}/gated");
-    let gone = post_json(&impatient, &url, Some("a"), Some("h-1"), b"{}").await;
-    assert!(gone.is_err(), "the client gave up");
+    // The client hangs up once its request is claimed and waits at the gate (not after
+    // a fixed time: on a loaded machine the claim may come later than any timeout).
+    let impatient = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            post_json(&client, &url, Some("a"), Some("h-1"), b"{}").await
+        })
+    };
+    wait_until(Duration::from_secs(10), "the request claimed", || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT status FROM processed_operations WHERE operation = 'POST /gated'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+        .is_some_and(|status| status == "processing")
+    })
+    .await;
+    impatient.abort();
+    assert!(impatient.await.is_err(), "the client gave up");
     let client = reqwest::Client::new();
     client.post(format!("{base}/open")).send().await.unwrap();
     wait_until(
