@@ -289,10 +289,19 @@ async fn crash_between_the_follow_ups_confirm_and_its_mark(o: PgPoolOptions, c: 
     .await;
     signal(&healthy, "TERM");
     let _ = tokio::time::timeout(SETTLE, healthy.child.wait()).await;
+    // At least twice: the crashed worker's copy and the relay's. A relay whose confirm
+    // takes longer than half the 1 s lease (a loaded machine) leaves the row taken and
+    // publishes it once more when the lease ends, which the contract allows.
     let copies = follow_ups(&out).await;
-    assert_eq!(copies.len(), 2, "published twice");
-    assert_eq!(copies[0].0, copies[1].0, "with one id");
-    assert_eq!(copies[0].1, copies[1].1, "and one body");
+    assert!(copies.len() >= 2, "published again: {copies:?}");
+    assert!(
+        copies.iter().all(|c| c.0 == copies[0].0),
+        "with one id: {copies:?}"
+    );
+    assert!(
+        copies.iter().all(|c| c.1 == copies[0].1),
+        "and one body: {copies:?}"
+    );
 
     // The downstream consumer sees both copies and notifies once.
     for (id, body) in &copies {
@@ -300,7 +309,7 @@ async fn crash_between_the_follow_ups_confirm_and_its_mark(o: PgPoolOptions, c: 
         out.publish_with_id(&bytes, id).await;
     }
     let _downstream = spawn_notifications_worker(&url, &out.name);
-    wait_until(SETTLE, "both copies consumed", || async {
+    wait_until(SETTLE, "every copy consumed", || async {
         notifications(&pool).await.get("evt-f") == Some(&1)
             && out.counts(&out.name).await.0 == 0
             && unacked(&out.name).await == 0
