@@ -19,6 +19,7 @@
 //! only if the booking commits, and carries an id derived from the order's key), which
 //! `examples/notifications_worker.rs` consumes: a chain of two idem consumers.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -26,8 +27,8 @@ use anyhow::Context as _;
 use clap::Parser;
 use idem::outbox::OutboxConfig;
 use idem::{
-    Context, FollowUp, Handler, HandlerError, Mode, QueueType, ResultExt, RetryPolicy, Store,
-    StoreConfig, Topology, Worker, WorkerConfig,
+    CircuitBreaker, Context, FollowUp, Handler, HandlerError, Limit, Mode, QueueType, ResultExt,
+    RetryPolicy, Store, StoreConfig, Topology, Worker, WorkerConfig,
 };
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
@@ -61,6 +62,11 @@ pub struct Orders {
     pub follow_ups: Option<String>,
     /// Publish those follow-ups not before this long after booking (a reminder).
     pub follow_up_delay: Option<Duration>,
+    /// Take a permit of this limit around the provider call, and note when the call
+    /// ended (`finished_at`): the provider's own log of its concurrency and rate.
+    pub limit: Option<Limit>,
+    /// While this file exists the provider is down: its calls fail, transiently.
+    pub provider_down: Option<PathBuf>,
 }
 
 impl Handler for Orders {
@@ -90,12 +96,24 @@ impl Handler for Orders {
         if order.amount_cents < 0 {
             return Err(HandlerError::permanent("invalid amount"));
         }
+        // At most so many calls at once and per second, across every worker process.
+        let permit = match &self.limit {
+            Some(limit) => Some(limit.acquire().await?),
+            None => None,
+        };
+        if self
+            .provider_down
+            .as_ref()
+            .is_some_and(|down| down.exists())
+        {
+            return Err(HandlerError::transient("the payment provider is down"));
+        }
         // The external call. A real provider gets ctx.provider_key() as its own
         // idempotency key, so a retry after a crash repeats this request, not a new one.
         // Autocommit on purpose: like a real API call, it is not rolled back.
         let provider_call = sqlx::query(
             "INSERT INTO example_provider_calls (idempotency_key, event_id, called_at)
-             VALUES ($1, $2, now())",
+             VALUES ($1, $2, clock_timestamp())",
         )
         .bind(ctx.provider_key())
         .bind(&order.event_id);
@@ -105,6 +123,16 @@ impl Handler for Orders {
         };
         if !self.provider_delay.is_zero() {
             tokio::time::sleep(self.provider_delay).await;
+        }
+        if let Some(permit) = permit {
+            sqlx::query(
+                "UPDATE example_provider_calls SET finished_at = clock_timestamp()
+                  WHERE idempotency_key = $1 AND finished_at IS NULL",
+            )
+            .bind(ctx.provider_key())
+            .execute(ctx.pool())
+            .await?;
+            permit.release().await;
         }
         // The database effect, committed atomically with the `completed` record. `?`
         // sorts database errors by cause: an order whose data Postgres refuses (a NUL
@@ -140,6 +168,15 @@ impl Handler for Orders {
     }
 }
 
+/// `CONCURRENT/PER_SECOND`.
+fn parse_limit(text: &str) -> Result<(u32, u32), String> {
+    let (concurrent, per_second) = text
+        .split_once('/')
+        .ok_or_else(|| format!("{text:?}: CONCURRENT/PER_SECOND, e.g. 10/50"))?;
+    let number = |n: &str| n.trim().parse::<u32>().map_err(|e| format!("{n:?}: {e}"));
+    Ok((number(concurrent)?, number(per_second)?))
+}
+
 fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     match Value::deserialize(d)? {
         Value::String(s) => Ok(s),
@@ -162,6 +199,7 @@ pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Erro
              event_id text NOT NULL,
              called_at timestamptz NOT NULL
          );
+         ALTER TABLE example_provider_calls ADD COLUMN IF NOT EXISTS finished_at timestamptz;
          CREATE TABLE IF NOT EXISTS example_ledger (
              event_id text NOT NULL,
              tenant text NOT NULL,
@@ -184,6 +222,9 @@ struct Args {
     /// Handlers running at once.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// Postgres connections (default: the concurrency and 4 more).
+    #[arg(long)]
+    pool_size: Option<u32>,
     /// Unacked deliveries the broker sends ahead.
     #[arg(long, default_value_t = 64)]
     prefetch: u16,
@@ -231,6 +272,23 @@ struct Args {
     /// that, another process's relay publishes them again (same id).
     #[arg(long, default_value_t = 30)]
     outbox_lease_secs: u64,
+    /// Limit the provider calls of every worker with this flag on the database:
+    /// CONCURRENT/PER_SECOND (0: unbounded), e.g. 10/50.
+    #[arg(long, value_parser = parse_limit)]
+    limit: Option<(u32, u32)>,
+    /// A permit's lease in milliseconds: a worker killed holding one frees it within
+    /// this.
+    #[arg(long, default_value_t = 10_000)]
+    limit_lease_ms: u64,
+    /// Open the queue's circuit after this many failed runs in a row (0: no breaker).
+    #[arg(long, default_value_t = 0)]
+    circuit: u32,
+    /// The circuit's first pause before a probe, in milliseconds (doubling up to 16x).
+    #[arg(long, default_value_t = 10_000)]
+    circuit_open_ms: u64,
+    /// While this file exists, the provider's calls fail transiently (an outage).
+    #[arg(long)]
+    provider_down_file: Option<PathBuf>,
     /// How long a shutdown waits for handlers in flight, in seconds.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout_secs: u64,
@@ -267,7 +325,8 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let name = format!("orders_worker-{}", std::process::id());
-    let pool = idem::db::connect_and_migrate(&args.database_url, args.concurrency as u32 + 4)
+    let pool_size = args.pool_size.unwrap_or(args.concurrency as u32 + 4);
+    let pool = idem::db::connect_and_migrate(&args.database_url, pool_size)
         .await
         .context("prepare the database")?;
     create_example_tables(&pool)
@@ -315,6 +374,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
             lease: Duration::from_secs(args.outbox_lease_secs),
             ..OutboxConfig::default()
         },
+        circuit: (args.circuit > 0).then(|| {
+            let first = Duration::from_millis(args.circuit_open_ms);
+            CircuitBreaker::consecutive(args.circuit).open_for(first, first * 16)
+        }),
         ..WorkerConfig::default()
     };
     let handler = Orders {
@@ -323,6 +386,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         mode: args.mode,
         follow_ups: args.follow_ups,
         follow_up_delay: args.follow_up_delay_ms.map(Duration::from_millis),
+        limit: args.limit.map(|(concurrent, per_second)| {
+            let mut limit = Limit::new("payment-provider", store.pool().clone())
+                .held_for(Duration::from_millis(args.limit_lease_ms));
+            if concurrent > 0 {
+                limit = limit.concurrent(concurrent);
+            }
+            if per_second > 0 {
+                limit = limit.per_second(per_second);
+            }
+            limit
+        }),
+        provider_down: args.provider_down_file,
     };
     let shutdown = idem::shutdown::on_signal();
     let pool = store.pool().clone();

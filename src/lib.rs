@@ -72,6 +72,7 @@ mod dead_letter;
 mod failpoint;
 mod fault;
 mod fingerprint;
+pub mod flow;
 mod handler;
 pub mod headers;
 #[cfg(feature = "http")]
@@ -101,6 +102,7 @@ mod worker;
 pub use lapin;
 
 pub use fingerprint::Fingerprint;
+pub use flow::{CircuitBreaker, Limit, Permit};
 pub use handler::{Context, Envelope, Handler, HandlerError, Reconciliation, ResultExt};
 pub use key::{Key, KeyError};
 pub use outbox::FollowUp;

@@ -25,6 +25,8 @@
 //! | `idem_http_requests_total` | counter | `operation` (`POST /payments`), `outcome` |
 //! | `idem_store_up` (every 5 s), `idem_broker_up` (as it changes) | gauge, 1 or 0 | |
 //! | `idem_queue_up` (as it changes) | gauge, 1 or 0 | `queue` |
+//! | `idem_circuit_state` (as it changes) | gauge, 0 closed, 1 half-open, 2 open | `queue` |
+//! | `idem_limit_wait_seconds` | histogram | `limit` |
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -37,6 +39,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+
+use crate::flow::CircuitState;
 
 /// Why metrics could not be served.
 #[derive(Debug, thiserror::Error)]
@@ -135,20 +139,41 @@ pub(crate) fn outbox_backlog(undispatched: i64, failing: i64, oldest_age_s: Opti
 }
 
 /// Whether each queue of a worker (or of a service's handlers) is connected and
-/// consuming, set by the worker as it changes.
+/// consuming, and where its circuit stands, set by the worker as it changes.
 #[derive(Debug, Clone, Default)]
-pub struct BrokerHealth(Arc<Mutex<BTreeMap<String, bool>>>);
+pub struct BrokerHealth(Arc<Mutex<Queues>>);
+
+#[derive(Debug, Default)]
+struct Queues {
+    up: BTreeMap<String, bool>,
+    circuits: BTreeMap<String, CircuitState>,
+}
 
 impl BrokerHealth {
-    /// True while every queue is connected and consuming (false before the first).
+    /// True while every queue is connected and consuming (false before the first). A
+    /// queue paused by its open circuit is consuming: it is healthy.
     pub fn is_up(&self) -> bool {
         let queues = self.lock();
-        !queues.is_empty() && queues.values().all(|up| *up)
+        !queues.up.is_empty() && queues.up.values().all(|up| *up)
     }
 
     /// Each queue, and whether it is consuming, by name.
     pub fn queues(&self) -> Vec<(String, bool)> {
-        self.lock().iter().map(|(q, up)| (q.clone(), *up)).collect()
+        self.lock()
+            .up
+            .iter()
+            .map(|(q, up)| (q.clone(), *up))
+            .collect()
+    }
+
+    /// Where the circuit of each queue that has a breaker stands, by name.
+    pub fn circuits(&self) -> Vec<(String, CircuitState)> {
+        let queues = self.lock();
+        queues
+            .circuits
+            .iter()
+            .map(|(q, c)| (q.clone(), *c))
+            .collect()
     }
 
     /// Records `queue`'s state, and sets `idem_queue_up{queue}` and `idem_broker_up`
@@ -157,15 +182,20 @@ impl BrokerHealth {
     pub(crate) fn set(&self, queue: &str, up: bool) {
         let all = {
             let mut queues = self.lock();
-            queues.insert(queue.to_owned(), up);
-            queues.values().all(|up| *up)
+            queues.up.insert(queue.to_owned(), up);
+            queues.up.values().all(|up| *up)
         };
         ::metrics::gauge!("idem_queue_up", "queue" => queue.to_owned())
             .set(f64::from(u8::from(up)));
         ::metrics::gauge!("idem_broker_up").set(f64::from(u8::from(all)));
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, bool>> {
+    /// Records where `queue`'s circuit stands.
+    pub(crate) fn set_circuit(&self, queue: &str, state: CircuitState) {
+        self.lock().circuits.insert(queue.to_owned(), state);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -264,10 +294,16 @@ async fn answer(
             let database = database_health(pool).await;
             let up = database.is_ok() && broker.is_up();
             let mut body = format!("broker: {}\n", if broker.is_up() { "up" } else { "down" });
+            let circuits: BTreeMap<String, CircuitState> = broker.circuits().into_iter().collect();
             for (queue, up) in broker.queues() {
                 let state = if up { "consuming" } else { "down" };
+                let circuit = match circuits.get(&queue) {
+                    Some(CircuitState::Open) => ", paused: circuit open",
+                    Some(CircuitState::HalfOpen) => ", paused: circuit half-open (probing)",
+                    _ => "",
+                };
                 body.push_str(&format!(
-                    "queue {}: {state}\n",
+                    "queue {}: {state}{circuit}\n",
                     crate::text::printable(&queue)
                 ));
             }

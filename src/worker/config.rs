@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use super::route::RouteBy;
+use crate::flow::CircuitBreaker;
 use crate::outbox::OutboxConfig;
 use crate::retry::RetryPolicy;
 use crate::store::gc::Pace;
@@ -111,6 +112,13 @@ pub struct WorkerConfig {
     /// copy was probably lost (a classic retry queue dead-letters at most once). `None`:
     /// the longest retry delay, plus the lease, plus a minute.
     pub retry_overdue_after: Option<Duration>,
+    /// Pause the queue while the dependency its handler calls keeps failing
+    /// (docs/DESIGN.md, "Flow control"): once the breaker's count of transient
+    /// failures says so, the circuit opens, no delivery of the queue is taken (they wait
+    /// in the broker, spending no retry tier), and after a pause one probe delivery
+    /// runs; its success closes the circuit. Shared by every worker of the queue through
+    /// the database. `None` (the default): no breaker, failures walk the retry tiers.
+    pub circuit: Option<CircuitBreaker>,
 }
 
 impl WorkerConfig {
@@ -148,6 +156,7 @@ impl Default for WorkerConfig {
             outbox: OutboxConfig::default(),
             tally_every: Some(Duration::from_secs(5)),
             retry_overdue_after: None,
+            circuit: None,
         }
     }
 }

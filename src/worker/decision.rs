@@ -118,6 +118,8 @@ pub enum Outcome {
     Undecidable,
     /// No handler of the queue takes the message's type: dead-lettered.
     Unroutable,
+    /// The queue's circuit is open: given back to the queue unrun, no retry tier spent.
+    Paused,
 }
 
 impl Outcome {
@@ -139,6 +141,7 @@ impl Outcome {
             Outcome::Requeued => "requeued",
             Outcome::Undecidable => "undecidable",
             Outcome::Unroutable => "unroutable",
+            Outcome::Paused => "paused",
         }
     }
 }
@@ -198,6 +201,17 @@ fn dead_letter(
 
 /// A body that is not a JSON object, does not fit the message, has no valid key, or
 /// holds data the database refuses: dead-lettered, no record pinned.
+/// The queue's circuit is open: the delivery goes back to its queue unrun, and waits
+/// there (the worker takes none of the queue's deliveries until the circuit lets it).
+pub(crate) fn paused() -> Verdict {
+    Verdict {
+        action: Settle::Requeue {
+            after: Duration::ZERO,
+        },
+        outcome: Outcome::Paused,
+    }
+}
+
 pub(crate) fn malformed(why: String) -> Verdict {
     let order = DeadLetterOrder {
         reason: Reason::Malformed,

@@ -337,6 +337,7 @@ fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
         Outcome::Requeued,
         Outcome::Undecidable,
         Outcome::Unroutable,
+        Outcome::Paused,
     ];
     for outcome in all {
         let line = match outcome {
@@ -353,7 +354,8 @@ fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
             | Outcome::FailedPermanent
             | Outcome::RetriesExhausted
             | Outcome::Undecidable
-            | Outcome::Unroutable => None,
+            | Outcome::Unroutable
+            | Outcome::Paused => None,
         };
         assert_eq!(Line::of(outcome.as_str()), line, "{outcome:?}");
     }

@@ -12,7 +12,7 @@ use serde_json::Value;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use super::batch::Batcher;
-use super::decision::{self, Outcome, Retries, Step, Verdict};
+use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
 use super::settle::{Incoming, Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
@@ -20,6 +20,7 @@ use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::fingerprint::Fingerprint;
+use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
 use crate::key::Key;
 use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
@@ -27,7 +28,12 @@ use crate::trace;
 
 /// Decides one delivery inside its span and carries the verdict out on the broker; one
 /// that could not be decided goes to [`undecided`].
-pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, delivery: Delivery) {
+pub(super) async fn process<H: Handler>(
+    runtime: &Runtime<H>,
+    links: &Links,
+    delivery: Delivery,
+    admission: Admission,
+) {
     let span = delivery_span(runtime, delivery.redelivered);
     let envelope = Envelope {
         exchange: delivery.exchange.to_string(),
@@ -35,7 +41,8 @@ pub(super) async fn process<H: Handler>(runtime: &Runtime<H>, links: &Links, del
         redelivered: delivery.redelivered,
         properties: delivery.properties.clone(),
     };
-    let incoming = Incoming::new(&delivery.data, envelope, Some(&links.follow_ups));
+    let mut incoming = Incoming::new(&delivery.data, envelope, Some(&links.follow_ups));
+    incoming.admission = admission;
     if trace::continue_trace(
         &span,
         incoming.trace.as_ref(),
@@ -221,6 +228,15 @@ pub(crate) async fn walk<H: Handler>(
         policy: &runtime.config.retry,
         used: incoming.retries(),
     };
+    let circuit = runtime.circuit.as_deref();
+    let admission = incoming.admission;
+    let paused = |key: Key| Decided {
+        verdict: decision::paused(),
+        key: Some(key),
+    };
+    if circuit.is_some_and(|c| !c.admits(admission)) {
+        return Ok(paused(parsed.key));
+    }
     if let Some(transactions) = &runtime.transactions {
         drop(message); // the batch deserializes its own
         let request = TxRequest {
@@ -230,6 +246,14 @@ pub(crate) async fn walk<H: Handler>(
             envelope: incoming.envelope.clone(),
         };
         let verdict = in_transaction(runtime, transactions, incoming, request, retries).await?;
+        if let Some(circuit) = circuit
+            && let Some(run) = run_of(verdict.outcome)
+        {
+            circuit.ran(run, admission, None).await;
+            if run == Run::Failed && !circuit.admits(admission) {
+                return Ok(paused(parsed.key));
+            }
+        }
         return Ok(Decided {
             verdict,
             key: Some(parsed.key),
@@ -244,6 +268,9 @@ pub(crate) async fn walk<H: Handler>(
                 attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
                 let ran = handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
+                if counted(circuit, admission, &ran).await {
+                    return Ok(paused(parsed.key));
+                }
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::Reconcile {
@@ -256,6 +283,9 @@ pub(crate) async fn walk<H: Handler>(
                 let ran =
                     handle::reconcile(runtime, incoming, &parsed, message, &lease, external_ref)
                         .await?;
+                if counted(circuit, admission, &ran).await {
+                    return Ok(paused(parsed.key));
+                }
                 decision::after_run(ran, immediate.next(), retries)
             }
             Step::ClaimAgain { after } => {
@@ -264,6 +294,9 @@ pub(crate) async fn walk<H: Handler>(
                     "transient failure, retrying in process"
                 );
                 tokio::time::sleep(after).await;
+                if circuit.is_some_and(|c| !c.admits(admission)) {
+                    return Ok(paused(parsed.key));
+                }
                 claim(runtime, &request, retries).await?
             }
             Step::Settle(verdict) => {
@@ -273,6 +306,34 @@ pub(crate) async fn walk<H: Handler>(
                 });
             }
         };
+    }
+}
+
+/// Counts a run on the queue's circuit (if it has one). True when the delivery goes
+/// back unrun from here: the run failed, and the circuit, open now, keeps it out (a
+/// retry tier would only bring it back while the dependency is still down).
+async fn counted(circuit: Option<&Circuit>, admission: Admission, ran: &Ran) -> bool {
+    let Some(circuit) = circuit else {
+        return false;
+    };
+    let (run, error) = match ran {
+        Ran::Completed { .. } | Ran::Permanent { .. } => (Run::Answered, None),
+        Ran::Transient { error, .. } => (Run::Failed, Some(error.as_str())),
+        Ran::Pending { .. } => (Run::Failed, Some("outcome uncertain")),
+        Ran::LeaseLost => return false,
+    };
+    circuit.ran(run, admission, error).await;
+    run == Run::Failed && !circuit.admits(admission)
+}
+
+/// What a transactional batch's verdict says of the dependency, for the circuit.
+fn run_of(outcome: Outcome) -> Option<Run> {
+    match outcome {
+        Outcome::Executed | Outcome::Reconciled | Outcome::FailedPermanent => Some(Run::Answered),
+        Outcome::FailedTransient | Outcome::RetriesExhausted | Outcome::Pending => {
+            Some(Run::Failed)
+        }
+        _ => None,
     }
 }
 

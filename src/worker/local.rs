@@ -34,7 +34,7 @@ pub(crate) struct LocalDecision {
 
 impl<H: Handler> Local<H> {
     pub(crate) fn new(handler: H, store: Store, config: WorkerConfig) -> Self {
-        let runtime = Runtime::new(handler, store, config, None, Arc::new(Notify::new()));
+        let runtime = Runtime::new(handler, store, config, None, Arc::new(Notify::new()), None);
         Self { runtime }
     }
 

@@ -61,6 +61,7 @@ pub use route::RouteBy;
 pub use service::{Service, ServiceConfig};
 
 use crate::fault::Fault;
+use crate::flow::circuit::Circuit;
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::store::{Claim, ClaimRequest, Lease, Store, StoreError};
@@ -204,6 +205,8 @@ struct Runtime<H> {
     /// The deliveries' outcomes per minute, for the console (none when
     /// `tally_every` is `None`).
     tally: Option<Arc<Tally>>,
+    /// The queue's circuit, when it has a breaker (shared by the queue's handlers).
+    circuit: Option<Arc<Circuit>>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -273,6 +276,7 @@ impl<H: Handler> Runtime<H> {
         config: WorkerConfig,
         tally: Option<Arc<Tally>>,
         relay_wake: Arc<tokio::sync::Notify>,
+        circuit: Option<Arc<Circuit>>,
     ) -> Self {
         let handler = Arc::new(handler);
         let transactions = (config.mode == Mode::Transactional).then(|| {
@@ -302,6 +306,7 @@ impl<H: Handler> Runtime<H> {
             follow_ups: FollowUps::new(&store, &config, relay_wake),
             process_span: format!("process {}", config.queue),
             tally,
+            circuit,
             handler,
             store,
             config,

@@ -16,6 +16,7 @@ use super::decision::{DeadLetterOrder, Outcome, Settle};
 use super::settle::{Incoming, Links, Settler};
 use super::{Runtime, execute};
 use crate::dead_letter::Reason;
+use crate::flow::circuit::Admission;
 use crate::handler::{Envelope, Handler};
 use crate::headers;
 use crate::store::Store;
@@ -46,12 +47,22 @@ const UNROUTED: &str = "(unroutable)";
 
 /// One handler's runtime, its type erased, as a queue's deliveries reach it.
 pub(super) trait Route: Send + Sync + 'static {
-    fn process(self: Arc<Self>, links: Links, delivery: Delivery) -> BoxFuture<'static, ()>;
+    fn process(
+        self: Arc<Self>,
+        links: Links,
+        delivery: Delivery,
+        admission: Admission,
+    ) -> BoxFuture<'static, ()>;
 }
 
 impl<H: Handler> Route for Runtime<H> {
-    fn process(self: Arc<Self>, links: Links, delivery: Delivery) -> BoxFuture<'static, ()> {
-        Box::pin(async move { execute::process(&self, &links, delivery).await })
+    fn process(
+        self: Arc<Self>,
+        links: Links,
+        delivery: Delivery,
+        admission: Admission,
+    ) -> BoxFuture<'static, ()> {
+        Box::pin(async move { execute::process(&self, &links, delivery, admission).await })
     }
 }
 

@@ -25,6 +25,7 @@ use super::route::{Route, RouteBy, Routes, Unrouted};
 use super::session::Session;
 use super::{Runtime, WorkerConfig, WorkerError, consume, topology_of};
 use crate::connector::Connector;
+use crate::flow::circuit::Circuit;
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::outbox::OutboxConfig;
@@ -131,6 +132,8 @@ struct Shared {
     health: BrokerHealth,
     relay_wake: Arc<Notify>,
     tally: Option<Arc<Tally>>,
+    /// The queue's circuit, when its settings have a breaker.
+    circuit: Option<Arc<Circuit>>,
 }
 
 impl Service {
@@ -254,6 +257,7 @@ impl Service {
                 health: health.clone(),
                 relay_wake: background.relay_wake.clone(),
                 tally: background.tallies.remove(&queue),
+                circuit: None,
             };
             let run = AssertUnwindSafe(run_queue(group, shared, stop.clone())).catch_unwind();
             running.spawn(async move { (queue, run.await) });
@@ -358,6 +362,7 @@ fn start<H: Handler>(handler: H, config: WorkerConfig, shared: &Shared) -> Start
         config,
         shared.tally.clone(),
         shared.relay_wake.clone(),
+        shared.circuit.clone(),
     );
     Started {
         route: Arc::new(runtime),
@@ -366,8 +371,25 @@ fn start<H: Handler>(handler: H, config: WorkerConfig, shared: &Shared) -> Start
 }
 
 /// One queue of a service and its handlers, until `shutdown` or the broker's refusal.
-async fn run_queue(group: Vec<Hosted>, shared: Shared, shutdown: CancellationToken) -> Refusal {
+async fn run_queue(group: Vec<Hosted>, mut shared: Shared, shutdown: CancellationToken) -> Refusal {
     let config = group.first().map(|h| h.config.clone())?;
+    shared.circuit = config.circuit.clone().map(|breaker| {
+        // A probe's turn: a run of the handler under its lease, with room to spare.
+        let turn = (shared.store.config().lease * 2).max(Duration::from_secs(10));
+        let pool = shared.store.pool().clone();
+        Arc::new(Circuit::new(
+            &config.queue,
+            breaker,
+            pool,
+            turn,
+            shared.health.clone(),
+        ))
+    });
+    let watching = CancellationToken::new();
+    if let Some(circuit) = shared.circuit.clone() {
+        let stop = watching.clone();
+        tokio::spawn(async move { circuit.watch(stop).await });
+    }
     let typed = group.iter().any(|h| h.message_type.is_some());
     let mut watches = Vec::new();
     let mut routes = HashMap::new();
@@ -408,8 +430,10 @@ async fn run_queue(group: Vec<Hosted>, shared: Shared, shutdown: CancellationTok
         broker: shared.health,
         connector: shared.connector,
         publishing: shared.publishing,
+        circuit: shared.circuit,
     };
     let refused = consume(&session, &shutdown).await;
+    watching.cancel();
     for watch in watches {
         watch.abort();
     }

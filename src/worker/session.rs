@@ -21,6 +21,7 @@ use super::route::{Routes, Unrouted};
 use super::settle::Links;
 use super::{Failure, WorkerConfig, drain};
 use crate::connector::Connector;
+use crate::flow::circuit::{Admission, Circuit};
 use crate::metrics::BrokerHealth;
 use crate::topology::Topology;
 
@@ -40,6 +41,9 @@ pub(super) struct Session {
     /// shared with the other queues and the relay: a publisher the broker blocks for
     /// flow control does not hold back the consumers' acks.
     pub(super) publishing: Arc<Connector>,
+    /// The queue's circuit, when it has a breaker: while it is open, no delivery is
+    /// taken (they wait in the broker).
+    pub(super) circuit: Option<Arc<Circuit>>,
 }
 
 /// How long a connection must have consumed for the reconnect backoff to start afresh
@@ -176,6 +180,15 @@ impl Session {
                 },
                 _ = shutdown.cancelled() => break,
             };
+            // While the circuit is open, the deliveries stay in the broker (those
+            // prefetched wait unacked), and none of them spends a retry tier.
+            let admission = match &self.circuit {
+                None => Admission::Closed,
+                Some(circuit) => match circuit.admit(shutdown).await {
+                    Some(admission) => admission,
+                    None => break,
+                },
+            };
             let next = tokio::select! {
                 next = consumer.next() => next,
                 _ = shutdown.cancelled() => break,
@@ -194,11 +207,17 @@ impl Session {
                     let routes = self.routes.clone();
                     let unrouted = self.unrouted.clone();
                     let links = links.clone();
+                    let circuit = self.circuit.clone();
                     tasks.spawn(async move {
                         // In the delivery's task: routing by a field parses the body.
                         match routes.pick(&delivery) {
-                            Ok(route) => route.process(links, delivery).await,
+                            Ok(route) => route.process(links, delivery, admission).await,
                             Err(why) => unrouted.dead_letter(&links, delivery, why).await,
+                        }
+                        if let Some(circuit) = circuit {
+                            // A probe that ran decided the turn; one that did not
+                            // (a duplicate, say) gives it to the next delivery.
+                            circuit.turn_unused(admission).await;
                         }
                         drop(permit);
                     });

@@ -15,6 +15,7 @@ use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
 use crate::dead_letter::{self, DeadLetter, Outgoing};
 use crate::failpoint;
+use crate::flow::circuit::Admission;
 use crate::handler::Envelope;
 use crate::headers;
 use crate::key::Key;
@@ -55,6 +56,8 @@ pub(crate) struct Incoming<'a> {
     /// The session's follow-up channel; none leaves a run's follow-ups in the outbox,
     /// for the relay.
     pub(crate) follow_ups: Option<&'a FollowUpChannel>,
+    /// How the queue's circuit let it in (closed, or as its probe).
+    pub(crate) admission: Admission,
 }
 
 impl<'a> Incoming<'a> {
@@ -69,6 +72,7 @@ impl<'a> Incoming<'a> {
             trace: TraceContext::from_properties(&envelope.properties),
             envelope: Arc::new(envelope),
             follow_ups,
+            admission: Admission::Closed,
         }
     }
 

@@ -12,6 +12,7 @@ use idem::{Store, StoreConfig};
 #[cfg(feature = "console")]
 mod console;
 mod dlq;
+mod flow;
 mod ops;
 mod out;
 mod outbox;
@@ -19,6 +20,7 @@ mod outbox;
 use out::say;
 
 use dlq::Dlq;
+use flow::Flow;
 use ops::Ops;
 use outbox::Outbox;
 
@@ -53,6 +55,9 @@ enum Command {
     /// Follow-up messages not published yet: the backlog and why.
     #[command(subcommand)]
     Outbox(Outbox),
+    /// Circuit breakers and limits: where each stands; close a circuit by hand.
+    #[command(subcommand)]
+    Flow(Flow),
     /// A web page for operators: dead letters with replay previews, stuck operations,
     /// the outbox, charts (feature `console`). Its token is IDEM_CONSOLE_TOKEN, or one
     /// generated and printed as a login link.
@@ -117,6 +122,7 @@ impl Command {
             Command::Dlq(_) => "idem dlq",
             Command::Ops(_) => "idem ops",
             Command::Outbox(_) => "idem outbox",
+            Command::Flow(_) => "idem flow",
             #[cfg(feature = "console")]
             Command::Console(_) => "idem console",
             Command::Gc(_) => "idem gc",
@@ -154,6 +160,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq(command) => dlq::run(&cli, command).await?,
         Command::Ops(command) => ops::run(&cli, command).await?,
         Command::Outbox(command) => outbox::run(&cli, command).await?,
+        Command::Flow(command) => flow::run(&cli, command).await?,
         #[cfg(feature = "console")]
         Command::Console(args) => console::run(&cli, args).await?,
     }
