@@ -147,6 +147,7 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
         "/ops".into(),
         format!("/ops/show{key}"),
         "/outbox".into(),
+        "/flow".into(),
         "/charts".into(),
     ] {
         let (status, _) = console.get(&path, false).await;
@@ -179,10 +180,12 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
         ("operation", "orders.create"),
         ("key", "evt-0"),
     ];
+    let close = [("queue", q.name.as_str()), ("note", "back")];
     for (path, form) in [
         ("/dlq/act", &replay[..]),
         ("/ops/release", &release[..]),
         ("/ops/resolve", &release[..]),
+        ("/flow/close", &close[..]),
     ] {
         let (status, _) = console.post(path, form, false).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "POST {path}");
@@ -850,4 +853,80 @@ async fn every_role_names_its_connections(pool_options: PgPoolOptions, connect: 
     })
     .await;
     drop(worker);
+}
+
+/// The flow page shows each circuit and each limit's use; its form closes a circuit
+/// of the console's own queues (with the CSRF token and a note), and no other.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_flow_page_shows_circuits_and_limits_and_closes_a_circuit(pool: PgPool) {
+    let url = database_url(&pool.connect_options());
+    let q = TestQueue::new("console-flow").await;
+    sqlx::query(
+        "INSERT INTO flow_circuits (name, state, generation, opens, retry_at, reason)
+         VALUES ($1, 'open', 3, 2, now() + interval '10 minutes', 'the mail provider is down'),
+                ('someone.elses', 'open', 1, 1, now() + interval '10 minutes', 'down')",
+    )
+    .bind(&q.name)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO flow_permits (name, slot, holder, held_until)
+         VALUES ('mail', 0, 'host-a:1', now() + interval '1 minute'),
+                ('mail', 1, 'host-b:2', now() + interval '1 minute'),
+                ('mail', 2, 'host-c:3', now() - interval '1 minute')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let console = start_console(&url, &q.name).await;
+    let (status, shown) = console.get("/flow", true).await;
+    assert_eq!(status, StatusCode::OK);
+    for needle in [
+        q.name.as_str(),
+        "the mail provider is down",
+        "someone.elses",
+        "mail",
+        "2 of 3",
+        "host-a:1, host-b:2",
+        "action=\"/flow/close\"",
+    ] {
+        assert!(shown.contains(needle), "{needle} in {shown}");
+    }
+    assert_eq!(
+        shown.matches("action=\"/flow/close\"").count(),
+        1,
+        "only its own queue"
+    );
+    let needle = "name=\"csrf\" value=\"";
+    let csrf_at = shown.find(needle).unwrap() + needle.len();
+    let csrf = &shown[csrf_at..csrf_at + shown[csrf_at..].find('"').unwrap()];
+    fn form<'a>(queue: &'a str, csrf: &'a str) -> [(&'static str, &'a str); 3] {
+        [
+            ("queue", queue),
+            ("note", "provider back (INC-9)"),
+            ("csrf", csrf),
+        ]
+    }
+    let (status, _) = console
+        .post("/flow/close", &form("someone.elses", csrf), true)
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "another's queue");
+    let (status, said) = console
+        .post("/flow/close", &form(&q.name, csrf), true)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{said}");
+    assert!(said.contains("Closed (it was open)"), "{said}");
+    let rows: Vec<(String, String, Option<String>)> =
+        sqlx::query_as("SELECT name, state, reason FROM flow_circuits ORDER BY name")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let ours = rows.iter().find(|r| r.0 == q.name).unwrap();
+    assert_eq!(
+        (ours.1.as_str(), ours.2.as_deref()),
+        ("closed", Some("provider back (INC-9)"))
+    );
+    let theirs = rows.iter().find(|r| r.0 == "someone.elses").unwrap();
+    assert_eq!(theirs.1, "open", "untouched");
 }

@@ -36,6 +36,7 @@ use crate::Cli;
 
 mod charts;
 mod dead_letters;
+mod flow;
 mod html;
 mod operations;
 mod pages;
@@ -220,6 +221,8 @@ fn router(console: Arc<Console>) -> Router {
         .route("/ops/release", post(operations::release))
         .route("/ops/resolve", post(operations::resolve))
         .route("/outbox", get(pages::outbox))
+        .route("/flow", get(flow::page_of))
+        .route("/flow/close", post(flow::close))
         .route("/charts", get(charts::page))
         .route_layer(middleware::from_fn_with_state(console.clone(), authorized));
     Router::new()
