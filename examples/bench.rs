@@ -38,6 +38,16 @@
 //!     --variants idem_ledger,idem_ledger_untallied --runs 5
 //! ```
 //!
+//! 11. `idem_ledger_limited`: `idem_ledger` holding a permit of a shared [`idem::Limit`]
+//!     that never binds (1,000 at once, 10,000 a second) around its insert: the cost of
+//!     taking and freeing one. The last line `limits: …` compares it with `idem_ledger`,
+//!     Postgres's CPU per message included:
+//!
+//! ```sh
+//! cargo run --release --example bench -- \
+//!     --variants idem_ledger,idem_ledger_limited --runs 3
+//! ```
+//!
 //! For the cost of traces with export off, compare `idem_ledger_traced` with
 //! `idem_ledger` (same run, same binary); the last line `traces: …` does, with the
 //! spread of `idem_ledger` over the runs as the noise. Without `idem_ledger_exporting`
@@ -117,7 +127,7 @@ struct Args {
     /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
     /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx,
     /// idem_ledger_traced, idem_ledger_exporting (the last with `--features otel`),
-    /// idem_ledger_untallied.
+    /// idem_ledger_untallied, idem_ledger_limited.
     #[arg(
         long,
         value_delimiter = ',',
@@ -195,6 +205,31 @@ impl Handler for Ledger {
         .bind(o.amount_cents)
         .execute(ctx.tx().await?)
         .await?;
+        Ok(())
+    }
+}
+
+/// [`Ledger`] holding a permit of a limit that never binds (1,000 at once, 10,000 a
+/// second) around its insert: what taking a permit costs.
+struct LimitedLedger(idem::Limit);
+
+impl Handler for LimitedLedger {
+    type Message = orders_worker::Order;
+    type Output = ();
+    const OPERATION: &'static str = "bench.ledger";
+
+    fn scope(&self, o: &orders_worker::Order) -> String {
+        o.tenant.clone()
+    }
+
+    fn idempotency_key(&self, o: &orders_worker::Order) -> String {
+        o.event_id.clone()
+    }
+
+    async fn handle(&self, o: orders_worker::Order, ctx: &mut Context) -> Result<(), HandlerError> {
+        let permit = self.0.acquire().await?;
+        Ledger.handle(o, ctx).await?;
+        permit.release().await;
         Ok(())
     }
 }
@@ -388,6 +423,13 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, Ledger, mode_of(variant)).await?
                 }
+                "idem_ledger_limited" => {
+                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    let limit = idem::Limit::new(&format!("bench-{run}"), pool.clone())
+                        .concurrent(1_000)
+                        .per_second(10_000);
+                    idem_variant(&bench, LimitedLedger(limit), Mode::Leased).await?
+                }
                 "idem_ledger_untallied" => {
                     let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     bench.tallied = false;
@@ -474,6 +516,18 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
             (high - low) / plain.msgs_per_s * 100.0,
             exporting,
             traced.p50_ms,
+            plain.p50_ms
+        );
+    }
+    if let (Some(limited), Some(plain)) = (median("idem_ledger_limited"), median("idem_ledger")) {
+        println!(
+            "limits: limited_msgs_per_s={:.0} baseline_msgs_per_s={:.0} ratio={:.3} limited_postgres_us_per_msg={:.0} baseline_postgres_us_per_msg={:.0} limited_p50_ms={:.1} baseline_p50_ms={:.1}",
+            limited.msgs_per_s,
+            plain.msgs_per_s,
+            limited.msgs_per_s / plain.msgs_per_s,
+            limited.cpu.postgres,
+            plain.cpu.postgres,
+            limited.p50_ms,
             plain.p50_ms
         );
     }

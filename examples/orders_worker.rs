@@ -55,6 +55,8 @@ pub struct Orders {
     pub fail_tenant: Option<String>,
     /// Pause between the provider call and the ledger write (a slow provider).
     pub provider_delay: Duration,
+    /// Each pause drawn at random between none and twice `provider_delay`.
+    pub provider_delay_random: bool,
     /// In transactional mode the "provider call" row is written in the handler's
     /// transaction too: every effect of this handler is then in this database.
     pub mode: Mode,
@@ -122,7 +124,12 @@ impl Handler for Orders {
             Mode::Transactional => provider_call.execute(ctx.tx().await?).await?,
         };
         if !self.provider_delay.is_zero() {
-            tokio::time::sleep(self.provider_delay).await;
+            let delay = if self.provider_delay_random {
+                self.provider_delay.mul_f64(rand::random_range(0.0..2.0))
+            } else {
+                self.provider_delay
+            };
+            tokio::time::sleep(delay).await;
         }
         if let Some(permit) = permit {
             sqlx::query(
@@ -260,6 +267,9 @@ struct Args {
     /// Pause after the provider call, in milliseconds (a slow provider).
     #[arg(long, default_value_t = 0)]
     provider_delay_ms: u64,
+    /// Draw each pause at random between none and twice --provider-delay-ms.
+    #[arg(long)]
+    provider_delay_random: bool,
     /// Stage one follow-up message per booked order to this queue (declared if
     /// missing), for `notifications_worker`.
     #[arg(long)]
@@ -383,6 +393,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let handler = Orders {
         fail_tenant: args.fail_tenant,
         provider_delay: Duration::from_millis(args.provider_delay_ms),
+        provider_delay_random: args.provider_delay_random,
         mode: args.mode,
         follow_ups: args.follow_ups,
         follow_up_delay: args.follow_up_delay_ms.map(Duration::from_millis),

@@ -120,7 +120,8 @@ fn letter(id: &str) -> Vec<u8> {
     serde_json::to_vec(&json!({"event_id": id})).unwrap()
 }
 
-/// Ten seconds of outage under a steady 20 messages a second, two workers on the queue:
+/// Ten seconds of outage under a steady 20 messages a second (longer by
+/// `IDEM_FLOW_OUTAGE_SECS` and `IDEM_FLOW_RATE`), two workers on the queue:
 /// no dead letter, the provider probed at most once per pause (across both workers),
 /// `/healthz` healthy and naming the open circuit, `idem flow show` showing it; then
 /// every message sent exactly once.
@@ -155,7 +156,16 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
     wait_for_consumers(&q, 2).await;
 
     mail.down.store(true, Ordering::SeqCst);
-    let outage = Duration::from_secs(10);
+    // Longer drills: IDEM_FLOW_OUTAGE_SECS=600 IDEM_FLOW_RATE=200 (docs/PERFORMANCE.md).
+    let setting = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let outage_secs = setting("IDEM_FLOW_OUTAGE_SECS", 10);
+    let rate = setting("IDEM_FLOW_RATE", 20).max(1);
+    let outage = Duration::from_secs(outage_secs);
     let started = Instant::now();
     let mut published = 0;
     let mut saw_open = (false, false);
@@ -165,6 +175,8 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
         }
         q.publish(&letter(&format!("evt-{published}"))).await;
         published += 1;
+        let next = started + Duration::from_secs(1).mul_f64(published as f64 / rate as f64);
+        tokio::time::sleep_until(next.into()).await;
         if !saw_open.0 && started.elapsed() > Duration::from_secs(3) {
             let (status, body) = scrape(&metrics, "/healthz").await;
             assert_eq!(status, 200, "a paused queue is healthy: {body}");
@@ -177,15 +189,15 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
             saw_open.1 = shown.contains(&format!("circuit {}: open", q.name))
                 || shown.contains(&format!("circuit {}: half_open", q.name));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(saw_open.0, "/healthz named the paused queue");
     assert!(saw_open.1, "idem flow show showed the open circuit");
 
-    wait_until(SETTLE, "every message sent", || async {
+    wait_until(SETTLE.max(outage), "every message sent", || async {
         sent(&pool).await.len() == published
     })
     .await;
+    let drained = started.elapsed().saturating_sub(outage);
     wait_until(SETTLE, "the queue and its retry queues drained", || async {
         q.counts(&q.name).await.0 == 0 && unacked(&q.name).await == 0
     })
@@ -205,6 +217,7 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
         .filter(|t| t.duration_since(first_failure) < Duration::from_millis(1500))
         .count();
     let probes: Vec<Instant> = failed[burst..].to_vec();
+    assert!(!probes.is_empty(), "the provider was probed while down");
     assert!(burst <= 3 + 2 * 4 * 2, "burst of {burst} failed calls");
     for pair in probes.windows(2) {
         let gap = pair[1].duration_since(pair[0]);
@@ -213,15 +226,17 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
             "two probes {gap:?} apart: {probes:?}"
         );
     }
+    // Pauses of 2 s, then 4 s: one probe per pause, and the outage's last may succeed.
     assert!(
-        probes.len() <= 5,
-        "{} probes in a 10 s outage",
+        probes.len() as u64 <= outage_secs / 4 + 2,
+        "{} probes in a {outage_secs} s outage",
         probes.len()
     );
     eprintln!(
-        "outage drill: {published} messages, {} failed calls ({burst} before the circuit opened, {} probes), 0 dead letters",
+        "outage drill: {outage_secs} s at {rate} msgs/s, {published} messages, {} failed calls ({burst} before the circuit opened, {} probes), 0 dead letters, each sent once; drained {:.1} s after the provider came back",
         failed.len(),
-        probes.len()
+        probes.len(),
+        drained.as_secs_f64()
     );
     shutdown.cancel();
     for worker in workers {
@@ -230,7 +245,7 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
 }
 
 /// Permanent failures are the dependency's answer: they never open a circuit. Transient
-/// ones do; with a minute's pause ahead, `idem flow close` lets the queue go at once,
+/// ones do; with ten minutes of pause ahead, `idem flow close` lets the queue go at once,
 /// and its note is kept.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn permanent_failures_never_open_it_and_an_operator_closes_it(
@@ -344,16 +359,20 @@ async fn a_limit_holds_across_three_worker_processes(o: PgPoolOptions, c: PgConn
     let args = [
         "--concurrency",
         "32",
-        // Three processes of 36 connections would be more than the server's 100:
-        // handlers waiting for a permit hold none.
+        // Three processes of 36 connections would be more than the server's 100;
+        // at most 10 handlers of each hold a permit, and those waiting hold none.
         "--pool-size",
-        "16",
+        "24",
         "--prefetch",
         "64",
         "--limit",
         "10/50",
+        // 0 to 400 ms: 10 at once make 50 a second on average, so each bound holds the
+        // calls back in turn (short calls would go faster than 50 a second, long ones
+        // would pile up past 10).
         "--provider-delay-ms",
         "200",
+        "--provider-delay-random",
     ];
     let _workers: Vec<_> = (0..3)
         .map(|_| spawn_orders_worker(&url, &q.name, &args))
@@ -388,8 +407,8 @@ async fn a_limit_holds_across_three_worker_processes(o: PgPoolOptions, c: PgConn
     assert!(overlap <= 10, "{overlap} calls at once");
     assert!(per_second <= 51, "{per_second} calls in one second");
     assert!(
-        overlap >= 5 && per_second >= 25,
-        "the limit was used: {overlap}, {per_second}"
+        overlap >= 8 && per_second >= 40,
+        "both bounds were reached: {overlap}, {per_second}"
     );
 }
 

@@ -82,11 +82,14 @@ impl CircuitBreaker {
         }
     }
 
-    /// The first pause before a probe, and the longest.
+    /// The first pause before a probe, and the longest (each at least 100 ms and at
+    /// most a day).
     pub fn open_for(self, first: Duration, max: Duration) -> Self {
+        let day = Duration::from_secs(86_400);
+        let first = first.clamp(Duration::from_millis(100), day);
         Self {
             open_for: first,
-            max_open: max.max(first),
+            max_open: max.clamp(first, day),
             ..self
         }
     }

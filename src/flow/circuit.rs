@@ -4,16 +4,36 @@
 //! process (the first to take the turn) lets one delivery through as the probe, and
 //! its run closes the circuit or opens it again for twice as long.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::breaker::{CircuitBreaker, Tripwire};
 use crate::metrics::BrokerHealth;
+use crate::store::storable;
+
+/// The longest reason kept on the row.
+const REASON_MAX: usize = 500;
+
+/// An error's text as the row keeps it: without NUL, at most [`REASON_MAX`] bytes.
+fn reason(error: Option<&str>) -> Option<String> {
+    error.map(|e| {
+        let mut text = storable(e).into_owned();
+        if text.len() > REASON_MAX {
+            let mut cut = REASON_MAX;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+        }
+        text
+    })
+}
 
 /// How often a worker reads its circuits' rows: another process's open (or an
 /// operator's close) is seen within this.
@@ -67,13 +87,39 @@ struct View {
     until: Option<Instant>,
 }
 
-/// How a delivery was let in.
+/// How a delivery was let in, and in which of the circuit's generations: a run is
+/// counted only while the circuit is still in it (a call that started before a probe
+/// closed the circuit and failed after does not open it again).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Admission {
-    /// The circuit is closed.
-    Closed,
+    /// The circuit is closed (or the queue has no breaker: generation 0).
+    Closed(i64),
     /// This delivery is the probe of the turn the circuit's `generation` names.
     Probe(i64),
+}
+
+impl Admission {
+    /// A queue without a breaker.
+    pub(crate) const UNBROKEN: Admission = Admission::Closed(0);
+}
+
+/// A probe's turn, held by its delivery's task: renewed while the probe runs, so that
+/// a slow run keeps it; given back when dropped if its run did not decide it (the
+/// delivery was a duplicate, or never reached its handler).
+pub(crate) struct Turn {
+    circuit: Arc<Circuit>,
+    generation: i64,
+    renew: JoinHandle<()>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.renew.abort();
+        let (circuit, generation) = (self.circuit.clone(), self.generation);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { circuit.give_back(generation).await });
+        }
+    }
 }
 
 /// What a run said of the dependency.
@@ -130,26 +176,39 @@ impl Circuit {
     pub(crate) fn admits(&self, admission: Admission) -> bool {
         let view = *self.view.borrow();
         match (view.state, admission) {
-            (CircuitState::Closed, _) => true,
+            (CircuitState::Closed, Admission::Closed(_)) => true,
+            // The probe closed it: its delivery goes on as any other.
+            (CircuitState::Closed, Admission::Probe(_)) => true,
             (CircuitState::HalfOpen, Admission::Probe(generation)) => generation == view.generation,
             _ => false,
         }
     }
 
-    /// Waits until the circuit lets the next delivery in: at once while it is closed;
-    /// while it is open, until its pause ends and this process takes the probe's turn.
+    /// Waits until the circuit lets the delivery in hand run: at once while it is
+    /// closed; while it is open, until its pause ends and this process takes the
+    /// probe's turn (the [`Turn`], which the delivery's task holds until it is done).
     /// `None` on `shutdown`.
-    pub(crate) async fn admit(&self, shutdown: &CancellationToken) -> Option<Admission> {
+    pub(crate) async fn admit(
+        self: &Arc<Self>,
+        shutdown: &CancellationToken,
+    ) -> Option<(Admission, Option<Turn>)> {
         let mut changes = self.view.subscribe();
         loop {
             let view = *changes.borrow_and_update();
             if view.state == CircuitState::Closed {
-                return Some(Admission::Closed);
+                return Some((Admission::Closed(view.generation), None));
             }
             let due = view.until.is_none_or(|until| until <= Instant::now());
             if due {
                 match self.take_turn().await {
-                    Ok(Some(generation)) => return Some(Admission::Probe(generation)),
+                    Ok(Some(generation)) => {
+                        let turn = Turn {
+                            circuit: self.clone(),
+                            generation,
+                            renew: tokio::spawn(self.clone().renew_turn(generation)),
+                        };
+                        return Some((Admission::Probe(generation), Some(turn)));
+                    }
                     Ok(None) => {}
                     Err(error) => {
                         warn!(queue = %self.name, error = %error, "circuit: the probe's turn not taken")
@@ -170,17 +229,45 @@ impl Circuit {
         }
     }
 
+    /// Keeps the probe's turn of `generation` while its run goes on.
+    async fn renew_turn(self: Arc<Self>, generation: i64) {
+        loop {
+            tokio::time::sleep(self.turn / 3).await;
+            let renewed = sqlx::query(
+                "UPDATE flow_circuits SET retry_at = now() + $3 * interval '1 millisecond'
+                  WHERE name = $1 AND state = 'half_open' AND generation = $2",
+            )
+            .bind(&self.name)
+            .bind(generation)
+            .bind(self.turn.as_millis() as f64)
+            .execute(&self.pool)
+            .await;
+            match renewed {
+                Ok(done) if done.rows_affected() == 0 => return,
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(queue = %self.name, error = %error, "circuit: the probe's turn not renewed")
+                }
+            }
+        }
+    }
+
     /// Counts a run of a delivery let in as `admission`: a probe's run closes the
     /// circuit or opens it again; another run may open it.
     pub(crate) async fn ran(&self, run: Run, admission: Admission, error: Option<&str>) {
         let result = match (admission, run) {
             (Admission::Probe(generation), Run::Answered) => self.close(generation).await,
             (Admission::Probe(generation), Run::Failed) => self.reopen(generation, error).await,
-            (Admission::Closed, Run::Answered) => {
+            // A run of an earlier generation (it started before the circuit last
+            // changed) says nothing of the dependency now.
+            (Admission::Closed(generation), _) if generation != self.view.borrow().generation => {
+                Ok(())
+            }
+            (Admission::Closed(_), Run::Answered) => {
                 self.wire().succeeded(&self.config, Instant::now());
                 Ok(())
             }
-            (Admission::Closed, Run::Failed) => {
+            (Admission::Closed(_), Run::Failed) => {
                 let trips = self.wire().failed(&self.config, Instant::now());
                 if trips && self.view.borrow().state == CircuitState::Closed {
                     self.open(error).await
@@ -194,12 +281,10 @@ impl Circuit {
         }
     }
 
-    /// A probe delivery that did not run the handler (a duplicate, say) gives its turn
-    /// back: the next delivery probes.
-    pub(crate) async fn turn_unused(&self, admission: Admission) {
-        let Admission::Probe(generation) = admission else {
-            return;
-        };
+    /// Gives the probe's turn of `generation` back if its run did not decide it (a
+    /// duplicate, a delivery that never reached its handler): the next delivery
+    /// probes. Fenced: a decided turn is another generation by now.
+    async fn give_back(&self, generation: i64) {
         let given_back = sqlx::query_as::<_, (i64, Option<f64>)>(
             "UPDATE flow_circuits SET state = 'open', generation = generation + 1, retry_at = now()
              WHERE name = $1 AND state = 'half_open' AND generation = $2
@@ -263,7 +348,7 @@ impl Circuit {
         )
         .bind(&self.name)
         .bind(self.config.open_for.as_millis() as f64)
-        .bind(error)
+        .bind(reason(error))
         .fetch_optional(&self.pool)
         .await?;
         match row {
@@ -326,7 +411,7 @@ impl Circuit {
         let row = sqlx::query_as::<_, (i64, Option<f64>)>(
             "UPDATE flow_circuits
                 SET state = 'open', generation = generation + 1, opens = opens + 1,
-                    retry_at = now() + LEAST($3 * power(2, opens), $4) * interval '1 millisecond',
+                    retry_at = now() + LEAST($3 * power(2, LEAST(opens, 30)), $4) * interval '1 millisecond',
                     reason = $5, changed_at = now()
               WHERE name = $1 AND state = 'half_open' AND generation = $2
               RETURNING generation, extract(epoch FROM retry_at - now())::float8 * 1000",
@@ -335,7 +420,7 @@ impl Circuit {
         .bind(generation)
         .bind(self.config.open_for.as_millis() as f64)
         .bind(self.config.max_open.as_millis() as f64)
-        .bind(error)
+        .bind(reason(error))
         .fetch_optional(&self.pool)
         .await?;
         if let Some(row) = row {

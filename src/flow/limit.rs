@@ -19,6 +19,9 @@ use crate::handler::HandlerError;
 /// process (one released in this process wakes its waiters at once).
 const LONGEST_POLL: Duration = Duration::from_millis(50);
 
+/// The most slots of a limit: a row each.
+const MAX_SLOTS: u32 = 100_000;
+
 /// At most `concurrent` calls at once and `per_second` calls in any second to a named
 /// dependency, shared by every worker process that uses the name on one database (or,
 /// [`per_process`](Limit::per_process), by this process's handlers only).
@@ -119,29 +122,30 @@ impl Limit {
         }
     }
 
-    /// At most `n` calls at once.
+    /// At most `n` calls at once (1 to 100,000: one row each).
     pub fn concurrent(self, n: u32) -> Self {
         Self {
-            concurrent: Some(n.max(1)),
+            concurrent: Some(n.clamp(1, MAX_SLOTS)),
             state: Arc::default(),
             ..self
         }
     }
 
-    /// At most `n` calls in any second.
+    /// At most `n` calls in any second (1 to 100,000: one row each).
     pub fn per_second(self, n: u32) -> Self {
         Self {
-            per_second: Some(n.max(1)),
+            per_second: Some(n.clamp(1, MAX_SLOTS)),
             state: Arc::default(),
             ..self
         }
     }
 
     /// The lease of a concurrency permit, renewed every third of it while held: a
-    /// worker that dies holding one frees it within this (10 s by default).
+    /// worker that dies holding one frees it within this (10 s by default; 300 ms to a
+    /// day).
     pub fn held_for(self, lease: Duration) -> Self {
         Self {
-            held_for: lease.max(Duration::from_millis(300)),
+            held_for: lease.clamp(Duration::from_millis(300), Duration::from_secs(86_400)),
             ..self
         }
     }
@@ -269,30 +273,39 @@ impl Limit {
         }
     }
 
-    /// Takes one of this second's calls: a slot last stamped over a second ago,
-    /// waiting until the oldest stamp turns a second old.
+    /// Takes one of this second's calls: a slot last stamped over a second ago (and
+    /// 25 ms more: a call reaches the provider some milliseconds after its take, and
+    /// two calls' latencies differ; the margin keeps a provider that counts by its own
+    /// clock at `rate` too), waiting until the oldest stamp is that old.
     async fn take_call(&self, rate: u32) -> Result<(), sqlx::Error> {
         loop {
-            let (taken, wait_ms) = sqlx::query_as::<_, (Option<i32>, Option<f64>)>(
-                "WITH taken AS (
-                    UPDATE flow_rate_slots SET used_at = clock_timestamp()
-                     WHERE (name, slot) = (
-                           SELECT name, slot FROM flow_rate_slots
-                            WHERE name = $1 AND slot < $2
-                              AND used_at <= clock_timestamp() - interval '1 second'
-                            ORDER BY used_at LIMIT 1 FOR UPDATE SKIP LOCKED)
-                     RETURNING slot)
-                 SELECT (SELECT slot FROM taken),
-                        (SELECT extract(epoch FROM min(used_at) + interval '1 second' - clock_timestamp())::float8 * 1000
-                           FROM flow_rate_slots WHERE name = $1 AND slot < $2)",
+            // Any slot last used over a second ago will do: the first one the key's
+            // index finds, so that a take reads few rows, not all `rate` of them.
+            let taken: Option<i32> = sqlx::query_scalar(
+                "UPDATE flow_rate_slots SET used_at = clock_timestamp()
+                  WHERE (name, slot) = (
+                        SELECT name, slot FROM flow_rate_slots
+                         WHERE name = $1 AND slot < $2
+                           AND used_at <= clock_timestamp() - interval '1025 milliseconds'
+                         LIMIT 1 FOR UPDATE SKIP LOCKED)
+                  RETURNING slot",
+            )
+            .bind(&self.name)
+            .bind(rate as i32)
+            .fetch_optional(&self.pool)
+            .await?;
+            if taken.is_some() {
+                return Ok(());
+            }
+            // This second is full: wait until its oldest call turns a second old.
+            let wait_ms: Option<f64> = sqlx::query_scalar(
+                "SELECT extract(epoch FROM min(used_at) + interval '1025 milliseconds' - clock_timestamp())::float8 * 1000
+                   FROM flow_rate_slots WHERE name = $1 AND slot < $2",
             )
             .bind(&self.name)
             .bind(rate as i32)
             .fetch_one(&self.pool)
             .await?;
-            if taken.is_some() {
-                return Ok(());
-            }
             let wait = Duration::from_millis(wait_ms.unwrap_or(1.0).clamp(1.0, 1000.0) as u64);
             let jitter = Duration::from_millis(rand::rng().random_range(0..5));
             tokio::time::sleep(wait + jitter).await;
@@ -331,8 +344,10 @@ impl Limit {
 impl Permit {
     /// Frees the permit's concurrency slot now.
     pub async fn release(mut self) {
-        if let Some(slot) = self.slot.take() {
+        if let Some(slot) = self.slot {
+            // Kept until freed: a release cut short is finished by the drop.
             release(&self.limit, slot).await;
+            self.slot = None;
         }
     }
 }

@@ -246,14 +246,6 @@ pub(crate) async fn walk<H: Handler>(
             envelope: incoming.envelope.clone(),
         };
         let verdict = in_transaction(runtime, transactions, incoming, request, retries).await?;
-        if let Some(circuit) = circuit
-            && let Some(run) = run_of(verdict.outcome)
-        {
-            circuit.ran(run, admission, None).await;
-            if run == Run::Failed && !circuit.admits(admission) {
-                return Ok(paused(parsed.key));
-            }
-        }
         return Ok(Decided {
             verdict,
             key: Some(parsed.key),
@@ -326,17 +318,6 @@ async fn counted(circuit: Option<&Circuit>, admission: Admission, ran: &Ran) -> 
     run == Run::Failed && !circuit.admits(admission)
 }
 
-/// What a transactional batch's verdict says of the dependency, for the circuit.
-fn run_of(outcome: Outcome) -> Option<Run> {
-    match outcome {
-        Outcome::Executed | Outcome::Reconciled | Outcome::FailedPermanent => Some(Run::Answered),
-        Outcome::FailedTransient | Outcome::RetriesExhausted | Outcome::Pending => {
-            Some(Run::Failed)
-        }
-        _ => None,
-    }
-}
-
 /// What the delivery's claim asks for: its key and fingerprint, and where it came from
 /// (kept for inspection only: a NUL in a message id or correlation id, which Postgres
 /// text cannot hold, must not fail the claim, nor the claims of the batch around it).
@@ -373,6 +354,7 @@ async fn in_transaction<H: Handler>(
     retries: Retries<'_>,
 ) -> Result<Verdict, Failure> {
     let mut immediate = runtime.config.retry.immediate_backoff();
+    let circuit = runtime.circuit.as_deref();
     loop {
         let answer = transactions
             .call(request.clone())
@@ -385,6 +367,9 @@ async fn in_transaction<H: Handler>(
                     .follow_ups
                     .send(incoming.follow_ups, follow_ups)
                     .await;
+                if counted(circuit, incoming.admission, &ran).await {
+                    return Ok(decision::paused());
+                }
                 decision::after_run(ran, immediate.next(), retries)
             }
             Ok(TxAnswer::Refused(why)) => Step::Settle(decision::malformed(why)),
@@ -393,7 +378,12 @@ async fn in_transaction<H: Handler>(
         };
         match step {
             Step::Settle(verdict) => return Ok(verdict),
-            Step::ClaimAgain { after } => tokio::time::sleep(after).await,
+            Step::ClaimAgain { after } => {
+                tokio::time::sleep(after).await;
+                if circuit.is_some_and(|c| !c.admits(incoming.admission)) {
+                    return Ok(decision::paused());
+                }
+            }
             // The batch runs and reconciles what it takes; it never hands a lease out.
             Step::Run(_) | Step::Reconcile { .. } => {
                 return Err(Failure::Internal(

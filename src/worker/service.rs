@@ -385,9 +385,10 @@ async fn run_queue(group: Vec<Hosted>, mut shared: Shared, shutdown: Cancellatio
             shared.health.clone(),
         ))
     });
-    let watching = CancellationToken::new();
+    // Stopped when the queue ends, or its task unwinds.
+    let watching = CancellationToken::new().drop_guard();
     if let Some(circuit) = shared.circuit.clone() {
-        let stop = watching.clone();
+        let stop = watching.token().clone();
         tokio::spawn(async move { circuit.watch(stop).await });
     }
     let typed = group.iter().any(|h| h.message_type.is_some());
@@ -433,7 +434,7 @@ async fn run_queue(group: Vec<Hosted>, mut shared: Shared, shutdown: Cancellatio
         circuit: shared.circuit,
     };
     let refused = consume(&session, &shutdown).await;
-    watching.cancel();
+    drop(watching);
     for watch in watches {
         watch.abort();
     }

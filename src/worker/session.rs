@@ -180,18 +180,19 @@ impl Session {
                 },
                 _ = shutdown.cancelled() => break,
             };
-            // While the circuit is open, the deliveries stay in the broker (those
-            // prefetched wait unacked), and none of them spends a retry tier.
-            let admission = match &self.circuit {
-                None => Admission::Closed,
-                Some(circuit) => match circuit.admit(shutdown).await {
-                    Some(admission) => admission,
-                    None => break,
-                },
-            };
             let next = tokio::select! {
                 next = consumer.next() => next,
                 _ = shutdown.cancelled() => break,
+            };
+            // While the circuit is open the delivery in hand waits (unacked, as do
+            // those prefetched behind it), and none of them spends a retry tier; a
+            // shutdown meanwhile gives it back with the channel's close.
+            let (admission, turn) = match (&self.circuit, &next) {
+                (Some(circuit), Some(Ok(_))) => match circuit.admit(shutdown).await {
+                    Some(admitted) => admitted,
+                    None => break,
+                },
+                _ => (Admission::UNBROKEN, None),
             };
             match next {
                 Some(Ok(delivery)) => {
@@ -207,18 +208,15 @@ impl Session {
                     let routes = self.routes.clone();
                     let unrouted = self.unrouted.clone();
                     let links = links.clone();
-                    let circuit = self.circuit.clone();
                     tasks.spawn(async move {
                         // In the delivery's task: routing by a field parses the body.
                         match routes.pick(&delivery) {
                             Ok(route) => route.process(links, delivery, admission).await,
                             Err(why) => unrouted.dead_letter(&links, delivery, why).await,
                         }
-                        if let Some(circuit) = circuit {
-                            // A probe that ran decided the turn; one that did not
-                            // (a duplicate, say) gives it to the next delivery.
-                            circuit.turn_unused(admission).await;
-                        }
+                        // A probe that ran decided its turn; one that did not (a
+                        // duplicate, say) gives it to the next delivery.
+                        drop(turn);
                         drop(permit);
                     });
                 }

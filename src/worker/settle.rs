@@ -72,7 +72,7 @@ impl<'a> Incoming<'a> {
             trace: TraceContext::from_properties(&envelope.properties),
             envelope: Arc::new(envelope),
             follow_ups,
-            admission: Admission::Closed,
+            admission: Admission::UNBROKEN,
         }
     }
 

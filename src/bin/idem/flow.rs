@@ -59,15 +59,17 @@ fn print(circuits: &[CircuitRow], limits: &[LimitRow]) {
     }
     for c in circuits {
         let when = match (c.state(), c.retry_at) {
-            (idem::flow::CircuitState::Open, Some(at)) => format!(", next probe at {at}"),
-            (idem::flow::CircuitState::HalfOpen, Some(at)) => format!(", probing until {at}"),
+            (idem::flow::CircuitState::Open, Some(at)) => format!(", next probe at {}", time(at)),
+            (idem::flow::CircuitState::HalfOpen, Some(at)) => {
+                format!(", probing until {}", time(at))
+            }
             _ => String::new(),
         };
         say!(
             "circuit {}: {} since {} ({} opens in a row{when}){}",
             c.name,
             c.state,
-            c.changed_at,
+            time(c.changed_at),
             c.opens,
             c.reason
                 .as_deref()
@@ -99,6 +101,10 @@ fn print(circuits: &[CircuitRow], limits: &[LimitRow]) {
         };
         say!("limit {}: {concurrency}{holders}; {rate}", l.name);
     }
+}
+
+fn time(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
 fn circuit_json(c: &CircuitRow) -> serde_json::Value {
