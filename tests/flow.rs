@@ -79,10 +79,15 @@ async fn sent(pool: &PgPool) -> BTreeMap<String, i64> {
     rows.into_iter().collect()
 }
 
-/// A worker of `mail` on `q` in this process, on a pool of its own, with short retry
-/// tiers (300 ms, 600 ms: without a breaker, a failing message is dead-lettered
-/// within a second) and `breaker`.
-fn mail_worker(pool: &PgPool, q: &TestQueue, mail: &Mail, breaker: CircuitBreaker) -> Worker<Mail> {
+/// A worker of `mail` on `q` in this process, on a pool of its own, with `retry` and
+/// `breaker`.
+fn mail_worker(
+    pool: &PgPool,
+    q: &TestQueue,
+    mail: &Mail,
+    breaker: CircuitBreaker,
+    retry: RetryPolicy,
+) -> Worker<Mail> {
     let options = (*pool.connect_options()).clone();
     let worker_pool = PgPoolOptions::new()
         .max_connections(8)
@@ -92,12 +97,7 @@ fn mail_worker(pool: &PgPool, q: &TestQueue, mail: &Mail, breaker: CircuitBreake
         queue: q.name.clone(),
         concurrency: 4,
         prefetch: 8,
-        retry: RetryPolicy {
-            immediate: 1,
-            min_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(20),
-            delays: vec![Duration::from_millis(300), Duration::from_millis(600)],
-        },
+        retry,
         circuit: Some(breaker),
         ..WorkerConfig::default()
     };
@@ -106,6 +106,17 @@ fn mail_worker(pool: &PgPool, q: &TestQueue, mail: &Mail, breaker: CircuitBreake
         Store::new(worker_pool, StoreConfig::default()),
         config,
     )
+}
+
+/// Retry tiers of 300 ms and 600 ms: without a breaker, a failing message is
+/// dead-lettered within a second.
+fn short_tiers() -> RetryPolicy {
+    RetryPolicy {
+        immediate: 1,
+        min_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(20),
+        delays: vec![Duration::from_millis(300), Duration::from_millis(600)],
+    }
 }
 
 async fn create_sent_table(pool: &PgPool) {
@@ -137,8 +148,21 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
     let mail = Mail::default();
     let breaker =
         CircuitBreaker::consecutive(3).open_for(Duration::from_secs(2), Duration::from_secs(4));
+    // Longer drills: IDEM_FLOW_OUTAGE_SECS=600 IDEM_FLOW_RATE=200, and
+    // IDEM_FLOW_DEFAULT_RETRIES=1 for the default tiers (5 s, 30 s, 300 s).
+    let setting = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let retry = match setting("IDEM_FLOW_DEFAULT_RETRIES", 0) {
+        0 => short_tiers(),
+        _ => RetryPolicy::default(),
+    };
+    let longest_tier = retry.delays.iter().max().copied().unwrap_or_default();
     let shutdown = CancellationToken::new();
-    let first = mail_worker(&pool, &q, &mail, breaker.clone());
+    let first = mail_worker(&pool, &q, &mail, breaker.clone(), retry.clone());
     let health = first.broker_health();
     let metrics = idem::metrics::serve(
         "127.0.0.1:0",
@@ -151,18 +175,11 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
     .to_string();
     let workers = [
         tokio::spawn(first.run(shutdown.clone())),
-        tokio::spawn(mail_worker(&pool, &q, &mail, breaker).run(shutdown.clone())),
+        tokio::spawn(mail_worker(&pool, &q, &mail, breaker, retry).run(shutdown.clone())),
     ];
     wait_for_consumers(&q, 2).await;
 
     mail.down.store(true, Ordering::SeqCst);
-    // Longer drills: IDEM_FLOW_OUTAGE_SECS=600 IDEM_FLOW_RATE=200 (docs/PERFORMANCE.md).
-    let setting = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
     let outage_secs = setting("IDEM_FLOW_OUTAGE_SECS", 10);
     let rate = setting("IDEM_FLOW_RATE", 20).max(1);
     let outage = Duration::from_secs(outage_secs);
@@ -193,9 +210,12 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
     assert!(saw_open.0, "/healthz named the paused queue");
     assert!(saw_open.1, "idem flow show showed the open circuit");
 
-    wait_until(SETTLE.max(outage), "every message sent", || async {
-        sent(&pool).await.len() == published
-    })
+    // A message in the longest tier when the provider came back returns after it.
+    wait_until(
+        SETTLE.max(outage) + longest_tier,
+        "every message sent",
+        || async { sent(&pool).await.len() == published },
+    )
     .await;
     let drained = started.elapsed().saturating_sub(outage);
     wait_until(SETTLE, "the queue and its retry queues drained", || async {
@@ -260,7 +280,7 @@ async fn permanent_failures_never_open_it_and_an_operator_closes_it(
     let breaker =
         CircuitBreaker::consecutive(2).open_for(Duration::from_secs(600), Duration::from_secs(600));
     let shutdown = CancellationToken::new();
-    let worker = mail_worker(&pool, &q, &mail, breaker);
+    let worker = mail_worker(&pool, &q, &mail, breaker, short_tiers());
     let health = worker.broker_health();
     let task = tokio::spawn(worker.run(shutdown.clone()));
     wait_for_consumers(&q, 1).await;

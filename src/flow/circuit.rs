@@ -187,13 +187,19 @@ impl Circuit {
     /// Waits until the circuit lets the delivery in hand run: at once while it is
     /// closed; while it is open, until its pause ends and this process takes the
     /// probe's turn (the [`Turn`], which the delivery's task holds until it is done).
-    /// `None` on `shutdown`.
+    /// `None` on `shutdown`, or once `alive` says the delivery's channel is gone.
     pub(crate) async fn admit(
         self: &Arc<Self>,
         shutdown: &CancellationToken,
+        alive: impl Fn() -> bool,
     ) -> Option<(Admission, Option<Turn>)> {
         let mut changes = self.view.subscribe();
         loop {
+            // A channel that closed meanwhile (a lost connection, a delivery past the
+            // broker's consumer timeout): the session ends and reconnects.
+            if !alive() {
+                return None;
+            }
             let view = *changes.borrow_and_update();
             if view.state == CircuitState::Closed {
                 return Some((Admission::Closed(view.generation), None));
@@ -209,7 +215,13 @@ impl Circuit {
                         };
                         return Some((Admission::Probe(generation), Some(turn)));
                     }
-                    Ok(None) => {}
+                    // Another process was first: read its turn's end now, rather
+                    // than trying again every few milliseconds until the next poll.
+                    Ok(None) => {
+                        if let Err(error) = self.refresh().await {
+                            warn!(queue = %self.name, error = %error, "circuit: state not read");
+                        }
+                    }
                     Err(error) => {
                         warn!(queue = %self.name, error = %error, "circuit: the probe's turn not taken")
                     }

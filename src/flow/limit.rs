@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -18,6 +19,10 @@ use crate::handler::HandlerError;
 /// The longest pause between two tries for a concurrency permit held in another
 /// process (one released in this process wakes its waiters at once).
 const LONGEST_POLL: Duration = Duration::from_millis(50);
+
+/// Connections of a limit's own pool in a process: its queries are short, and at
+/// most one per waiter is in flight at once.
+const CONNECTIONS: u32 = 4;
 
 /// The most slots of a limit: a row each.
 const MAX_SLOTS: u32 = 100_000;
@@ -110,7 +115,25 @@ pub struct Permit {
 impl Limit {
     /// A limit named `name` (the dependency's: `mail`, `payments`), on the database of
     /// `pool` (the store's), with no bound yet.
+    ///
+    /// Its queries run on a pool of their own on that database (at most 4
+    /// connections, opened when first needed, closed after a minute idle): a handler that waits for
+    /// a permit, or frees one, while its transaction holds a connection of the store's
+    /// pool must not wait for another one of that pool, which every other handler may
+    /// hold the same way.
     pub fn new(name: &str, pool: PgPool) -> Self {
+        // Permits are counted, not kept: a take or a release lost with the last
+        // moments before a crash of Postgres costs a slot for one lease, or one call
+        // too many, never an effect; waiting for each one's WAL flush would triple
+        // what a permit costs.
+        let options = (*pool.connect_options())
+            .clone()
+            .options([("synchronous_commit", "off")]);
+        let pool = PgPoolOptions::new()
+            .max_connections(CONNECTIONS)
+            .min_connections(0)
+            .idle_timeout(Duration::from_secs(60))
+            .connect_lazy_with(options);
         Self {
             name: name.to_owned(),
             pool,
@@ -242,27 +265,31 @@ impl Limit {
     /// Takes a free (or expired) concurrency slot, waiting for one: its number and
     /// the token of this hold.
     async fn take_slot(&self) -> Result<(i32, i64), sqlx::Error> {
+        let slots = self.concurrent.unwrap_or(0) as i32;
         let mut pause = Duration::from_millis(2);
         loop {
             let notified = self.state.released.notified();
-            let taken = sqlx::query_as::<_, (i32, i64)>(
-                "UPDATE flow_permits SET holder = $3, token = token + 1,
-                        held_until = clock_timestamp() + $4 * interval '1 millisecond'
-                  WHERE (name, slot) = (
-                        SELECT name, slot FROM flow_permits
-                         WHERE name = $1 AND slot < $2
-                           AND (holder IS NULL OR held_until < clock_timestamp())
-                         ORDER BY slot LIMIT 1 FOR UPDATE SKIP LOCKED)
-                  RETURNING slot, token",
-            )
-            .bind(&self.name)
-            .bind(self.concurrent.unwrap_or(0) as i32)
-            .bind(holder())
-            .bind(self.held_for.as_millis() as f64)
-            .fetch_optional(&self.pool)
-            .await?;
-            if let Some(slot) = taken {
-                return Ok(slot);
+            for (from, to) in from_anywhere(slots) {
+                let taken = sqlx::query_as::<_, (i32, i64)>(
+                    "UPDATE flow_permits SET holder = $4, token = token + 1,
+                            held_until = clock_timestamp() + $5 * interval '1 millisecond'
+                      WHERE (name, slot) = (
+                            SELECT name, slot FROM flow_permits
+                             WHERE name = $1 AND slot >= $2 AND slot < $3
+                               AND (holder IS NULL OR held_until < clock_timestamp())
+                             LIMIT 1 FOR UPDATE SKIP LOCKED)
+                      RETURNING slot, token",
+                )
+                .bind(&self.name)
+                .bind(from)
+                .bind(to)
+                .bind(holder())
+                .bind(self.held_for.as_millis() as f64)
+                .fetch_optional(&self.pool)
+                .await?;
+                if let Some(slot) = taken {
+                    return Ok(slot);
+                }
             }
             let jittered = pause.mul_f64(rand::rng().random_range(0.5..1.5));
             tokio::select! {
@@ -278,32 +305,34 @@ impl Limit {
     /// two calls' latencies differ; the margin keeps a provider that counts by its own
     /// clock at `rate` too), waiting until the oldest stamp is that old.
     async fn take_call(&self, rate: u32) -> Result<(), sqlx::Error> {
+        let slots = rate as i32;
         loop {
-            // Any slot last used over a second ago will do: the first one the key's
-            // index finds, so that a take reads few rows, not all `rate` of them.
-            let taken: Option<i32> = sqlx::query_scalar(
-                "UPDATE flow_rate_slots SET used_at = clock_timestamp()
-                  WHERE (name, slot) = (
-                        SELECT name, slot FROM flow_rate_slots
-                         WHERE name = $1 AND slot < $2
-                           AND used_at <= clock_timestamp() - interval '1025 milliseconds'
-                         LIMIT 1 FOR UPDATE SKIP LOCKED)
-                  RETURNING slot",
-            )
-            .bind(&self.name)
-            .bind(rate as i32)
-            .fetch_optional(&self.pool)
-            .await?;
-            if taken.is_some() {
-                return Ok(());
+            for (from, to) in from_anywhere(slots) {
+                let taken: Option<i32> = sqlx::query_scalar(
+                    "UPDATE flow_rate_slots SET used_at = clock_timestamp()
+                      WHERE (name, slot) = (
+                            SELECT name, slot FROM flow_rate_slots
+                             WHERE name = $1 AND slot >= $2 AND slot < $3
+                               AND used_at <= clock_timestamp() - interval '1025 milliseconds'
+                             LIMIT 1 FOR UPDATE SKIP LOCKED)
+                      RETURNING slot",
+                )
+                .bind(&self.name)
+                .bind(from)
+                .bind(to)
+                .fetch_optional(&self.pool)
+                .await?;
+                if taken.is_some() {
+                    return Ok(());
+                }
             }
-            // This second is full: wait until its oldest call turns a second old.
+            // This second is full: wait until its oldest call is old enough.
             let wait_ms: Option<f64> = sqlx::query_scalar(
                 "SELECT extract(epoch FROM min(used_at) + interval '1025 milliseconds' - clock_timestamp())::float8 * 1000
                    FROM flow_rate_slots WHERE name = $1 AND slot < $2",
             )
             .bind(&self.name)
-            .bind(rate as i32)
+            .bind(slots)
             .fetch_one(&self.pool)
             .await?;
             let wait = Duration::from_millis(wait_ms.unwrap_or(1.0).clamp(1.0, 1000.0) as u64);
@@ -409,6 +438,20 @@ async fn renew(limit: Limit, (slot, token): (i32, i64)) {
             Err(error) => warn!(limit = %limit.name, error = %error, "permit not renewed"),
         }
     }
+}
+
+/// The slot ranges a take looks through: from a random slot to the last, then from
+/// the first: the takes of many callers spread over the slots instead of all reading
+/// past the same busy ones at the start.
+fn from_anywhere(slots: i32) -> impl Iterator<Item = (i32, i32)> {
+    let start = if slots > 1 {
+        rand::rng().random_range(0..slots)
+    } else {
+        0
+    };
+    [(start, slots), (0, start)]
+        .into_iter()
+        .filter(|(from, to)| from < to)
 }
 
 /// Who holds a permit, for `idem flow`: this process.

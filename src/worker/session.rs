@@ -188,10 +188,17 @@ impl Session {
             // those prefetched behind it), and none of them spends a retry tier; a
             // shutdown meanwhile gives it back with the channel's close.
             let (admission, turn) = match (&self.circuit, &next) {
-                (Some(circuit), Some(Ok(_))) => match circuit.admit(shutdown).await {
-                    Some(admitted) => admitted,
-                    None => break,
-                },
+                (Some(circuit), Some(Ok(_))) => {
+                    let alive = || consume.status().connected();
+                    match circuit.admit(shutdown, alive).await {
+                        Some(admitted) => admitted,
+                        None if shutdown.is_cancelled() => break,
+                        None => {
+                            close_channels(&consume, &publish).await;
+                            return Err(lost(Failure::ConsumerCancelled));
+                        }
+                    }
+                }
                 _ => (Admission::UNBROKEN, None),
             };
             match next {
