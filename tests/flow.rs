@@ -264,7 +264,8 @@ async fn a_provider_outage_pauses_the_queue_instead_of_filling_the_dlq(
     }
 }
 
-/// Permanent failures are the dependency's answer: they never open a circuit. Transient
+/// Permanent failures are the dependency's answer and conflicts are no runs: neither
+/// opens a circuit. Transient
 /// ones do; with ten minutes of pause ahead, `idem flow close` lets the queue go at once,
 /// and its note is kept.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -296,7 +297,17 @@ async fn permanent_failures_never_open_it_and_an_operator_closes_it(
         let body = json!({"event_id": format!("bad-{i}"), "bad_address": true});
         q.publish(&serde_json::to_vec(&body).unwrap()).await;
     }
-    q.wait_for_messages(&q.dlq(), 6, SETTLE).await;
+    // Conflicts never reach the handler: no runs at all.
+    q.publish(&letter("sent-once")).await;
+    wait_until(SETTLE, "the first letter sent", || async {
+        sent(&pool).await.contains_key("sent-once")
+    })
+    .await;
+    for i in 0..3 {
+        let other = json!({"event_id": "sent-once", "resent_with": i});
+        q.publish(&serde_json::to_vec(&other).unwrap()).await;
+    }
+    q.wait_for_messages(&q.dlq(), 9, SETTLE).await;
     assert_eq!(circuit(), Some(idem::flow::CircuitState::Closed));
     let shown = idem_cli(&url, &["flow", "show"]).await;
     assert!(shown.contains("circuits: none has opened"), "{shown}");
@@ -330,7 +341,7 @@ async fn permanent_failures_never_open_it_and_an_operator_closes_it(
     assert!(closed.contains("closed (it was open)"), "{closed}");
     // Ten minutes of pause were ahead; the close lets them through now.
     wait_until(Duration::from_secs(30), "every letter sent", || async {
-        sent(&pool).await.len() == 5
+        sent(&pool).await.len() == 6
     })
     .await;
     assert!(sent(&pool).await.values().all(|n| *n == 1));
@@ -339,7 +350,11 @@ async fn permanent_failures_never_open_it_and_an_operator_closes_it(
         shown.contains(&format!("circuit {}: closed", q.name)) && shown.contains("INC-7"),
         "{shown}"
     );
-    assert_eq!(q.counts(&q.dlq()).await.0, 6, "only the bad addresses");
+    assert_eq!(
+        q.counts(&q.dlq()).await.0,
+        9,
+        "only the bad addresses and the conflicts"
+    );
     shutdown.cancel();
     task.await.unwrap().unwrap();
 }

@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures_util::StreamExt;
+use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -21,7 +22,7 @@ use super::route::{Routes, Unrouted};
 use super::settle::Links;
 use super::{Failure, WorkerConfig, drain};
 use crate::connector::Connector;
-use crate::flow::circuit::{Admission, Circuit};
+use crate::flow::circuit::{Admission, Circuit, Turn};
 use crate::metrics::BrokerHealth;
 use crate::topology::Topology;
 
@@ -184,60 +185,36 @@ impl Session {
                 next = consumer.next() => next,
                 _ = shutdown.cancelled() => break,
             };
-            // While the circuit is open the delivery in hand waits (unacked, as do
-            // those prefetched behind it), and none of them spends a retry tier; a
-            // shutdown meanwhile gives it back with the channel's close.
-            let (admission, turn) = match (&self.circuit, &next) {
-                (Some(circuit), Some(Ok(_))) => {
-                    let alive = || consume.status().connected();
-                    match circuit.admit(shutdown, alive).await {
-                        Some(admitted) => admitted,
-                        None if shutdown.is_cancelled() => break,
-                        None => {
-                            close_channels(&consume, &publish).await;
-                            return Err(lost(Failure::ConsumerCancelled));
-                        }
-                    }
-                }
-                _ => (Admission::UNBROKEN, None),
-            };
-            match next {
-                Some(Ok(delivery)) => {
-                    if !publishing.status().connected() || !publish.status().connected() {
-                        // Settling needs it: this delivery is left unacked (the close
-                        // gives it back), the decided acks go out first, and a new
-                        // session opens a new publishing connection.
-                        acks.flush().await;
-                        close_channels(&consume, &publish).await;
-                        return Err(lost(Failure::PublisherLost));
-                    }
-                    acks.delivered(delivery.delivery_tag);
-                    let routes = self.routes.clone();
-                    let unrouted = self.unrouted.clone();
-                    let links = links.clone();
-                    tasks.spawn(async move {
-                        // In the delivery's task: routing by a field parses the body.
-                        match routes.pick(&delivery) {
-                            Ok(route) => route.process(links, delivery, admission).await,
-                            Err(why) => unrouted.dead_letter(&links, delivery, why).await,
-                        }
-                        // A probe that ran decided its turn; one that did not (a
-                        // duplicate, say) gives it to the next delivery.
-                        drop(turn);
-                        drop(permit);
-                    });
-                }
-                Some(Err(error)) => {
+            let delivery = match delivered(next) {
+                Ok(delivery) => delivery,
+                Err(error) => {
                     close_channels(&consume, &publish).await;
-                    return Err(lost(error.into()));
+                    return Err(lost(error));
                 }
-                None => {
-                    // The queue's channel ended (the queue deleted, say); the shared
-                    // connection may live on, and its other channel with it.
+            };
+            let (admission, turn) = match self.admitted(shutdown, &consume).await {
+                Admitted::Run(admission, turn) => (admission, turn),
+                Admitted::Shutdown => break,
+                Admitted::ChannelLost => {
                     close_channels(&consume, &publish).await;
                     return Err(lost(Failure::ConsumerCancelled));
                 }
+            };
+            if !publishing.status().connected() || !publish.status().connected() {
+                // Settling needs it: this delivery is left unacked (the close gives it
+                // back), the decided acks go out first, and a new session opens a new
+                // publishing connection.
+                acks.flush().await;
+                close_channels(&consume, &publish).await;
+                return Err(lost(Failure::PublisherLost));
             }
+            acks.delivered(delivery.delivery_tag);
+            let ticket = Ticket {
+                admission,
+                _turn: turn,
+                _permit: permit,
+            };
+            self.spawn(tasks, links.clone(), delivery, ticket);
         }
 
         info!(queue = %config.queue, "shutting down: no new deliveries, waiting for handlers in flight");
@@ -250,6 +227,72 @@ impl Session {
         close_channels(&consume, &publish).await;
         Ok(())
     }
+}
+
+/// What a delivery's task holds until it is done: how the circuit let it in, the
+/// probe's turn if it is the probe, and its concurrency permit.
+struct Ticket {
+    admission: Admission,
+    /// Held for its drop: it gives an undecided turn back.
+    _turn: Option<Turn>,
+    /// Held for its drop: it frees the slot for the next delivery.
+    _permit: OwnedSemaphorePermit,
+}
+
+/// The delivery a consumer's `next` brought, or why the session ends.
+fn delivered(next: Option<Result<Delivery, lapin::Error>>) -> Result<Delivery, Failure> {
+    match next {
+        Some(Ok(delivery)) => Ok(delivery),
+        Some(Err(error)) => Err(error.into()),
+        // The queue's channel ended (the queue deleted, say); the shared connection
+        // may live on, and its other channel with it.
+        None => Err(Failure::ConsumerCancelled),
+    }
+}
+
+impl Session {
+    /// Runs a delivery in a task of its own, holding `ticket` until it is done.
+    fn spawn(&self, tasks: &TaskTracker, links: Links, delivery: Delivery, ticket: Ticket) {
+        let routes = self.routes.clone();
+        let unrouted = self.unrouted.clone();
+        tasks.spawn(async move {
+            // In the delivery's task: routing by a field parses the body.
+            match routes.pick(&delivery) {
+                Ok(route) => route.process(links, delivery, ticket.admission).await,
+                Err(why) => unrouted.dead_letter(&links, delivery, why).await,
+            }
+            // A probe that ran decided its turn; one that did not (a duplicate, say)
+            // gives it to the next delivery, when the ticket drops.
+            drop(ticket);
+        });
+    }
+
+    /// Whether the delivery in hand may run: at once without a breaker or while the
+    /// circuit is closed; while it is open, it waits (unacked, as do those prefetched
+    /// behind it, none of them spending a retry tier) until this process takes the
+    /// probe's turn; a shutdown meanwhile gives it back with the channel's close.
+    async fn admitted(&self, shutdown: &CancellationToken, consume: &lapin::Channel) -> Admitted {
+        let Some(circuit) = &self.circuit else {
+            return Admitted::Run(Admission::UNBROKEN, None);
+        };
+        match circuit
+            .admit(shutdown, || consume.status().connected())
+            .await
+        {
+            Some((admission, turn)) => Admitted::Run(admission, turn),
+            None if shutdown.is_cancelled() => Admitted::Shutdown,
+            None => Admitted::ChannelLost,
+        }
+    }
+}
+
+/// What the circuit said of the delivery in hand.
+enum Admitted {
+    /// It runs, as the probe if it holds the turn.
+    Run(Admission, Option<Turn>),
+    Shutdown,
+    /// The consuming channel closed while it waited.
+    ChannelLost,
 }
 
 /// Closes a session's channels, waiting at most a second for each (a connection that
