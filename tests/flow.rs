@@ -510,3 +510,136 @@ async fn a_killed_worker_frees_its_permits_within_the_lease(o: PgPoolOptions, c:
     eprintln!("permits freed and taken {freed_after:?} after the kill (lease 2 s)");
     assert!(freed_after < Duration::from_secs(4), "{freed_after:?}");
 }
+
+/// Takes a permit of `limit` before it sends its letter.
+struct Waiter {
+    limit: idem::Limit,
+}
+
+impl Handler for Waiter {
+    type Message = Letter;
+    type Output = ();
+    const OPERATION: &'static str = "flow.waiter";
+
+    fn scope(&self, _: &Letter) -> String {
+        "acme".into()
+    }
+
+    fn idempotency_key(&self, letter: &Letter) -> String {
+        letter.event_id.clone()
+    }
+
+    async fn handle(&self, letter: Letter, ctx: &mut Context) -> Result<(), HandlerError> {
+        let permit = self.limit.acquire().await?;
+        sqlx::query("INSERT INTO flow_sent (event_id) VALUES ($1)")
+            .bind(&letter.event_id)
+            .execute(ctx.pool())
+            .await?;
+        drop(permit);
+        Ok(())
+    }
+}
+
+/// A handler waiting for a permit (the test holds the only one) holds back only its
+/// own queue: the service's other queue sends its letters meanwhile. Its lease (1 s)
+/// is kept by the heartbeats while it waits three times that, and once the permit is
+/// free it completes on its first attempt.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn waiting_for_a_permit_holds_back_only_its_queue_and_keeps_its_lease(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    create_sent_table(&pool).await;
+    let limited = TestQueue::new("flow-limited").await;
+    let free = TestQueue::new("flow-free").await;
+    let limit = |pool: &PgPool| idem::Limit::new("the-only-one", pool.clone()).concurrent(1);
+    let held = limit(&pool).acquire().await.unwrap();
+
+    let options = (*pool.connect_options()).clone();
+    let service_pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_lazy_with(options);
+    let store = Store::new(
+        service_pool.clone(),
+        StoreConfig {
+            lease: Duration::from_secs(1),
+            ..StoreConfig::default()
+        },
+    );
+    let queue = |q: &TestQueue| WorkerConfig {
+        queue: q.name.clone(),
+        retry: short_tiers(),
+        ..WorkerConfig::default()
+    };
+    let service_config = idem::ServiceConfig {
+        amqp_url: amqp_url(),
+        name: format!("test-flow-{}", uuid::Uuid::new_v4().simple()),
+        tally_every: None,
+        ..idem::ServiceConfig::default()
+    };
+    let shutdown = CancellationToken::new();
+    let service = idem::Service::new(store, service_config)
+        .handler(
+            Waiter {
+                limit: limit(&service_pool),
+            },
+            queue(&limited),
+        )
+        .handler(Mail::default(), queue(&free));
+    let task = tokio::spawn(service.run(shutdown.clone()));
+    wait_for_consumers(&limited, 1).await;
+    wait_for_consumers(&free, 1).await;
+
+    limited.publish(&letter("waits")).await;
+    for i in 0..3 {
+        free.publish(&letter(&format!("free-{i}"))).await;
+    }
+    wait_until(SETTLE, "the other queue's letters sent", || async {
+        let sent = sent(&pool).await;
+        (0..3).all(|i| sent.contains_key(&format!("free-{i}")))
+    })
+    .await;
+    let lease = || async {
+        sqlx::query_as::<_, (String, f64, Option<f64>)>(
+            "SELECT status, extract(epoch FROM now() - created_at)::float8,
+                    extract(epoch FROM lease_expires_at - now())::float8
+               FROM processed_operations WHERE operation = 'flow.waiter'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    wait_until(SETTLE, "the waiter claimed 3 s ago", || async {
+        lease().await.is_some_and(|(_, age, _)| age >= 3.0)
+    })
+    .await;
+    let (status, age, left) = lease().await.unwrap();
+    assert_eq!(status, "processing", "still waiting for the permit");
+    assert!(
+        left.is_some_and(|left| left > 0.0),
+        "its lease of 1 s, claimed {age:.1} s ago, is kept by heartbeats: {left:?} s left"
+    );
+    assert!(!sent(&pool).await.contains_key("waits"));
+
+    held.release().await;
+    wait_until(SETTLE, "the waiter's letter sent", || async {
+        sent(&pool).await.contains_key("waits")
+    })
+    .await;
+    wait_until(SETTLE, "the waiter completed", || async {
+        lease()
+            .await
+            .is_some_and(|(status, _, _)| status == "completed")
+    })
+    .await;
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM processed_operations WHERE operation = 'flow.waiter'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1, "no takeover");
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
