@@ -21,7 +21,7 @@ use crate::store::storable;
 const REASON_MAX: usize = 500;
 
 /// An error's text as the row keeps it: without NUL, at most [`REASON_MAX`] bytes.
-fn reason(error: Option<&str>) -> Option<String> {
+pub(super) fn reason(error: Option<&str>) -> Option<String> {
     error.map(|e| {
         let mut text = storable(e).into_owned();
         if text.len() > REASON_MAX {
@@ -38,6 +38,9 @@ fn reason(error: Option<&str>) -> Option<String> {
 /// How often a worker reads its circuits' rows: another process's open (or an
 /// operator's close) is seen within this.
 const POLL: Duration = Duration::from_secs(1);
+
+/// The longest a probe keeps its turn (see `renew_turn`).
+const LONGEST_PROBE: Duration = Duration::from_secs(300);
 
 /// Where a circuit stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,7 +226,13 @@ impl Circuit {
                         }
                     }
                     Err(error) => {
-                        warn!(queue = %self.name, error = %error, "circuit: the probe's turn not taken")
+                        warn!(queue = %self.name, error = %error, "circuit: the probe's turn not taken");
+                        // The database is down: try again at the next poll, not at once.
+                        tokio::select! {
+                            _ = tokio::time::sleep(POLL) => {}
+                            _ = shutdown.cancelled() => return None,
+                        }
+                        continue;
                     }
                 }
             }
@@ -241,10 +250,18 @@ impl Circuit {
         }
     }
 
-    /// Keeps the probe's turn of `generation` while its run goes on.
+    /// Keeps the probe's turn of `generation` while its run goes on, up to
+    /// [`LONGEST_PROBE`]: a probe whose call hangs must not keep every worker of the
+    /// queue waiting; past it another process probes, and the hung one's late result
+    /// is fenced off by the generation.
     async fn renew_turn(self: Arc<Self>, generation: i64) {
+        let started = Instant::now();
         loop {
             tokio::time::sleep(self.turn / 3).await;
+            if started.elapsed() + self.turn > LONGEST_PROBE {
+                warn!(queue = %self.name, "circuit: the probe runs too long; its turn ends, another delivery probes");
+                return;
+            }
             let renewed = sqlx::query(
                 "UPDATE flow_circuits SET retry_at = now() + $3 * interval '1 millisecond'
                   WHERE name = $1 AND state = 'half_open' AND generation = $2",
@@ -279,10 +296,10 @@ impl Circuit {
                 self.wire().succeeded(&self.config, Instant::now());
                 Ok(())
             }
-            (Admission::Closed(_), Run::Failed) => {
+            (Admission::Closed(generation), Run::Failed) => {
                 let trips = self.wire().failed(&self.config, Instant::now());
                 if trips && self.view.borrow().state == CircuitState::Closed {
-                    self.open(error).await
+                    self.open(error, generation).await
                 } else {
                     Ok(())
                 }
@@ -347,20 +364,23 @@ impl Circuit {
         Ok(())
     }
 
-    /// Opens the circuit (if no other process did meanwhile) for the first pause.
-    async fn open(&self, error: Option<&str>) -> Result<(), sqlx::Error> {
+    /// Opens the circuit for the first pause, if it is still closed in `generation`
+    /// (the one the failed runs were admitted in: a view a second old must not reopen
+    /// what another process's probe just closed).
+    async fn open(&self, error: Option<&str>, generation: i64) -> Result<(), sqlx::Error> {
         let row = sqlx::query_as::<_, (i64, Option<f64>)>(
             "INSERT INTO flow_circuits (name, state, generation, opens, retry_at, reason, changed_at)
              VALUES ($1, 'open', 1, 1, now() + $2 * interval '1 millisecond', $3, now())
              ON CONFLICT (name) DO UPDATE
                 SET state = 'open', generation = flow_circuits.generation + 1, opens = 1,
                     retry_at = excluded.retry_at, reason = excluded.reason, changed_at = now()
-                WHERE flow_circuits.state = 'closed'
+                WHERE flow_circuits.state = 'closed' AND flow_circuits.generation = $4
              RETURNING generation, $2::float8",
         )
         .bind(&self.name)
         .bind(self.config.open_for.as_millis() as f64)
         .bind(reason(error))
+        .bind(generation)
         .fetch_optional(&self.pool)
         .await?;
         match row {
@@ -445,7 +465,11 @@ impl Circuit {
     /// Takes in what the row says: `state` at `generation`, `until` in milliseconds
     /// from now. A new generation forgets the runs counted before it.
     fn saw(&self, state: CircuitState, (generation, until): (i64, Option<f64>)) {
-        let until = until.map(|ms| Instant::now() + Duration::from_millis(ms.max(0.0) as u64));
+        // At most a day ahead: a time set by hand (`infinity`) must not overflow.
+        let until = until.map(|ms| {
+            let ahead = Duration::from_millis(ms.clamp(0.0, 86_400_000.0) as u64);
+            Instant::now() + ahead
+        });
         let next = View {
             state,
             generation,

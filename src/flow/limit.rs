@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Executor, PgPool};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -50,7 +50,8 @@ const MAX_SLOTS: u32 = 100_000;
 #[derive(Clone)]
 pub struct Limit {
     name: String,
-    pool: PgPool,
+    /// Where its pool connects: the store's database.
+    connect: PgConnectOptions,
     concurrent: Option<u32>,
     per_second: Option<u32>,
     held_for: Duration,
@@ -73,6 +74,8 @@ impl std::fmt::Debug for Limit {
 /// What the clones of one limit share in this process.
 #[derive(Default)]
 struct State {
+    /// The limit's own pool, made at its first use (in the runtime).
+    pool: OnceLock<PgPool>,
     /// At most `concurrent` waiters or holders in this process: no more could hold a
     /// permit, and no more poll for one.
     local: OnceLock<Arc<Semaphore>>,
@@ -101,6 +104,11 @@ impl From<LimitError> for HandlerError {
 }
 
 /// A permit of a [`Limit`]: one of its concurrent calls, and one of this second's.
+///
+/// Held under a lease its task renews: if the database cannot be reached for longer
+/// than the lease, the slot may be taken by another process while this one still
+/// calls (a warning says so), one call more than the bound. An `acquire` cancelled
+/// between its take and its answer leaves the slot taken until the lease ends.
 /// Dropping it frees the concurrency slot (in a task of its own); [`release`]
 /// (Permit::release) frees it before returning.
 #[must_use = "the permit is freed when dropped"]
@@ -122,21 +130,9 @@ impl Limit {
     /// pool must not wait for another one of that pool, which every other handler may
     /// hold the same way.
     pub fn new(name: &str, pool: PgPool) -> Self {
-        // Permits are counted, not kept: a take or a release lost with the last
-        // moments before a crash of Postgres costs a slot for one lease, or one call
-        // too many, never an effect; waiting for each one's WAL flush would triple
-        // what a permit costs.
-        let options = (*pool.connect_options())
-            .clone()
-            .options([("synchronous_commit", "off")]);
-        let pool = PgPoolOptions::new()
-            .max_connections(CONNECTIONS)
-            .min_connections(0)
-            .idle_timeout(Duration::from_secs(60))
-            .connect_lazy_with(options);
         Self {
             name: name.to_owned(),
-            pool,
+            connect: (*pool.connect_options()).clone(),
             concurrent: None,
             per_second: None,
             held_for: Duration::from_secs(10),
@@ -218,6 +214,27 @@ impl Limit {
         Ok(permit)
     }
 
+    /// The limit's own pool (see [`Limit::new`]). Permits are counted, not kept: a
+    /// take or a release lost with the last moments before a crash of Postgres costs
+    /// a slot for one lease, or one call too many, never an effect; so its sessions
+    /// do not wait for each commit's WAL flush, which would triple what a permit
+    /// costs (set per session: PgBouncer refuses it as a startup parameter).
+    fn pool(&self) -> &PgPool {
+        self.state.pool.get_or_init(|| {
+            PgPoolOptions::new()
+                .max_connections(CONNECTIONS)
+                .min_connections(0)
+                .idle_timeout(Duration::from_secs(60))
+                .after_connect(|connection, _| {
+                    Box::pin(async move {
+                        connection.execute("SET synchronous_commit = off").await?;
+                        Ok(())
+                    })
+                })
+                .connect_lazy_with(self.connect.clone())
+        })
+    }
+
     fn local(&self) -> Option<Arc<Semaphore>> {
         let n = self.concurrent?;
         Some(
@@ -246,7 +263,7 @@ impl Limit {
                 )
                 .bind(&self.name)
                 .bind(self.concurrent.unwrap_or(0) as i32)
-                .execute(&self.pool)
+                .execute(self.pool())
                 .await?;
                 sqlx::query(
                     "INSERT INTO flow_rate_slots (name, slot)
@@ -254,7 +271,7 @@ impl Limit {
                 )
                 .bind(&self.name)
                 .bind(self.per_second.unwrap_or(0) as i32)
-                .execute(&self.pool)
+                .execute(self.pool())
                 .await?;
                 Ok(())
             })
@@ -285,7 +302,7 @@ impl Limit {
                 .bind(to)
                 .bind(holder())
                 .bind(self.held_for.as_millis() as f64)
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.pool())
                 .await?;
                 if let Some(slot) = taken {
                     return Ok(slot);
@@ -320,7 +337,7 @@ impl Limit {
                 .bind(&self.name)
                 .bind(from)
                 .bind(to)
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.pool())
                 .await?;
                 if taken.is_some() {
                     return Ok(());
@@ -333,7 +350,7 @@ impl Limit {
             )
             .bind(&self.name)
             .bind(slots)
-            .fetch_one(&self.pool)
+            .fetch_one(self.pool())
             .await?;
             let wait = Duration::from_millis(wait_ms.unwrap_or(1.0).clamp(1.0, 1000.0) as u64);
             let jitter = Duration::from_millis(rand::rng().random_range(0..5));
@@ -407,7 +424,7 @@ async fn release(limit: &Limit, (slot, token): (i32, i64)) {
     .bind(&limit.name)
     .bind(slot)
     .bind(token)
-    .execute(&limit.pool)
+    .execute(limit.pool())
     .await;
     if let Err(error) = freed {
         warn!(limit = %limit.name, error = %error, "permit not freed: its lease frees it");
@@ -427,7 +444,7 @@ async fn renew(limit: Limit, (slot, token): (i32, i64)) {
         .bind(slot)
         .bind(token)
         .bind(limit.held_for.as_millis() as f64)
-        .execute(&limit.pool)
+        .execute(limit.pool())
         .await;
         match renewed {
             Ok(done) if done.rows_affected() == 0 => {

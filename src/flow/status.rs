@@ -96,7 +96,7 @@ pub async fn close_circuit(
          RETURNING old.state",
     )
     .bind(name)
-    .bind(note)
+    .bind(super::circuit::reason(Some(note)))
     .fetch_optional(pool)
     .await?;
     Ok(before.map(|(state,)| CircuitState::parse(&state)))
