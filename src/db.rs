@@ -7,8 +7,15 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
-/// The migrations under `migrations/`, embedded in the binary.
+/// The migrations under `migrations/`, embedded in the binary, recorded in
+/// [`MIGRATIONS_TABLE`] (set in `sqlx.toml`).
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// Where idem records its applied migrations: a table of its own, so that an
+/// application's own strict `sqlx::migrate!` (recorded in `_sqlx_migrations`) and
+/// idem's run side by side in one database, in either order. An older idem recorded
+/// them in `_sqlx_migrations`; [`migrate`] moves them.
+pub const MIGRATIONS_TABLE: &str = "idem_migrations";
 
 /// The database URL used when neither `DATABASE_URL` nor a flag gives one.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/idem";
@@ -46,6 +53,10 @@ pub enum DbError {
     /// A migration failed to apply.
     #[error("cannot apply migrations")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The rows an older idem left in `_sqlx_migrations` could not be moved to
+    /// `idem_migrations`.
+    #[error("cannot move idem's migrations from _sqlx_migrations to idem_migrations")]
+    MoveMigrations(#[source] sqlx::Error),
     /// The database lacks migrations this build needs (an older idem migrated it).
     #[error("{target} lacks migrations {missing}; run `idem migrate` first")]
     Behind {
@@ -207,11 +218,16 @@ pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
             target: target(&options),
         });
     }
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(pool)
-            .await
-            .map_err(connect_error)?;
+    // A database an older idem migrated has no such table yet: all are missing, and
+    // `idem migrate` moves them.
+    let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM idem_migrations WHERE success")
+        .fetch_all(pool)
+        .await
+        .or_else(|error| match &error {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
+            _ => Err(error),
+        })
+        .map_err(connect_error)?;
     let missing: Vec<String> = MIGRATOR
         .iter()
         .filter(|m| !applied.contains(&m.version))
@@ -231,9 +247,73 @@ pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
 /// does not know are left alone, so that an older worker still starts during a rolling
 /// upgrade or after a rollback: idem's migrations only add to the schema (or, like the
 /// fingerprint check's, say the same rule another way), so older code keeps working.
+///
+/// A database an older idem migrated recorded them in `_sqlx_migrations`, beside an
+/// application's own: they are moved to [`MIGRATIONS_TABLE`] first (once, under a lock,
+/// in one transaction), so that neither migrator finds the other's versions.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
+    move_from_sqlx_migrations(pool).await?;
     // The same embedded migrations as `MIGRATOR` (which stays strict for the tests).
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_ignore_missing(true);
     Ok(migrator.run(pool).await?)
+}
+
+/// Moves idem's rows (its versions, with its checksums) from `_sqlx_migrations` to
+/// `idem_migrations`, if an older idem left them there and none were moved yet.
+/// Returns how many moved.
+pub async fn move_from_sqlx_migrations(pool: &PgPool) -> Result<u64, DbError> {
+    move_rows(pool).await.map_err(DbError::MoveMigrations)
+}
+
+async fn move_rows(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // Workers starting together: one moves, the others find it done.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem_migrations_move'))")
+        .execute(&mut *tx)
+        .await?;
+    let (old, new): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('_sqlx_migrations') IS NOT NULL, to_regclass('idem_migrations') IS NOT NULL",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    if !old || new {
+        return Ok(0);
+    }
+    let recorded: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations")
+            .fetch_all(&mut *tx)
+            .await?;
+    let ours: Vec<i64> = recorded
+        .iter()
+        .filter(|(version, checksum)| {
+            MIGRATOR
+                .iter()
+                .any(|m| m.version == *version && *m.checksum == **checksum)
+        })
+        .map(|(version, _)| *version)
+        .collect();
+    if ours.is_empty() {
+        return Ok(0);
+    }
+    sqlx::query("CREATE TABLE idem_migrations (LIKE _sqlx_migrations INCLUDING ALL)")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO idem_migrations SELECT * FROM _sqlx_migrations WHERE version = ANY($1)",
+    )
+    .bind(&ours)
+    .execute(&mut *tx)
+    .await?;
+    let moved = sqlx::query("DELETE FROM _sqlx_migrations WHERE version = ANY($1)")
+        .bind(&ours)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    tx.commit().await?;
+    tracing::info!(
+        moved,
+        "idem's migrations moved from _sqlx_migrations to idem_migrations"
+    );
+    Ok(moved)
 }

@@ -610,7 +610,7 @@ async fn an_older_build_accepts_a_database_migrated_further(
 ) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
     sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+        "INSERT INTO idem_migrations (version, description, success, checksum, execution_time)
          VALUES (99991231000000, 'from a newer idem', true, '\\x00', 0)",
     )
     .execute(&pool)
@@ -619,7 +619,7 @@ async fn an_older_build_accepts_a_database_migrated_further(
     let (code, out) = run_idem(&database_url(&connect), &["migrate"]).await;
     assert_eq!(code, 0, "{out}");
     let newer: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE version = 99991231000000")
+        sqlx::query_scalar("SELECT count(*) FROM idem_migrations WHERE version = 99991231000000")
             .fetch_one(&pool)
             .await
             .unwrap();
@@ -635,7 +635,7 @@ async fn commands_on_a_database_behind_this_build_ask_for_migrate(
     connect: PgConnectOptions,
 ) {
     let pool = pool_options.connect_with(connect.clone()).await.unwrap();
-    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = 20261201000003")
+    sqlx::query("DELETE FROM idem_migrations WHERE version = 20261201000003")
         .execute(&pool)
         .await
         .unwrap();

@@ -147,7 +147,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .await
                 .context("migrate")?;
             idem::db::migrate(&pool).await.context("migrate")?;
-            let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+            let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_migrations")
                 .fetch_one(&pool)
                 .await
                 .context("migrate: count applied migrations")?;
