@@ -13,8 +13,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::CircuitState;
 use super::breaker::{CircuitBreaker, Tripwire};
-use crate::metrics::BrokerHealth;
 use crate::store::storable;
 
 /// The longest reason kept on the row.
@@ -41,45 +41,6 @@ const POLL: Duration = Duration::from_secs(1);
 
 /// The longest a probe keeps its turn (see `renew_turn`).
 const LONGEST_PROBE: Duration = Duration::from_secs(300);
-
-/// Where a circuit stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CircuitState {
-    /// Deliveries are taken.
-    Closed,
-    /// One probe delivery is running; the others wait.
-    HalfOpen,
-    /// No delivery is taken until the pause ends.
-    Open,
-}
-
-impl CircuitState {
-    /// The name in logs, `/healthz` and `idem flow`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CircuitState::Closed => "closed",
-            CircuitState::HalfOpen => "half_open",
-            CircuitState::Open => "open",
-        }
-    }
-
-    pub(crate) fn parse(state: &str) -> Self {
-        match state {
-            "open" => CircuitState::Open,
-            "half_open" => CircuitState::HalfOpen,
-            _ => CircuitState::Closed,
-        }
-    }
-
-    /// `idem_circuit_state`: 0 closed, 1 half-open, 2 open.
-    fn gauge(self) -> f64 {
-        match self {
-            CircuitState::Closed => 0.0,
-            CircuitState::HalfOpen => 1.0,
-            CircuitState::Open => 2.0,
-        }
-    }
-}
 
 /// What this process knows of the row.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -143,24 +104,26 @@ pub(crate) struct Circuit {
     turn: Duration,
     view: watch::Sender<View>,
     tripwire: Mutex<Tripwire>,
-    health: BrokerHealth,
+    /// Told of each change of state (the process's `/healthz`).
+    on_change: Box<dyn Fn(CircuitState) + Send + Sync>,
 }
 
 impl Circuit {
-    /// The circuit of queue `name`, closed until its row is read.
+    /// The circuit of queue `name`, closed until its row is read; `on_change` is told
+    /// of each change of its state.
     pub(crate) fn new(
         name: &str,
         config: CircuitBreaker,
         pool: PgPool,
         turn: Duration,
-        health: BrokerHealth,
+        on_change: impl Fn(CircuitState) + Send + Sync + 'static,
     ) -> Self {
         let closed = View {
             state: CircuitState::Closed,
             generation: 0,
             until: None,
         };
-        health.set_circuit(name, CircuitState::Closed);
+        on_change(CircuitState::Closed);
         ::metrics::gauge!("idem_circuit_state", "queue" => name.to_owned())
             .set(CircuitState::Closed.gauge());
         Self {
@@ -170,7 +133,7 @@ impl Circuit {
             turn,
             view: watch::channel(closed).0,
             tripwire: Mutex::new(Tripwire::new()),
-            health,
+            on_change: Box::new(on_change),
         }
     }
 
@@ -496,7 +459,7 @@ impl Circuit {
             self.wire().reset();
         }
         if moved {
-            self.health.set_circuit(&self.name, state);
+            (self.on_change)(state);
             ::metrics::gauge!("idem_circuit_state", "queue" => self.name.clone())
                 .set(state.gauge());
             info!(queue = %self.name, state = state.as_str(), "circuit state");

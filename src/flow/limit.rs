@@ -257,19 +257,16 @@ impl Limit {
         self.state
             .slots_ready
             .get_or_try_init(|| async {
+                // Both kinds in one statement (a kind without a bound gets none).
                 sqlx::query(
-                    "INSERT INTO flow_permits (name, slot)
-                     SELECT $1, generate_series(0, $2 - 1) ON CONFLICT DO NOTHING",
+                    "WITH permits AS (
+                        INSERT INTO flow_permits (name, slot)
+                        SELECT $1, generate_series(0, $2 - 1) ON CONFLICT DO NOTHING)
+                     INSERT INTO flow_rate_slots (name, slot)
+                     SELECT $1, generate_series(0, $3 - 1) ON CONFLICT DO NOTHING",
                 )
                 .bind(&self.name)
                 .bind(self.concurrent.unwrap_or(0) as i32)
-                .execute(self.pool())
-                .await?;
-                sqlx::query(
-                    "INSERT INTO flow_rate_slots (name, slot)
-                     SELECT $1, generate_series(0, $2 - 1) ON CONFLICT DO NOTHING",
-                )
-                .bind(&self.name)
                 .bind(self.per_second.unwrap_or(0) as i32)
                 .execute(self.pool())
                 .await?;

@@ -8,7 +8,8 @@
 //!   through when its pause ends, and closes on the probe's success;
 //! - `limit`: [`Limit`], at most N calls at once and R per second to a named
 //!   dependency, shared through `flow_permits` and `flow_rate_slots`;
-//! - `status`: what `idem flow` and the console show, and closing a circuit by hand.
+//! - `status`: where a circuit stands, what `idem flow` and the console show, and
+//!   closing a circuit by hand.
 
 mod breaker;
 pub(crate) mod circuit;
@@ -16,6 +17,5 @@ mod limit;
 mod status;
 
 pub use breaker::{CircuitBreaker, FailureRatio};
-pub use circuit::CircuitState;
 pub use limit::{Limit, LimitError, Permit};
-pub use status::{CircuitRow, LimitRow, circuits, close_circuit, limits};
+pub use status::{CircuitRow, CircuitState, LimitRow, circuits, close_circuit, limits};

@@ -4,7 +4,44 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use super::CircuitState;
+/// Where a circuit stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CircuitState {
+    /// Deliveries are taken.
+    Closed,
+    /// One probe delivery is running; the others wait.
+    HalfOpen,
+    /// No delivery is taken until the pause ends.
+    Open,
+}
+
+impl CircuitState {
+    /// The name in logs, `/healthz` and `idem flow`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CircuitState::Closed => "closed",
+            CircuitState::HalfOpen => "half_open",
+            CircuitState::Open => "open",
+        }
+    }
+
+    pub(crate) fn parse(state: &str) -> Self {
+        match state {
+            "open" => CircuitState::Open,
+            "half_open" => CircuitState::HalfOpen,
+            _ => CircuitState::Closed,
+        }
+    }
+
+    /// `idem_circuit_state`: 0 closed, 1 half-open, 2 open.
+    pub(crate) fn gauge(self) -> f64 {
+        match self {
+            CircuitState::Closed => 0.0,
+            CircuitState::HalfOpen => 1.0,
+            CircuitState::Open => 2.0,
+        }
+    }
+}
 
 /// A circuit as its row says.
 #[derive(Debug, Clone, sqlx::FromRow)]

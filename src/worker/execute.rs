@@ -116,6 +116,14 @@ impl Decided {
     fn without_key(verdict: Verdict) -> Self {
         Self { verdict, key: None }
     }
+
+    /// The queue's circuit keeps the delivery of `key` out: back to the queue unrun.
+    fn paused(key: Key) -> Self {
+        Self {
+            verdict: decision::paused(),
+            key: Some(key),
+        }
+    }
 }
 
 /// A delivery that could not be decided (docs/DESIGN.md, "Errors by cause"). The
@@ -230,12 +238,8 @@ pub(crate) async fn walk<H: Handler>(
     };
     let circuit = runtime.circuit.as_deref();
     let admission = incoming.admission;
-    let paused = |key: Key| Decided {
-        verdict: decision::paused(),
-        key: Some(key),
-    };
-    if circuit.is_some_and(|c| !c.admits(admission)) {
-        return Ok(paused(parsed.key));
+    if keeps_out(circuit, admission) {
+        return Ok(Decided::paused(parsed.key));
     }
     if let Some(transactions) = &runtime.transactions {
         drop(message); // the batch deserializes its own
@@ -261,7 +265,7 @@ pub(crate) async fn walk<H: Handler>(
                 failpoint::hit("after-claim");
                 let ran = handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
                 if counted(circuit, admission, &ran).await {
-                    return Ok(paused(parsed.key));
+                    return Ok(Decided::paused(parsed.key));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -276,7 +280,7 @@ pub(crate) async fn walk<H: Handler>(
                     handle::reconcile(runtime, incoming, &parsed, message, &lease, external_ref)
                         .await?;
                 if counted(circuit, admission, &ran).await {
-                    return Ok(paused(parsed.key));
+                    return Ok(Decided::paused(parsed.key));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -286,8 +290,8 @@ pub(crate) async fn walk<H: Handler>(
                     "transient failure, retrying in process"
                 );
                 tokio::time::sleep(after).await;
-                if circuit.is_some_and(|c| !c.admits(admission)) {
-                    return Ok(paused(parsed.key));
+                if keeps_out(circuit, admission) {
+                    return Ok(Decided::paused(parsed.key));
                 }
                 claim(runtime, &request, retries).await?
             }
@@ -299,6 +303,12 @@ pub(crate) async fn walk<H: Handler>(
             }
         };
     }
+}
+
+/// Whether the queue's circuit (if it has one) keeps a delivery let in as `admission`
+/// from running now.
+fn keeps_out(circuit: Option<&Circuit>, admission: Admission) -> bool {
+    circuit.is_some_and(|c| !c.admits(admission))
 }
 
 /// Counts a run on the queue's circuit (if it has one). True when the delivery goes
@@ -380,7 +390,7 @@ async fn in_transaction<H: Handler>(
             Step::Settle(verdict) => return Ok(verdict),
             Step::ClaimAgain { after } => {
                 tokio::time::sleep(after).await;
-                if circuit.is_some_and(|c| !c.admits(incoming.admission)) {
+                if keeps_out(circuit, incoming.admission) {
                     return Ok(decision::paused());
                 }
             }

@@ -377,13 +377,9 @@ async fn run_queue(group: Vec<Hosted>, mut shared: Shared, shutdown: Cancellatio
         // A probe's turn: a run of the handler under its lease, with room to spare.
         let turn = (shared.store.config().lease * 2).max(Duration::from_secs(10));
         let pool = shared.store.pool().clone();
-        Arc::new(Circuit::new(
-            &config.queue,
-            breaker,
-            pool,
-            turn,
-            shared.health.clone(),
-        ))
+        let (health, queue) = (shared.health.clone(), config.queue.clone());
+        let on_change = move |state| health.set_circuit(&queue, state);
+        Arc::new(Circuit::new(&config.queue, breaker, pool, turn, on_change))
     });
     // Stopped when the queue ends, or its task unwinds.
     let watching = CancellationToken::new().drop_guard();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Form, http::StatusCode};
+use idem::flow::{CircuitRow, CircuitState, LimitRow};
 use serde::Deserialize;
 
 use super::html::{escape, num, page, post_form_with, table};
@@ -24,48 +25,8 @@ pub(super) async fn page_of(State(console): State<Arc<Console>>) -> Response {
         Ok(rows) => rows,
         Err(error) => return failed("the store", &error.into()),
     };
-    let circuits: Vec<Vec<String>> = circuits
-        .iter()
-        .map(|c| {
-            let close = if c.state() != idem::flow::CircuitState::Closed && console.serves(&c.name)
-            {
-                post_form_with(
-                    "/flow/close",
-                    &[("queue", c.name.as_str())],
-                    "<input type=\"text\" name=\"note\" size=\"30\" required \
-                     placeholder=\"why (kept as its reason)\">",
-                    &console.csrf,
-                    "Close it",
-                )
-            } else {
-                String::new()
-            };
-            vec![
-                escape(&c.name),
-                format!(
-                    "<span class=\"{}\">{}</span>",
-                    state_class(&c.state),
-                    escape(&c.state)
-                ),
-                num(c.opens),
-                when(c.retry_at),
-                escape(c.reason.as_deref().unwrap_or("-")),
-                when(Some(c.changed_at)),
-                close,
-            ]
-        })
-        .collect();
-    let limits: Vec<Vec<String>> = limits
-        .iter()
-        .map(|l| {
-            vec![
-                escape(&l.name),
-                bound(l.held, l.slots),
-                escape(&l.holders.join(", ")),
-                bound(l.last_second, l.per_second),
-            ]
-        })
-        .collect();
+    let circuits: Vec<Vec<String>> = circuits.iter().map(|c| circuit_row(&console, c)).collect();
+    let limits: Vec<Vec<String>> = limits.iter().map(limit_row).collect();
     let body = format!(
         "<h2>Circuits</h2><p>A queue whose circuit is open takes no delivery: they wait in \
          the broker, and one probe per pause tests the dependency.</p>{}\
@@ -95,6 +56,45 @@ pub(super) async fn page_of(State(console): State<Arc<Console>>) -> Response {
         )
     );
     page("Flow control", &body).into_response()
+}
+
+/// A circuit's row, with the form that closes it if it is one of the console's queues.
+fn circuit_row(console: &Console, c: &CircuitRow) -> Vec<String> {
+    let close = if c.state() != CircuitState::Closed && console.serves(&c.name) {
+        post_form_with(
+            "/flow/close",
+            &[("queue", c.name.as_str())],
+            "<input type=\"text\" name=\"note\" size=\"30\" required \
+             placeholder=\"why (kept as its reason)\">",
+            &console.csrf,
+            "Close it",
+        )
+    } else {
+        String::new()
+    };
+    vec![
+        escape(&c.name),
+        format!(
+            "<span class=\"{}\">{}</span>",
+            state_class(&c.state),
+            escape(&c.state)
+        ),
+        num(c.opens),
+        when(c.retry_at),
+        escape(c.reason.as_deref().unwrap_or("-")),
+        when(Some(c.changed_at)),
+        close,
+    ]
+}
+
+/// A limit's row: its permits held and by whom, its calls in the last second.
+fn limit_row(l: &LimitRow) -> Vec<String> {
+    vec![
+        escape(&l.name),
+        bound(l.held, l.slots),
+        escape(&l.holders.join(", ")),
+        bound(l.last_second, l.per_second),
+    ]
 }
 
 fn state_class(state: &str) -> &'static str {
