@@ -113,6 +113,10 @@ struct Args {
     /// Postgres URL.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
+    /// Postgres URL for what needs a session of its own (the gc lock, the relay's
+    /// LISTEN) when --database-url goes through a transaction pooler.
+    #[arg(long, env = "DATABASE_SESSION_URL", hide_env_values = true)]
+    session_url: Option<String>,
     /// RabbitMQ URL.
     #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
     amqp_url: String,
@@ -156,6 +160,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         pool,
         StoreConfig {
             owner: name.clone(),
+            session: idem::db::session_options(args.session_url.as_deref())?,
             ..StoreConfig::default()
         },
     );

@@ -305,6 +305,10 @@ struct Args {
     /// Postgres URL.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
+    /// Postgres URL for what needs a session of its own (the gc lock, the relay's
+    /// LISTEN) when --database-url goes through a transaction pooler.
+    #[arg(long, env = "DATABASE_SESSION_URL", hide_env_values = true)]
+    session_url: Option<String>,
     /// RabbitMQ URL.
     #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
     amqp_url: String,
@@ -346,6 +350,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         pool,
         StoreConfig {
             owner: name.clone(),
+            session: idem::db::session_options(args.session_url.as_deref())?,
             lease: Duration::from_secs(args.lease_secs),
             ..StoreConfig::default()
         },

@@ -601,6 +601,57 @@ async fn migrate_creates_a_fresh_database_twice_in_a_row(
     );
 }
 
+/// Processes that start together on a fresh database (through PgBouncer in transaction
+/// pooling in `scripts/test`'s third pass, where a session lock would not hold) create
+/// and migrate it once: every one succeeds, and each migration is recorded once.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn four_processes_migrating_a_fresh_database_at_once_all_succeed(
+    _pool_options: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let name = format!(
+        "idem_migrate_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let base = database_url(&connect);
+    let url = format!("{}/{name}", base.rsplit_once('/').unwrap().0);
+    let runs: Vec<_> = (0..4)
+        .map(|_| idem_command(&url, &["migrate"]).output())
+        .collect();
+    for out in futures_util::future::join_all(runs).await {
+        let out = out.unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(connect.clone().database(&name))
+        .await
+        .unwrap();
+    let (rows, versions): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT version) FROM idem_migrations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    pool.close().await;
+    assert_eq!(rows, idem::db::MIGRATOR.iter().count() as i64);
+    assert_eq!(versions, rows);
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(connect)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {name} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+}
+
 /// A rollback: this build meets a database that a newer idem migrated further. It
 /// starts (and leaves the unknown migration alone) instead of refusing.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

@@ -8,12 +8,13 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
+use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Executor, PgPool};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::warn;
 
+use crate::db::Moved;
 use crate::handler::HandlerError;
 
 /// The longest pause between two tries for a concurrency permit held in another
@@ -50,8 +51,9 @@ const MAX_SLOTS: u32 = 100_000;
 #[derive(Clone)]
 pub struct Limit {
     name: String,
-    /// Where its pool connects: the store's database.
-    connect: PgConnectOptions,
+    /// The store's pool: where its own pool connects, following it to another host of
+    /// a host list.
+    store: PgPool,
     concurrent: Option<u32>,
     per_second: Option<u32>,
     held_for: Duration,
@@ -76,6 +78,9 @@ impl std::fmt::Debug for Limit {
 struct State {
     /// The limit's own pool, made at its first use (in the runtime).
     pool: OnceLock<PgPool>,
+    /// The store pool's options its own pool connects with, and when they last changed.
+    following: Mutex<Option<Arc<PgConnectOptions>>>,
+    moved: Moved,
     /// At most `concurrent` waiters or holders in this process: no more could hold a
     /// permit, and no more poll for one.
     local: OnceLock<Arc<Semaphore>>,
@@ -129,10 +134,18 @@ impl Limit {
     /// a permit, or frees one, while its transaction holds a connection of the store's
     /// pool must not wait for another one of that pool, which every other handler may
     /// hold the same way.
+    ///
+    /// Permits are counted, not kept: a take or a release lost with the last moments
+    /// before a crash of Postgres costs a slot for one lease, or one call too many,
+    /// never an effect. So each of its writes commits without waiting for the WAL flush
+    /// (which would triple what a permit costs): `synchronous_commit` is set off inside
+    /// the statement, for its own transaction only, because a session setting would
+    /// stay behind, through a transaction pooler, on a server connection that other
+    /// clients' transactions use next.
     pub fn new(name: &str, pool: PgPool) -> Self {
         Self {
             name: name.to_owned(),
-            connect: (*pool.connect_options()).clone(),
+            store: pool,
             concurrent: None,
             per_second: None,
             held_for: Duration::from_secs(10),
@@ -214,25 +227,32 @@ impl Limit {
         Ok(permit)
     }
 
-    /// The limit's own pool (see [`Limit::new`]). Permits are counted, not kept: a
-    /// take or a release lost with the last moments before a crash of Postgres costs
-    /// a slot for one lease, or one call too many, never an effect; so its sessions
-    /// do not wait for each commit's WAL flush, which would triple what a permit
-    /// costs (set per session: PgBouncer refuses it as a startup parameter).
+    /// The limit's own pool (see [`Limit::new`]), on the store pool's host as it is now.
     fn pool(&self) -> &PgPool {
-        self.state.pool.get_or_init(|| {
-            PgPoolOptions::new()
+        let now = self.store.connect_options();
+        let pool = self.state.pool.get_or_init(|| {
+            let options = PgPoolOptions::new()
                 .max_connections(CONNECTIONS)
                 .min_connections(0)
-                .idle_timeout(Duration::from_secs(60))
-                .after_connect(|connection, _| {
-                    Box::pin(async move {
-                        connection.execute("SET synchronous_commit = off").await?;
-                        Ok(())
-                    })
-                })
-                .connect_lazy_with(self.connect.clone())
-        })
+                .idle_timeout(Duration::from_secs(60));
+            crate::db::retiring(options, &self.state.moved).connect_lazy_with((*now).clone())
+        });
+        let mut following = self
+            .state
+            .following
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match &*following {
+            Some(seen) if Arc::ptr_eq(seen, &now) => {}
+            Some(_) => {
+                // The store's pool moved to another host: so does this one.
+                pool.set_connect_options((*now).clone());
+                self.state.moved.now();
+                *following = Some(now);
+            }
+            None => *following = Some(now),
+        }
+        pool
     }
 
     fn local(&self) -> Option<Arc<Semaphore>> {
@@ -292,6 +312,7 @@ impl Limit {
                              WHERE name = $1 AND slot >= $2 AND slot < $3
                                AND (holder IS NULL OR held_until < clock_timestamp())
                              LIMIT 1 FOR UPDATE SKIP LOCKED)
+                        AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'
                       RETURNING slot, token",
                 )
                 .bind(&self.name)
@@ -329,6 +350,7 @@ impl Limit {
                              WHERE name = $1 AND slot >= $2 AND slot < $3
                                AND used_at <= clock_timestamp() - interval '1025 milliseconds'
                              LIMIT 1 FOR UPDATE SKIP LOCKED)
+                        AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'
                       RETURNING slot",
                 )
                 .bind(&self.name)
@@ -416,7 +438,8 @@ impl Drop for Permit {
 async fn release(limit: &Limit, (slot, token): (i32, i64)) {
     let freed = sqlx::query(
         "UPDATE flow_permits SET holder = NULL, held_until = NULL
-          WHERE name = $1 AND slot = $2 AND token = $3",
+          WHERE name = $1 AND slot = $2 AND token = $3
+            AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'",
     )
     .bind(&limit.name)
     .bind(slot)
@@ -435,7 +458,8 @@ async fn renew(limit: Limit, (slot, token): (i32, i64)) {
         tokio::time::sleep(limit.held_for / 3).await;
         let renewed = sqlx::query(
             "UPDATE flow_permits SET held_until = clock_timestamp() + $4 * interval '1 millisecond'
-              WHERE name = $1 AND slot = $2 AND token = $3",
+              WHERE name = $1 AND slot = $2 AND token = $3
+                AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'",
         )
         .bind(&limit.name)
         .bind(slot)

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use lapin::Channel;
 use lapin::options::ConfirmSelectOptions;
 use sqlx::PgPool;
-use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -58,6 +58,8 @@ pub struct Relay {
     /// The connection it publishes on when it shares one (a service's publishing
     /// connection); none: its own, named `name`.
     shared: Option<Arc<Connector>>,
+    /// Where its `LISTEN` connection opens; none: where the pool connects now.
+    session: Option<PgConnectOptions>,
 }
 
 impl Relay {
@@ -73,7 +75,15 @@ impl Relay {
             retention,
             wake: Arc::new(Notify::new()),
             shared: None,
+            session: None,
         }
+    }
+
+    /// Opens its `LISTEN` connection with `options` (a session of its own, which a
+    /// transaction pooler cannot keep: `StoreConfig::session`) instead of the pool's.
+    pub fn listening_on(mut self, options: Option<PgConnectOptions>) -> Self {
+        self.session = options;
+        self
     }
 
     /// The connection name the broker shows (`idem-relay` by default).
@@ -110,7 +120,15 @@ impl Relay {
         let mut stats_at = Instant::now() - STATS_EVERY;
         let mut broker_backoff = Duration::from_millis(200);
         let mut broker_retry_at = Instant::now();
+        // The pool's options it listens with: the pool moved to another host of a host
+        // list when they change, and a `LISTEN` left on the old one hears nothing.
+        let mut listening_with = self.pool.connect_options();
         while !shutdown.is_cancelled() {
+            let now = self.pool.connect_options();
+            if self.session.is_none() && !Arc::ptr_eq(&now, &listening_with) {
+                listener = None;
+                listening_with = now;
+            }
             if listener.is_none() {
                 listener = tokio::select! {
                     listening = self.listen() => listening,
@@ -188,11 +206,14 @@ impl Relay {
     async fn listen(&self) -> Option<PgListener> {
         // A connection of its own, named for pg_stat_activity after the pool's
         // (`orders_worker relay`): it stays open for as long as the relay runs.
-        let options = self.pool.connect_options();
+        let options = match &self.session {
+            Some(options) => options.clone(),
+            None => (*self.pool.connect_options()).clone(),
+        };
         let name = format!("{} relay", options.get_application_name().unwrap_or("idem"));
         let listen_pool = PgPoolOptions::new()
             .max_connections(1)
-            .connect_lazy_with((*options).clone().application_name(&name));
+            .connect_lazy_with(options.application_name(&name));
         let listening = async {
             let mut listener = PgListener::connect_with(&listen_pool).await?;
             listener.listen(CHANNEL).await?;

@@ -166,13 +166,21 @@ impl Store {
     }
 
     /// Takes over or reports the existing records of `inputs[picked]`
-    /// ([`CLAIM_EXISTING_SQL`]); no statement when there are none.
+    /// ([`CLAIM_EXISTING_SQL`]); no statement when there are none. In a transaction of
+    /// its own: the statement is unnamed, parsed and executed in two exchanges, which a
+    /// transaction pooler keeps on one server connection only inside a transaction.
     async fn claim_existing(
         &self,
         inputs: &[ClaimRequest],
         picked: &[usize],
     ) -> Result<Vec<BatchClaimRow>, StoreError> {
-        self.claim_existing_in(&self.pool, inputs, picked).await
+        if picked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.pool.begin().await?;
+        let rows = self.claim_existing_in(&mut *tx, inputs, picked).await?;
+        tx.commit().await?;
+        Ok(rows)
     }
 
     /// [`Store::claim_existing`] on any executor: in transactional mode, the batch's

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
 
 use crate::fault::{self, Fault};
 
@@ -108,6 +109,13 @@ pub struct StoreConfig {
     /// days). It must exceed the longest redelivery and replay horizon, or a late
     /// duplicate runs again.
     pub retention: Duration,
+    /// Where the connections that need a session of their own open: the gc leader's
+    /// advisory lock and the outbox relay's `LISTEN`. Set it when the pool goes through
+    /// a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, which gives
+    /// each transaction whichever server connection is free), to Postgres itself or to
+    /// a session-pooled database of the pooler ([`crate::db::options`] makes it from a
+    /// URL, `DATABASE_SESSION_URL` in the examples). `None`: the pool's own options.
+    pub session: Option<PgConnectOptions>,
 }
 
 impl Default for StoreConfig {
@@ -116,6 +124,7 @@ impl Default for StoreConfig {
             owner: format!("pid-{}", std::process::id()),
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(7 * 24 * 3600),
+            session: None,
         }
     }
 }
@@ -141,6 +150,15 @@ impl Store {
     /// The settings.
     pub fn config(&self) -> &StoreConfig {
         &self.config
+    }
+
+    /// Where a connection that needs a session of its own opens
+    /// ([`StoreConfig::session`], else the pool's host as it is now).
+    pub(crate) fn session_options(&self) -> PgConnectOptions {
+        match &self.config.session {
+            Some(options) => options.clone(),
+            None => (*self.pool.connect_options()).clone(),
+        }
     }
 }
 

@@ -170,6 +170,10 @@ impl Store {
         let tokens: Vec<i64> = items.iter().map(|(lease, _)| lease.token).collect();
         let results: Vec<&Value> = items.iter().map(|(_, result)| result).collect();
         let started = Instant::now();
+        // In a transaction of its own: an unnamed statement is parsed and executed in
+        // two exchanges, which a transaction pooler keeps on one server connection only
+        // inside a transaction.
+        let mut tx = self.pool.begin().await?;
         let done: Vec<(i64, i64)> = sqlx::query_as(COMPLETE_MANY_SQL.as_str())
             // Planned on every run, with the real array sizes: a generic plan cached
             // while the table was small hash-joins against a full scan of it.
@@ -178,8 +182,9 @@ impl Store {
             .bind(&tokens)
             .bind(&results)
             .bind(millis(self.config.retention))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         metrics::store_round_trip("complete_many", started);
         let done: HashSet<(i64, i64)> = done.into_iter().collect();
         Ok(items

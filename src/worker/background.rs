@@ -82,6 +82,7 @@ impl Background {
                 store.config().retention,
             )
             .sharing(publishing.clone())
+            .listening_on(store.config().session.clone())
             .waking_on(relay_wake.clone());
             tasks.push(tokio::spawn(relay.run(shutdown.clone())));
         }

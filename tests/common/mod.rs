@@ -48,6 +48,16 @@ pub fn database_url(options: &PgConnectOptions) -> String {
     )
 }
 
+/// `database_url` on the server that `IDEM_TEST_SESSION_SERVER` names (`host:port`),
+/// for what needs a session of its own when `IDEM_TEST_PGBOUNCER` pools transactions
+/// (`scripts/test`'s transaction-pooling pass): the processes' `DATABASE_SESSION_URL`.
+pub fn session_url(database_url: &str) -> Option<String> {
+    let server = std::env::var("IDEM_TEST_SESSION_SERVER").ok()?;
+    let (head, rest) = database_url.split_once('@')?;
+    let (_, database) = rest.split_once('/')?;
+    Some(format!("{head}@{server}/{database}"))
+}
+
 /// Polls `check` every 50 ms until it returns true, failing after `limit`.
 pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
 where
@@ -475,7 +485,11 @@ fn spawn_example(
         uuid::Uuid::new_v4().simple()
     ));
     let file = std::fs::File::create(&log).unwrap();
-    let child = Command::new(example_path(name))
+    let mut command = Command::new(example_path(name));
+    if let Some(session) = session_url(database_url) {
+        command.env("DATABASE_SESSION_URL", session);
+    }
+    let child = command
         .args(args)
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", amqp_url())
@@ -504,6 +518,9 @@ pub async fn notifications(pool: &PgPool) -> BTreeMap<String, i64> {
 /// The `idem` command with the test's database and broker (killed if dropped).
 pub fn idem_command(database_url: &str, args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    if let Some(session) = session_url(database_url) {
+        command.env("DATABASE_SESSION_URL", session);
+    }
     command
         .args(args)
         .env("DATABASE_URL", database_url)

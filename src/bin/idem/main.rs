@@ -35,6 +35,15 @@ struct Cli {
     /// commands need it migrated.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, global = true, hide_env_values = true)]
     database_url: String,
+    /// Postgres URL for `idem gc`'s leader lock, which needs a session of its own, when
+    /// --database-url goes through a transaction pooler.
+    #[arg(
+        long,
+        env = "DATABASE_SESSION_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    session_url: Option<String>,
     /// RabbitMQ URL.
     #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, global = true, hide_env_values = true)]
     amqp_url: String,
@@ -104,14 +113,24 @@ async fn main() -> ExitCode {
 /// mistyped URL is an error, not a new empty database that has "no record". Which
 /// database it is goes to stderr, so that "no record" is never read of another one.
 async fn store(cli: &Cli) -> anyhow::Result<Store> {
-    let options = idem::db::options(&cli.database_url, cli.command.application_name())?;
-    let pool = idem::db::connect_with(options, 4).await?;
+    let name = cli.command.application_name();
+    let pool = idem::db::connect_named(&cli.database_url, name, 4).await?;
     idem::db::ensure_migrated(&pool).await?;
     eprintln!(
         "idem: database {}",
         idem::text::printable(&idem::db::describe(&cli.database_url))
     );
-    Ok(Store::new(pool, StoreConfig::default()))
+    let session = match &cli.session_url {
+        Some(url) => Some(idem::db::options(url, cli.command.application_name())?),
+        None => None,
+    };
+    Ok(Store::new(
+        pool,
+        StoreConfig {
+            session,
+            ..StoreConfig::default()
+        },
+    ))
 }
 
 impl Command {
@@ -142,8 +161,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             idem::db::create_database_if_missing(&cli.database_url)
                 .await
                 .context("migrate")?;
-            let options = idem::db::options(&cli.database_url, cli.command.application_name())?;
-            let pool = idem::db::connect_with(options, 2)
+            let name = cli.command.application_name();
+            let pool = idem::db::connect_named(&cli.database_url, name, 2)
                 .await
                 .context("migrate")?;
             idem::db::migrate(&pool).await.context("migrate")?;

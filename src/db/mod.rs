@@ -1,21 +1,20 @@
-//! Connecting to Postgres: create the database if missing, apply the embedded migrations.
+//! Connecting to Postgres: create the database if missing, apply the embedded
+//! migrations ([`migrate()`]), and follow a list of hosts to the writable one
+//! (`hosts`).
 
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
-/// The migrations under `migrations/`, embedded in the binary, recorded in
-/// [`MIGRATIONS_TABLE`] (set in `sqlx.toml`).
-pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+mod hosts;
+mod migrate;
 
-/// Where idem records its applied migrations: a table of its own, so that an
-/// application's own strict `sqlx::migrate!` (recorded in `_sqlx_migrations`) and
-/// idem's run side by side in one database, in either order. An older idem recorded
-/// them in `_sqlx_migrations`; [`migrate`] moves them.
-pub const MIGRATIONS_TABLE: &str = "idem_migrations";
+pub(crate) use hosts::{Moved, retiring};
+pub use migrate::{
+    MIGRATE_LOCK, MIGRATIONS_TABLE, MIGRATOR, ensure_migrated, migrate, move_from_sqlx_migrations,
+};
 
 /// The database URL used when neither `DATABASE_URL` nor a flag gives one.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/idem";
@@ -65,6 +64,17 @@ pub enum DbError {
         /// The migrations not applied, by version and description.
         missing: String,
     },
+    /// None of the hosts of a host list answered as `target_session_attrs` asks.
+    #[error("no host of {hosts} {wanted}")]
+    NoHost {
+        /// The hosts, `host:port` each, comma-separated.
+        hosts: String,
+        /// What was asked of them: "answers", or "takes writes".
+        wanted: &'static str,
+        /// Why the last one would not do.
+        #[source]
+        source: sqlx::Error,
+    },
     /// The database exists but holds no idem schema (`idem migrate` was never run).
     #[error("{target} has no processed_operations table; run `idem migrate` first")]
     NotMigrated {
@@ -83,20 +93,21 @@ fn target(options: &PgConnectOptions) -> String {
     )
 }
 
-/// Creates the database named in `url` if it does not exist yet.
+/// Creates the database named in `url` if it does not exist yet (on the writable host,
+/// when `url` lists several: see [`connect`]).
 ///
 /// Connects to the server's `postgres` database to issue `CREATE DATABASE`; a database
 /// created concurrently by another process counts as success.
 pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
-    let options = PgConnectOptions::from_str(url).map_err(DbError::InvalidUrl)?;
+    let hosts = hosts::Hosts::parse(url, &application_name())?;
+    let options = match hosts.followed() {
+        true => hosts.each[hosts.pick().await?].clone(),
+        false => hosts.each[0].clone(),
+    };
     let Some(database) = options.get_database().map(str::to_owned) else {
         return Ok(());
     };
     let admin = options.clone().database("postgres");
-    let admin = match admin.get_application_name() {
-        Some(_) => admin,
-        None => admin.application_name(&application_name()),
-    };
     let mut conn = admin.connect().await.map_err(|source| DbError::Connect {
         target: target(&admin),
         source,
@@ -147,13 +158,36 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
 ///
 /// Its connections show in `pg_stat_activity` under [`application_name`] (the
 /// executable's name), unless the URL names them (`?application_name=…`).
+///
+/// `url` may list several hosts as libpq does (`postgres://u:p@db1:5432,db2:5432/app`),
+/// with `target_session_attrs=read-write` (or `primary`) to take only one that takes
+/// writes: the pool connects to the first in order that will do, and follows when it
+/// stops doing (it fails, or turns read-only as a demoted primary does): see
+/// [`connect_named`].
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
-    connect_with(options(url, &application_name())?, max_connections).await
+    connect_named(url, &application_name(), max_connections).await
+}
+
+/// [`connect`], its connections named `name` unless the URL names them.
+///
+/// With a host list, a task of the pool's checks the host every second: when it does
+/// not answer, or no longer takes writes (asked for with `target_session_attrs`), the
+/// hosts are tried again in order and the pool's new connections go to the first that
+/// will do; a connection opened before the move is not handed out again, and each new
+/// one is checked as it opens. Statements in flight on the old host fail as a lost
+/// connection does, and are retried as such. The task ends when the pool is closed.
+pub async fn connect_named(url: &str, name: &str, max_connections: u32) -> Result<PgPool, DbError> {
+    let hosts = hosts::Hosts::parse(url, name)?;
+    if !hosts.followed() {
+        return connect_with(hosts.each[0].clone(), max_connections).await;
+    }
+    hosts.connect(pool_options(max_connections)).await
 }
 
 /// `url`'s connection options, with `application_name` set to `name` unless the URL
 /// sets one: what `pg_stat_activity` shows, so that an operator can tell a worker's
-/// pool from its relay, the console or a command.
+/// pool from its relay, the console or a command. One host: a host list is for
+/// [`connect_named`], which follows it.
 pub fn options(url: &str, name: &str) -> Result<PgConnectOptions, DbError> {
     let options = PgConnectOptions::from_str(url).map_err(DbError::InvalidUrl)?;
     Ok(if options.get_application_name().is_some() {
@@ -161,6 +195,14 @@ pub fn options(url: &str, name: &str) -> Result<PgConnectOptions, DbError> {
     } else {
         options.application_name(name)
     })
+}
+
+/// [`StoreConfig::session`](crate::StoreConfig::session) from a URL, if one is given
+/// (`DATABASE_SESSION_URL` in the examples and the `idem` command): where the
+/// connections that need a session of their own open when the pool's URL goes through a
+/// transaction pooler. Named as [`connect`]'s are.
+pub fn session_options(url: Option<&str>) -> Result<Option<PgConnectOptions>, DbError> {
+    url.map(|url| options(url, &application_name())).transpose()
 }
 
 /// The name idem's connections take when nobody names them: the executable's file name
@@ -177,12 +219,7 @@ pub async fn connect_with(
     options: PgConnectOptions,
     max_connections: u32,
 ) -> Result<PgPool, DbError> {
-    PgPoolOptions::new()
-        .max_connections(max_connections)
-        .acquire_timeout(Duration::from_secs(10))
-        // A ping before every acquire would double the round trips of every claim;
-        // a dead connection surfaces as an error on first use instead.
-        .test_before_acquire(false)
+    pool_options(max_connections)
         .connect_with(options.clone())
         .await
         .map_err(|source| DbError::Connect {
@@ -191,129 +228,20 @@ pub async fn connect_with(
         })
 }
 
-/// Where `url` points, for what a program prints: `host:port/database`, never the
-/// password.
+fn pool_options(max_connections: u32) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        // A ping before every acquire would double the round trips of every claim;
+        // a dead connection surfaces as an error on first use instead.
+        .test_before_acquire(false)
+}
+
+/// Where `url` points, for what a program prints: `host:port/database` (hosts
+/// comma-separated for a host list), never the password.
 pub fn describe(url: &str) -> String {
-    match PgConnectOptions::from_str(url) {
-        Ok(options) => target(&options),
+    match hosts::Hosts::parse(url, "idem") {
+        Ok(hosts) => hosts.describe(),
         Err(_) => "an invalid database URL".into(),
     }
-}
-
-/// Fails with [`DbError::NotMigrated`] unless `processed_operations` exists in the
-/// database `pool` is on, and with [`DbError::Behind`] unless every migration this
-/// build knows is applied (a newer database is fine: migrations only add).
-pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
-    let options = pool.connect_options();
-    let connect_error = |source| DbError::Connect {
-        target: target(&options),
-        source,
-    };
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('processed_operations') IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .map_err(connect_error)?;
-    if !exists {
-        return Err(DbError::NotMigrated {
-            target: target(&options),
-        });
-    }
-    // A database an older idem migrated has no such table yet: all are missing, and
-    // `idem migrate` moves them.
-    let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM idem_migrations WHERE success")
-        .fetch_all(pool)
-        .await
-        .or_else(|error| match &error {
-            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(Vec::new()),
-            _ => Err(error),
-        })
-        .map_err(connect_error)?;
-    let missing: Vec<String> = MIGRATOR
-        .iter()
-        .filter(|m| !applied.contains(&m.version))
-        .map(|m| format!("{} {}", m.version, m.description))
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(DbError::Behind {
-            target: target(&options),
-            missing: missing.join(", "),
-        })
-    }
-}
-
-/// Applies the embedded migrations. Migrations that a newer idem applied and this build
-/// does not know are left alone, so that an older worker still starts during a rolling
-/// upgrade or after a rollback: idem's migrations only add to the schema (or, like the
-/// fingerprint check's, say the same rule another way), so older code keeps working.
-///
-/// A database an older idem migrated recorded them in `_sqlx_migrations`, beside an
-/// application's own: they are moved to [`MIGRATIONS_TABLE`] first (once, under a lock,
-/// in one transaction), so that neither migrator finds the other's versions.
-pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
-    move_from_sqlx_migrations(pool).await?;
-    // The same embedded migrations as `MIGRATOR` (which stays strict for the tests).
-    let mut migrator = sqlx::migrate!("./migrations");
-    migrator.set_ignore_missing(true);
-    Ok(migrator.run(pool).await?)
-}
-
-/// Moves idem's rows (its versions, with its checksums) from `_sqlx_migrations` to
-/// `idem_migrations`, if an older idem left them there and none were moved yet.
-/// Returns how many moved.
-pub async fn move_from_sqlx_migrations(pool: &PgPool) -> Result<u64, DbError> {
-    move_rows(pool).await.map_err(DbError::MoveMigrations)
-}
-
-async fn move_rows(pool: &PgPool) -> Result<u64, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    // Workers starting together: one moves, the others find it done.
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem_migrations_move'))")
-        .execute(&mut *tx)
-        .await?;
-    let (old, new): (bool, bool) = sqlx::query_as(
-        "SELECT to_regclass('_sqlx_migrations') IS NOT NULL, to_regclass('idem_migrations') IS NOT NULL",
-    )
-    .fetch_one(&mut *tx)
-    .await?;
-    if !old || new {
-        return Ok(0);
-    }
-    let recorded: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations")
-            .fetch_all(&mut *tx)
-            .await?;
-    let ours: Vec<i64> = recorded
-        .iter()
-        .filter(|(version, checksum)| {
-            MIGRATOR
-                .iter()
-                .any(|m| m.version == *version && *m.checksum == **checksum)
-        })
-        .map(|(version, _)| *version)
-        .collect();
-    if ours.is_empty() {
-        return Ok(0);
-    }
-    sqlx::query("CREATE TABLE idem_migrations (LIKE _sqlx_migrations INCLUDING ALL)")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "INSERT INTO idem_migrations SELECT * FROM _sqlx_migrations WHERE version = ANY($1)",
-    )
-    .bind(&ours)
-    .execute(&mut *tx)
-    .await?;
-    let moved = sqlx::query("DELETE FROM _sqlx_migrations WHERE version = ANY($1)")
-        .bind(&ours)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    tx.commit().await?;
-    tracing::info!(
-        moved,
-        "idem's migrations moved from _sqlx_migrations to idem_migrations"
-    );
-    Ok(moved)
 }
