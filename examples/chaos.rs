@@ -101,6 +101,14 @@ struct Args {
     /// The worker binary (default: `orders_worker` beside this one).
     #[arg(long)]
     worker_bin: Option<PathBuf>,
+    /// The workers reach Postgres through this `host:port` (a PgBouncer in transaction
+    /// pooling, say) instead of the server of DATABASE_URL.
+    #[arg(long)]
+    workers_through: Option<String>,
+    /// With --workers-through: what needs a session (the gc lock, the relay's LISTEN)
+    /// goes through this `host:port` (DATABASE_SESSION_URL); default: the server itself.
+    #[arg(long)]
+    sessions_through: Option<String>,
     /// Keep the run's database and queues for inspection.
     #[arg(long)]
     keep: bool,
@@ -124,6 +132,19 @@ struct Faults {
 
 const APP_NAME: &str = "idem_chaos_worker";
 
+/// The run's database for its workers, named [`APP_NAME`], on `server` (`host:port`)
+/// if given.
+fn through(run: &PgConnectOptions, server: Option<&str>) -> anyhow::Result<String> {
+    let mut options = run.clone().application_name(APP_NAME);
+    if let Some(server) = server {
+        let (host, port) = server
+            .rsplit_once(':')
+            .with_context(|| format!("{server}: not host:port"))?;
+        options = options.host(host).port(port.parse().context("the port")?);
+    }
+    Ok(options.to_url_lossy().to_string())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
@@ -142,6 +163,7 @@ struct Run {
     id: String,
     queue: String,
     worker_url: String,
+    session_url: Option<String>,
     worker_bin: PathBuf,
     log_dir: PathBuf,
     /// Order workers, then notifications workers.
@@ -190,7 +212,11 @@ impl Run {
         if self.args.follow_ups {
             args.extend(["--follow-ups", notify.as_str()]);
         }
-        Command::new(&self.worker_bin)
+        let mut command = Command::new(&self.worker_bin);
+        if let Some(session) = &self.session_url {
+            command.env("DATABASE_SESSION_URL", session);
+        }
+        command
             .args(args)
             .env("DATABASE_URL", &self.worker_url)
             .env("AMQP_URL", &self.args.amqp_url)
@@ -213,7 +239,11 @@ impl Run {
             "notifications_worker{}",
             std::env::consts::EXE_SUFFIX
         ));
-        Command::new(&bin)
+        let mut command = Command::new(&bin);
+        if let Some(session) = &self.session_url {
+            command.env("DATABASE_SESSION_URL", session);
+        }
+        command
             .args([
                 "--queue",
                 &self.notify_queue(),
@@ -258,11 +288,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     std::fs::create_dir_all(&log_dir)?;
     let mut run = Run {
         queue: format!("chaos.{id}"),
-        worker_url: format!(
-            "{}{}application_name={APP_NAME}",
-            run_url,
-            if run_url.contains('?') { "&" } else { "?" }
-        ),
+        worker_url: through(&run_options, args.workers_through.as_deref())?,
+        session_url: match &args.workers_through {
+            Some(_) => Some(through(&run_options, args.sessions_through.as_deref())?),
+            None => None,
+        },
         worker_bin,
         log_dir,
         workers: Vec::new(),
