@@ -423,11 +423,18 @@ async fn inject(
             faults.conn_drops += 1;
         }
         _ => {
+            // Through a pooler, a server connection is named after whichever client
+            // used it last, if at all: then every backend of the run's database but
+            // this process's own.
             let killed: i64 = sqlx::query_scalar(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-                 WHERE application_name = $1",
+                 WHERE application_name = $1
+                    OR ($2 AND datname = current_database() AND backend_type = 'client backend'
+                        AND application_name <> (SELECT application_name FROM pg_stat_activity
+                                                  WHERE pid = pg_backend_pid()))",
             )
             .bind(APP_NAME)
+            .bind(run.args.workers_through.is_some())
             .fetch_one(pool)
             .await?;
             faults.backend_kills += 1;
