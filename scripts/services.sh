@@ -6,7 +6,7 @@
 #   3. Debian's packages, where this is Debian or Ubuntu and we may install them (root);
 #   4. otherwise one line saying what is missing, and exit 1.
 
-say() { printf '== %s\n' "$*"; }
+say() { printf '== %s (%ds)\n' "$*" "$SECONDS"; } # with the seconds since the start
 
 port_open() { # port_open PORT: something accepts TCP connections on 127.0.0.1:PORT
   (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null

@@ -66,6 +66,11 @@ pub(crate) fn classify(error: &sqlx::Error) -> Fault {
 
 /// Classifies a SQLSTATE (five characters) by its class, its first two.
 pub(crate) fn by_sqlstate(code: &str) -> Fault {
+    // A read-only transaction: the host is a standby, or a primary demoted in a
+    // failover (a host list moves to the new one).
+    if code == "25006" {
+        return Fault::Outage;
+    }
     match code.get(..2) {
         Some("22" | "23" | "54") => Fault::Message,
         Some("08" | "57" | "53" | "58" | "40") => Fault::Outage,
@@ -122,14 +127,14 @@ mod tests {
             assert_eq!(by_sqlstate(code), Fault::Message, "{code}");
         }
         // Connection failure, admin shutdown, cannot connect now, out of memory,
-        // disk full, I/O error, serialization failure, deadlock.
+        // disk full, I/O error, serialization failure, deadlock, read-only (a standby).
         for code in [
-            "08006", "57P01", "57P03", "53200", "53100", "58030", "40001", "40P01",
+            "08006", "57P01", "57P03", "53200", "53100", "58030", "40001", "40P01", "25006",
         ] {
             assert_eq!(by_sqlstate(code), Fault::Outage, "{code}");
         }
         // Undefined table, syntax error, internal error: nobody's known fault.
-        for code in ["42P01", "42601", "XX000", "", "2"] {
+        for code in ["42P01", "42601", "XX000", "25001", "", "2"] {
             assert_eq!(by_sqlstate(code), Fault::Unknown, "{code}");
         }
     }

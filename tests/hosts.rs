@@ -231,6 +231,14 @@ async fn a_host_list_follows_the_writable_host_when_one_turns_read_only_or_dies(
         standby.host(),
         primary.host()
     );
+    // A database that does not exist yet is created on the writable host.
+    let fresh = url.replace("/app?", "/fresh?");
+    idem::db::create_database_if_missing(&fresh).await.unwrap();
+    let exists = "SELECT count(*) FROM pg_database WHERE datname = 'fresh'";
+    assert_eq!(
+        (primary.sql(exists), standby.sql(exists)),
+        ("1".into(), "0".into())
+    );
     let pool = idem::db::connect(&url, 4).await.unwrap();
     for n in 0..20 {
         assert_eq!(write(&pool, n, Duration::ZERO).await, 0, "before the move");

@@ -70,8 +70,22 @@ impl Hosts {
             true => String::new(),
             false => format!("?{}", kept.join("&")),
         };
-        let each = list
-            .split(',')
+        let hosts: Vec<&str> = list.split(',').collect();
+        if hosts.len() > 1 && hosts.iter().any(|h| h.is_empty()) {
+            return Err(invalid(format!("an empty host in the list {list}")));
+        }
+        if hosts.len() > 1
+            && kept.iter().any(|p| {
+                let key = p.split_once('=').map_or(*p, |(k, _)| k);
+                matches!(key, "host" | "hostaddr" | "port")
+            })
+        {
+            return Err(invalid(
+                "a host list in the URL and host=, hostaddr= or port= beside it".into(),
+            ));
+        }
+        let each = hosts
+            .into_iter()
             .map(|host| {
                 let one = format!("{scheme}://{user}{host}{path}{query}");
                 let options = PgConnectOptions::from_str(&one).map_err(DbError::InvalidUrl)?;
@@ -82,6 +96,14 @@ impl Hosts {
             })
             .collect::<Result<Vec<_>, DbError>>()?;
         Ok(Hosts { each, writable })
+    }
+
+    /// The same hosts, on database `name` (`postgres`, to create the one of the URL).
+    pub(super) fn on_database(&self, name: &str) -> Hosts {
+        Hosts {
+            each: self.each.iter().map(|o| o.clone().database(name)).collect(),
+            writable: self.writable,
+        }
     }
 
     /// More than one host, or one that must take writes: a pool must check and follow.
@@ -205,21 +227,31 @@ pub(crate) fn retiring(options: PgPoolOptions, moved: &Moved) -> PgPoolOptions {
     })
 }
 
-/// Checks the pool's host every [`CHECK_EVERY`] until the pool is closed; when it will
-/// not do, points the pool at the first host that will.
+/// Checks the pool's host every [`CHECK_EVERY`] until the pool is closed, on a
+/// connection of its own (a pool whose connections are all busy is not a host that
+/// fails); when the host will not do, points the pool at the first host that will.
 async fn follow(pool: PgPool, hosts: Hosts, mut current: usize, moved: Moved) {
+    let mut checking: Option<PgConnection> = None;
     loop {
         tokio::time::sleep(CHECK_EVERY).await;
         if pool.is_closed() {
+            if let Some(conn) = checking.take() {
+                let _ = conn.close().await;
+            }
             return;
         }
         let check = async {
-            let mut conn = pool.acquire().await?;
-            usable(&mut conn, hosts.writable).await
+            let conn = match checking.as_mut() {
+                Some(conn) => conn,
+                None => checking.insert(hosts.each[current].connect().await?),
+            };
+            usable(conn, hosts.writable).await
         };
         if let Ok(Ok(true)) = tokio::time::timeout(ANSWER_WITHIN, check).await {
             continue;
         }
+        // Gone, refused, timed out or read-only: next time on a new connection.
+        checking = None;
         match hosts.pick().await {
             Ok(next) if next == current => {}
             Ok(next) => {
@@ -300,6 +332,17 @@ mod tests {
         let line = crate::text::error_line(&error);
         assert!(line.contains("target_session_attrs=standby"), "{line}");
         assert!(Hosts::parse("db1:5432/app", "x").is_err());
+        assert!(
+            Hosts::parse("postgres://db1,,db2/app", "x").is_err(),
+            "empty host"
+        );
+        assert!(Hosts::parse("postgres://db1,db2/app?port=5433", "x").is_err());
+        assert!(Hosts::parse("postgres://db1/app?port=5433", "x").is_ok());
+        let created = Hosts::parse("postgres://db1,db2/app", "x").unwrap();
+        assert_eq!(
+            created.on_database("postgres").each[1].get_database(),
+            Some("postgres")
+        );
     }
 
     #[test]

@@ -67,32 +67,95 @@ pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
 /// application's own: they are moved to [`MIGRATIONS_TABLE`] first, so that neither
 /// migrator finds the other's versions.
 ///
-/// All of it runs in one transaction under a transaction-scoped advisory lock
-/// ([`MIGRATE_LOCK`]): processes that start together migrate one after the other, the
-/// later ones find it done, and nothing needs a session that outlives a transaction
-/// (sqlx's own migration lock is a session lock, which a transaction pooler does not
-/// keep: two workers starting together through one both ran the migrations).
+/// Each migration runs in a transaction of its own, which first takes the migration
+/// locks ([`lock`]) as transaction-scoped advisory locks and then looks again at what is
+/// applied: processes that start together migrate one after the other, the later ones
+/// find it done, and nothing needs a session that outlives a transaction (sqlx's own
+/// migration lock is a session lock, which a transaction pooler does not keep: two
+/// workers starting together through one both ran the migrations). One transaction per
+/// migration, not one for all: a migration's locks and settings (migration 3 waits at
+/// most 5 s for its lock) end with it.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
-    let mut tx = pool.begin().await.map_err(MigrateError::Execute)?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(MIGRATE_LOCK)
-        .execute(&mut *tx)
-        .await
-        .map_err(MigrateError::Execute)?;
-    move_rows(&mut tx).await.map_err(DbError::MoveMigrations)?;
-    // The same embedded migrations as `MIGRATOR` (which stays strict for the tests);
-    // each runs in a savepoint of this transaction.
+    // The same embedded migrations as `MIGRATOR` (which stays strict for the tests).
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_ignore_missing(true).set_locking(false);
-    // `run_direct`, not `run`: `run`'s `Acquire` bound on a borrowed connection makes
-    // the future not `Send` (sqlx's own comment on `run_direct` says so).
-    migrator.run_direct(None, &mut *tx, false).await?;
-    tx.commit().await.map_err(MigrateError::Execute)?;
+    let mut moved = false;
+    loop {
+        let mut tx = pool.begin().await.map_err(MigrateError::Execute)?;
+        lock(&mut tx).await.map_err(MigrateError::Execute)?;
+        if !moved {
+            move_rows(&mut tx).await.map_err(DbError::MoveMigrations)?;
+            moved = true;
+        }
+        let applied = applied(&mut tx).await.map_err(MigrateError::Execute)?;
+        let Some(next) = migrator
+            .iter()
+            .filter(|m| !m.migration_type.is_down_migration())
+            .map(|m| m.version)
+            .find(|v| !applied.contains(v))
+        else {
+            tx.commit().await.map_err(MigrateError::Execute)?;
+            return Ok(());
+        };
+        // Up to `next`: the ones before it are applied, so it alone runs. `run_direct`,
+        // not `run`: `run`'s `Acquire` bound on a borrowed connection makes the future
+        // not `Send` (sqlx's own comment on `run_direct` says so).
+        migrator.run_direct(Some(next), &mut *tx, false).await?;
+        tx.commit().await.map_err(MigrateError::Execute)?;
+    }
+}
+
+/// Takes, for `tx`, the locks that every migrator of this database takes: sqlx's
+/// (keyed by the database's name: an application's own `sqlx::migrate!` and an older
+/// idem take it as a session lock) and the one under which an older idem moved its rows
+/// out of `_sqlx_migrations`. Always in this order.
+async fn lock(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut *tx)
+        .await?;
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock($1), pg_advisory_xact_lock(hashtext('idem_migrations_move'))",
+    )
+    .bind(sqlx_lock_id(&database))
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }
 
-/// The advisory lock [`migrate`] holds for its transaction ("idem mig" in ASCII).
-pub const MIGRATE_LOCK: i64 = 0x0069_6465_6d20_6d69;
+/// The versions recorded as applied in [`MIGRATIONS_TABLE`] (none before it exists).
+async fn applied(tx: &mut PgConnection) -> Result<Vec<i64>, sqlx::Error> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('idem_migrations') IS NOT NULL")
+        .fetch_one(&mut *tx)
+        .await?;
+    if !exists {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT version FROM idem_migrations WHERE success")
+        .fetch_all(&mut *tx)
+        .await
+}
+
+/// The advisory lock id sqlx's migrator takes for a database (its `generate_lock_id`:
+/// the CRC-32 of the name, times a constant).
+fn sqlx_lock_id(database: &str) -> i64 {
+    0x3d32_ad9e * i64::from(crc32(database.as_bytes()))
+}
+
+/// CRC-32 (ISO HDLC, the zlib one), bit by bit: a name is short.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
 
 /// Moves idem's rows (its versions, with its checksums) from `_sqlx_migrations` to
 /// `idem_migrations`, if an older idem left them there and none were moved yet.
@@ -100,10 +163,7 @@ pub const MIGRATE_LOCK: i64 = 0x0069_6465_6d20_6d69;
 pub async fn move_from_sqlx_migrations(pool: &PgPool) -> Result<u64, DbError> {
     let moving = async {
         let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *tx)
-            .await?;
+        lock(&mut tx).await?;
         let moved = move_rows(&mut tx).await?;
         tx.commit().await?;
         Ok(moved)
@@ -111,7 +171,7 @@ pub async fn move_from_sqlx_migrations(pool: &PgPool) -> Result<u64, DbError> {
     moving.await.map_err(DbError::MoveMigrations)
 }
 
-/// [`move_from_sqlx_migrations`] in `tx`, which holds [`MIGRATE_LOCK`].
+/// [`move_from_sqlx_migrations`] in `tx`, which holds the migration locks.
 async fn move_rows(tx: &mut PgConnection) -> Result<u64, sqlx::Error> {
     let (old, new): (bool, bool) = sqlx::query_as(
         "SELECT to_regclass('_sqlx_migrations') IS NOT NULL, to_regclass('idem_migrations') IS NOT NULL",
@@ -156,4 +216,36 @@ async fn move_rows(tx: &mut PgConnection) -> Result<u64, sqlx::Error> {
         "idem's migrations moved from _sqlx_migrations to idem_migrations"
     );
     Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+    use sqlx::migrate::Migrate;
+
+    #[test]
+    fn crc32_is_the_zlib_one() {
+        assert_eq!(super::crc32(b"123456789"), 0xCBF4_3926, "its check value");
+    }
+
+    /// While an application's `sqlx::migrate!` (or an older idem) holds sqlx's
+    /// migration lock of a database, idem's migrations wait for it.
+    #[sqlx::test(migrations = false)]
+    async fn idem_waits_for_the_lock_sqlx_migrators_take(pool: PgPool) {
+        let mut holder = pool.acquire().await.unwrap();
+        holder.lock().await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let database: String = sqlx::query_scalar("SELECT current_database()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+            .bind(super::sqlx_lock_id(&database))
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert!(!got, "sqlx's migrator holds it");
+        tx.rollback().await.unwrap();
+        holder.unlock().await.unwrap();
+    }
 }

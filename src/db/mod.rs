@@ -13,7 +13,7 @@ mod migrate;
 
 pub(crate) use hosts::{Moved, retiring};
 pub use migrate::{
-    MIGRATE_LOCK, MIGRATIONS_TABLE, MIGRATOR, ensure_migrated, migrate, move_from_sqlx_migrations,
+    MIGRATIONS_TABLE, MIGRATOR, ensure_migrated, migrate, move_from_sqlx_migrations,
 };
 
 /// The database URL used when neither `DATABASE_URL` nor a flag gives one.
@@ -100,8 +100,10 @@ fn target(options: &PgConnectOptions) -> String {
 /// created concurrently by another process counts as success.
 pub async fn create_database_if_missing(url: &str) -> Result<(), DbError> {
     let hosts = hosts::Hosts::parse(url, &application_name())?;
+    // The writable host is asked for on its `postgres` database: the URL's may not
+    // exist yet.
     let options = match hosts.followed() {
-        true => hosts.each[hosts.pick().await?].clone(),
+        true => hosts.each[hosts.on_database("postgres").pick().await?].clone(),
         false => hosts.each[0].clone(),
     };
     let Some(database) = options.get_database().map(str::to_owned) else {
@@ -170,12 +172,15 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError>
 
 /// [`connect`], its connections named `name` unless the URL names them.
 ///
-/// With a host list, a task of the pool's checks the host every second: when it does
-/// not answer, or no longer takes writes (asked for with `target_session_attrs`), the
-/// hosts are tried again in order and the pool's new connections go to the first that
-/// will do; a connection opened before the move is not handed out again, and each new
-/// one is checked as it opens. Statements in flight on the old host fail as a lost
-/// connection does, and are retried as such. The task ends when the pool is closed.
+/// With a host list, a task of the pool's checks the host every second, on a
+/// connection of its own: when it does not answer, or no longer takes writes (asked for
+/// with `target_session_attrs`), the hosts are tried again in order and the pool's new
+/// connections go to the first that will do; a connection opened before the move is not
+/// handed out again, and each new one is checked as it opens. Statements in flight on
+/// the old host fail as a lost connection does (a demoted primary's SQLSTATE 25006 is an
+/// outage too), and are retried as such. The task holds the pool until
+/// [`PgPool::close`]: a pool on a host list lives until it is closed, even when every
+/// other handle of it is dropped.
 pub async fn connect_named(url: &str, name: &str, max_connections: u32) -> Result<PgPool, DbError> {
     let hosts = hosts::Hosts::parse(url, name)?;
     if !hosts.followed() {
@@ -201,8 +206,22 @@ pub fn options(url: &str, name: &str) -> Result<PgConnectOptions, DbError> {
 /// (`DATABASE_SESSION_URL` in the examples and the `idem` command): where the
 /// connections that need a session of their own open when the pool's URL goes through a
 /// transaction pooler. Named as [`connect`]'s are.
+///
+/// One host: a session needs one server, and the sessions it holds (a gc round, a
+/// `LISTEN`) end with a failover and open again here, so point it at something that
+/// follows the primary itself (a pooler in front of it, a virtual IP); a host list is
+/// refused with a line saying so.
 pub fn session_options(url: Option<&str>) -> Result<Option<PgConnectOptions>, DbError> {
-    url.map(|url| options(url, &application_name())).transpose()
+    url.map(|url| {
+        let hosts = hosts::Hosts::parse(url, &application_name())?;
+        match hosts.each.len() {
+            1 => Ok(hosts.each[0].clone()),
+            _ => Err(DbError::InvalidUrl(sqlx::Error::Configuration(
+                "a session URL takes one host, not a list".into(),
+            ))),
+        }
+    })
+    .transpose()
 }
 
 /// The name idem's connections take when nobody names them: the executable's file name

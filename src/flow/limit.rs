@@ -242,16 +242,15 @@ impl Limit {
             .following
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        match &*following {
-            Some(seen) if Arc::ptr_eq(seen, &now) => {}
-            Some(_) => {
-                // The store's pool moved to another host: so does this one.
-                pool.set_connect_options((*now).clone());
-                self.state.moved.now();
-                *following = Some(now);
-            }
-            None => *following = Some(now),
+        // The store's pool moved to another host since: so does this one.
+        if following
+            .as_ref()
+            .is_some_and(|seen| !Arc::ptr_eq(seen, &now))
+        {
+            pool.set_connect_options((*now).clone());
+            self.state.moved.now();
         }
+        *following = Some(now);
         pool
     }
 

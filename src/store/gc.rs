@@ -210,7 +210,11 @@ impl Store {
     pub(crate) async fn try_lead_gc(&self) -> Result<Option<GcLeader>, StoreError> {
         let options = self.session_options();
         let name = format!("{} gc", options.get_application_name().unwrap_or("idem"));
-        let mut conn = options.application_name(&name).connect().await?;
+        // As long as an acquire from the pool may wait.
+        let options = options.application_name(&name);
+        let mut conn = tokio::time::timeout(Duration::from_secs(10), options.connect())
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut))?;
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(GC_LOCK)
             .fetch_one(&mut conn)

@@ -120,10 +120,7 @@ async fn store(cli: &Cli) -> anyhow::Result<Store> {
         "idem: database {}",
         idem::text::printable(&idem::db::describe(&cli.database_url))
     );
-    let session = match &cli.session_url {
-        Some(url) => Some(idem::db::options(url, cli.command.application_name())?),
-        None => None,
-    };
+    let session = idem::db::session_options(cli.session_url.as_deref())?;
     Ok(Store::new(
         pool,
         StoreConfig {
