@@ -170,12 +170,13 @@ impl Hosts {
             .after_connect(move |conn, _| {
                 Box::pin(async move {
                     // A host that turned read-only since the last check: not this one.
-                    match usable(conn, writable).await? {
-                        true => Ok(()),
-                        false => Err(sqlx::Error::Configuration(
-                            "the host no longer takes writes".into(),
-                        )),
+                    // (Any host that answers will do otherwise: nothing to ask.)
+                    if !writable || usable(conn, true).await? {
+                        return Ok(());
                     }
+                    Err(sqlx::Error::Configuration(
+                        "the host no longer takes writes".into(),
+                    ))
                 })
             })
             .connect_with(self.each[current].clone())

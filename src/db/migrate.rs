@@ -80,6 +80,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_ignore_missing(true).set_locking(false);
     let mut moved = false;
+    let mut last = None;
     loop {
         let mut tx = pool.begin().await.map_err(MigrateError::Execute)?;
         lock(&mut tx).await.map_err(MigrateError::Execute)?;
@@ -97,6 +98,14 @@ pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
             tx.commit().await.map_err(MigrateError::Execute)?;
             return Ok(());
         };
+        if last == Some(next) {
+            // Applied, but not found as applied: never loop on it.
+            return Err(MigrateError::Execute(sqlx::Error::Configuration(
+                format!("migration {next} ran but is not recorded in {MIGRATIONS_TABLE}").into(),
+            ))
+            .into());
+        }
+        last = Some(next);
         // Up to `next`: the ones before it are applied, so it alone runs. `run_direct`,
         // not `run`: `run`'s `Acquire` bound on a borrowed connection makes the future
         // not `Send` (sqlx's own comment on `run_direct` says so).
