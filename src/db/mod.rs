@@ -176,9 +176,9 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError>
 /// connection of its own: when it does not answer, or no longer takes writes (asked for
 /// with `target_session_attrs`), the hosts are tried again in order and the pool's new
 /// connections go to the first that will do; a connection opened before the move is not
-/// handed out again, and each new one is checked as it opens. Statements in flight on
-/// the old host fail as a lost connection does (a demoted primary's SQLSTATE 25006 is an
-/// outage too), and are retried as such. The task holds the pool until
+/// handed out again, and (with `read-write`) each new one is checked as it opens.
+/// Statements in flight on the old host fail as a lost connection does (a demoted
+/// primary's SQLSTATE 25006 is an outage too), and are retried as such. The task holds the pool until
 /// [`PgPool::close`]: a pool on a host list lives until it is closed, even when every
 /// other handle of it is dropped.
 pub async fn connect_named(url: &str, name: &str, max_connections: u32) -> Result<PgPool, DbError> {

@@ -113,8 +113,9 @@ pub struct StoreConfig {
     /// advisory lock and the outbox relay's `LISTEN`. Set it when the pool goes through
     /// a pooler in transaction mode (PgBouncer's `pool_mode = transaction`, which gives
     /// each transaction whichever server connection is free), to Postgres itself or to
-    /// a session-pooled database of the pooler ([`crate::db::options`] makes it from a
-    /// URL, `DATABASE_SESSION_URL` in the examples). `None`: the pool's own options.
+    /// a session-pooled database of the pooler ([`crate::db::session_options`] makes it
+    /// from a URL, `DATABASE_SESSION_URL` in the examples). `None`: the pool's own
+    /// options.
     pub session: Option<PgConnectOptions>,
 }
 
