@@ -68,7 +68,7 @@ pub async fn ensure_migrated(pool: &PgPool) -> Result<(), DbError> {
 /// migrator finds the other's versions.
 ///
 /// Each migration runs in a transaction of its own, which first takes the migration
-/// locks ([`lock`]) as transaction-scoped advisory locks and then looks again at what is
+/// locks as transaction-scoped advisory locks and then looks again at what is
 /// applied: processes that start together migrate one after the other, the later ones
 /// find it done, and nothing needs a session that outlives a transaction (sqlx's own
 /// migration lock is a session lock, which a transaction pooler does not keep: two

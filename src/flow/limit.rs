@@ -114,8 +114,8 @@ impl From<LimitError> for HandlerError {
 /// than the lease, the slot may be taken by another process while this one still
 /// calls (a warning says so), one call more than the bound. An `acquire` cancelled
 /// between its take and its answer leaves the slot taken until the lease ends.
-/// Dropping it frees the concurrency slot (in a task of its own); [`release`]
-/// (Permit::release) frees it before returning.
+/// Dropping it frees the concurrency slot (in a task of its own);
+/// [`release`](Permit::release) frees it before returning.
 #[must_use = "the permit is freed when dropped"]
 pub struct Permit {
     limit: Limit,
