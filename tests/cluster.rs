@@ -13,16 +13,7 @@ use common::run_drill;
 
 /// Root and Debian's `rabbitmq-server`, or why not.
 fn cannot_run() -> Option<&'static str> {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false);
-    if !root {
+    if !common::is_root() {
         Some("not root")
     } else if !std::path::Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server").exists()
         && !std::path::Path::new("/usr/sbin/rabbitmq-server").exists()

@@ -7,6 +7,8 @@
 //! Needs root (or the `postgres` user) and Debian's PostgreSQL binaries; skipped without
 //! them unless `IDEM_TEST_PG_HOSTS=required` (`IDEM_CI=1 scripts/test`).
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -22,7 +24,7 @@ struct Cluster {
 }
 
 fn as_postgres(program: &str, args: &[&str]) -> std::process::Output {
-    let mut command = if is_root() {
+    let mut command = if common::is_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--", program]);
         c
@@ -32,19 +34,12 @@ fn as_postgres(program: &str, args: &[&str]) -> std::process::Output {
     command.args(args).output().expect("run as postgres")
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
-}
-
 fn cannot_run() -> Option<String> {
     if !std::path::Path::new(&format!("{BIN}/initdb")).exists() {
         return Some(format!("no {BIN}/initdb"));
     }
     let user = Command::new("id").arg("-un").output().ok()?;
-    if !is_root() && user.stdout != b"postgres\n" {
+    if !common::is_root() && user.stdout != b"postgres\n" {
         return Some("neither root nor postgres".into());
     }
     None
@@ -62,7 +57,7 @@ impl Cluster {
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        if is_root() {
+        if common::is_root() {
             let chown = Command::new("chown")
                 .args(["postgres", &dir.to_string_lossy()])
                 .status()

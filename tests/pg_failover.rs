@@ -14,16 +14,7 @@ use common::run_drill;
 
 /// Root and pg_auto_failover, or why not.
 fn cannot_run() -> Option<&'static str> {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false);
-    if !root {
+    if !common::is_root() {
         Some("not root")
     } else if !std::path::Path::new("/usr/bin/pg_autoctl").exists() {
         Some("no pg_autoctl (postgresql-15-auto-failover)")

@@ -135,13 +135,11 @@ impl Limit {
     /// pool must not wait for another one of that pool, which every other handler may
     /// hold the same way.
     ///
-    /// Permits are counted, not kept: a take or a release lost with the last moments
-    /// before a crash of Postgres costs a slot for one lease, or one call too many,
-    /// never an effect. So each of its writes commits without waiting for the WAL flush
-    /// (which would triple what a permit costs): `synchronous_commit` is set off inside
-    /// the statement, for its own transaction only, because a session setting would
-    /// stay behind, through a transaction pooler, on a server connection that other
-    /// clients' transactions use next.
+    /// Permits are counted, not kept: a write lost with a crash of Postgres costs a
+    /// slot for one lease, or one call too many, never an effect. So its writes commit
+    /// without waiting for the WAL flush (which would triple a permit's cost), set off
+    /// inside each statement: a session setting would stay behind, through a
+    /// transaction pooler, on a server connection other clients use next.
     pub fn new(name: &str, pool: PgPool) -> Self {
         Self {
             name: name.to_owned(),

@@ -58,6 +58,20 @@ pub fn session_url(database_url: &str) -> Option<String> {
     Some(format!("{head}@{server}/{database}"))
 }
 
+/// This process runs as root (its effective uid is 0): the drills start nodes as other
+/// users.
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
 /// Polls `check` every 50 ms until it returns true, failing after `limit`.
 pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
 where
