@@ -351,6 +351,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         StoreConfig {
             owner: name.clone(),
             session: idem::db::session_options(args.session_url.as_deref())?,
+            keys: idem::protect::Keys::from_env()?,
             lease: Duration::from_secs(args.lease_secs),
             ..StoreConfig::default()
         },

@@ -265,6 +265,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         pool.clone(),
         StoreConfig {
             owner: format!("payments_api-{}", std::process::id()),
+            keys: idem::protect::Keys::from_env()?,
             lease: Duration::from_secs(args.lease_secs),
             ..StoreConfig::default()
         },

@@ -1,4 +1,6 @@
-//! The payload fingerprint: SHA-256 of canonical JSON, volatile fields left out.
+//! The payload fingerprint: SHA-256 of canonical JSON, volatile fields left out; with
+//! keys configured, a keyed hash (HMAC-SHA-256) of it instead, so that a stored
+//! fingerprint cannot be used to guess a small payload.
 //!
 //! Same key with the same fingerprint is a redelivery; same key with another
 //! fingerprint is a conflict (a changed payload is a new intent and needs a new key).
@@ -9,9 +11,37 @@ use std::io::{self, Write};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// SHA-256 of a payload's canonical JSON, as 64 lowercase hex digits.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Fingerprint(String);
+use crate::protect::Keys;
+
+/// SHA-256 of a payload's canonical JSON, as 64 lowercase hex digits; with keys, the
+/// newest key's HMAC-SHA-256 of it.
+///
+/// Two fingerprints are equal when their digests are. A keyed fingerprint also
+/// carries the digests the same payload has under the older keys and unkeyed, which a
+/// record written before a rotation (or before encryption was on) holds: a
+/// redelivery of its payload is still recognised, not taken for a conflict.
+#[derive(Debug, Clone)]
+pub struct Fingerprint {
+    hex: String,
+    /// The id of the key that made `hex` (`None`: unkeyed SHA-256).
+    key: Option<String>,
+    /// The same payload's digests under the older keys and unkeyed.
+    also: Vec<String>,
+}
+
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.hex == other.hex
+    }
+}
+
+impl Eq for Fingerprint {}
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.hex.hash(state);
+    }
+}
 
 impl Fingerprint {
     /// Fingerprints `payload` with the `volatile` fields removed.
@@ -34,23 +64,73 @@ impl Fingerprint {
             write_canonical(&stripped, &mut digest)
         };
         written.expect("writing to a hasher cannot fail");
-        Self(hex::encode(digest.finalize()))
+        Self::from_hex(hex::encode(digest.finalize()))
+    }
+
+    /// Fingerprints `payload` as [`Fingerprint::of`] does, keyed by the newest of
+    /// `keys` when there are keys.
+    pub fn keyed(payload: &Value, volatile: &[&str], keys: Option<&Keys>) -> Self {
+        let Some(keys) = keys else {
+            return Self::of(payload, volatile);
+        };
+        let mut canonical = Vec::new();
+        let mut stripped;
+        let payload = if volatile.is_empty() {
+            payload
+        } else {
+            stripped = payload.clone();
+            for path in volatile {
+                remove_path(&mut stripped, path);
+            }
+            &stripped
+        };
+        write_canonical(payload, &mut canonical).expect("writing to a Vec cannot fail");
+        let mut also: Vec<String> = keys.all()[1..]
+            .iter()
+            .map(|key| key.mac_hex(&canonical))
+            .collect();
+        also.push(hex::encode(Sha256::digest(&canonical)));
+        Self {
+            hex: keys.current().mac_hex(&canonical),
+            key: Some(keys.current_id().to_owned()),
+            also,
+        }
     }
 
     /// Wraps a hex digest read back from the database.
     pub fn from_hex(hex: String) -> Self {
-        Self(hex)
+        Self {
+            hex,
+            key: None,
+            also: Vec::new(),
+        }
     }
 
     /// The digest as 64 lowercase hex digits.
     pub fn as_hex(&self) -> &str {
-        &self.0
+        &self.hex
+    }
+
+    /// The id of the key that made the digest (`None`: unkeyed).
+    pub(crate) fn key_id(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
+    /// The same payload's digests under older keys and unkeyed, comma-separated, for
+    /// the claim statements (`None`: there are none).
+    pub(crate) fn also(&self) -> Option<String> {
+        (!self.also.is_empty()).then(|| self.also.join(","))
+    }
+
+    /// Whether a record's stored digest is this payload's, under any key.
+    pub(crate) fn accepts(&self, stored: &str) -> bool {
+        self.hex == stored || self.also.iter().any(|d| d == stored)
     }
 }
 
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.hex)
     }
 }
 
@@ -217,6 +297,25 @@ mod tests {
             expected,
             "2862acf414bb94c64ed9762b14d6beab71f63b7d457398e6b881c9cf68bc062e"
         );
+    }
+
+    #[test]
+    fn a_keyed_fingerprint_hides_the_digest_and_accepts_older_ones() {
+        let v = json!({"b": 2, "a": 1, "t": "x"});
+        let plain = Fingerprint::of(&v, &["t"]);
+        let k1 = Keys::parse(&format!("k1:{}", "11".repeat(32))).unwrap();
+        let rotated =
+            Keys::parse(&format!("k2:{},k1:{}", "22".repeat(32), "11".repeat(32))).unwrap();
+        let under_k1 = Fingerprint::keyed(&v, &["t"], Some(&k1));
+        let under_k2 = Fingerprint::keyed(&v, &["t"], Some(&rotated));
+        assert_ne!(under_k1, plain);
+        assert_ne!(under_k2, under_k1);
+        assert_eq!(under_k2.key_id(), Some("k2"));
+        assert!(under_k2.accepts(under_k1.as_hex()) && under_k2.accepts(plain.as_hex()));
+        assert!(!under_k1.accepts(under_k2.as_hex()));
+        assert!(!under_k2.accepts(Fingerprint::of(&json!({"a": 2}), &[]).as_hex()));
+        assert_eq!(Fingerprint::keyed(&v, &["t"], None), plain);
+        assert_eq!(plain.also(), None);
     }
 
     #[test]

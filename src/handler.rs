@@ -14,6 +14,7 @@ use crate::fault::Fault;
 use crate::headers;
 use crate::key::Key;
 use crate::outbox::{self, FollowUp, FollowUpError, SHORT_STRING_MAX};
+use crate::protect::Keys;
 use crate::trace::{TRACEPARENT, TraceContext};
 
 /// One job type: how to read its messages, name their intent, and run the effect.
@@ -276,6 +277,8 @@ pub struct Context {
     handoff: Duration,
     /// What the message carried.
     envelope: Arc<Envelope>,
+    /// The keys follow-up bodies are sealed with (`StoreConfig::keys`).
+    keys: Option<Keys>,
 }
 
 impl Context {
@@ -291,6 +294,7 @@ impl Context {
             staged: Vec::new(),
             handoff: Duration::ZERO,
             envelope: Arc::default(),
+            keys: None,
         }
     }
 
@@ -355,6 +359,17 @@ impl Context {
     /// headers, ids, exchange and routing key.
     pub fn envelope(&self) -> &Envelope {
         &self.envelope
+    }
+
+    /// Seals the bodies of follow-up messages with `keys` (`StoreConfig::keys`).
+    pub(crate) fn sealing_with(mut self, keys: Option<Keys>) -> Self {
+        self.keys = keys;
+        self
+    }
+
+    /// The keys follow-up bodies are sealed with.
+    pub(crate) fn sealing_keys(&self) -> Option<Keys> {
+        self.keys.clone()
     }
 
     /// The context for a run of a message that came in `envelope`.
@@ -450,6 +465,8 @@ impl Context {
         }
         let (source, operation) = (self.key.digest(), self.key.operation().to_owned());
         let handoff = self.handoff;
+        // Sealed here, so that the outbox holds only what the keys can open.
+        let message = message.sealed(self.keys.as_ref());
         let conn = self.tx().await?;
         let row =
             outbox::stage(conn, &source, &operation, position, &id, &message, handoff).await?;

@@ -84,6 +84,7 @@ mod http_decision;
 mod key;
 pub mod metrics;
 pub mod outbox;
+pub mod protect;
 pub mod replay;
 mod retry;
 pub mod shutdown;

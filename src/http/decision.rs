@@ -41,6 +41,9 @@ pub(crate) enum Answer {
     KeyReused,
     /// 422 `request-failed`: the first request with the key failed for good.
     FailedForGood,
+    /// 410 `idempotency-key-erased`: the request was handled, and what was stored of
+    /// it has been erased since.
+    Erased,
 }
 
 /// What the claim found decides the request (one arm per row of the table).
@@ -64,6 +67,7 @@ pub(crate) fn on_claim(found: RequestClaim) -> Next {
         Claim::InProgress { .. } => Next::Answer(Answer::InProgress),
         Claim::Conflict { .. } => Next::Answer(Answer::KeyReused),
         Claim::FailedForGood { .. } => Next::Answer(Answer::FailedForGood),
+        Claim::Erased => Next::Answer(Answer::Erased),
     }
 }
 

@@ -144,6 +144,13 @@ impl Problem {
         title: "The request ran too long and was stopped",
     };
 
+    /// The request with this key was handled; its stored answer was erased since.
+    pub(crate) const ERASED: Problem = Problem {
+        status: StatusCode::GONE,
+        slug: "idempotency-key-erased",
+        title: "The request with this Idempotency-Key was handled; its answer was erased",
+    };
+
     /// The answer, with `detail` saying what happened to this request.
     pub(crate) fn answer(self, detail: impl Into<String>) -> Response {
         problem(self.status, self.slug, self.title, &detail.into())

@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::IDEMPOTENCY_KEY;
 use crate::fingerprint::Fingerprint;
+use crate::protect::Keys;
 use crate::trace::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// GET, HEAD, OPTIONS and TRACE change nothing and need no key.
@@ -80,7 +81,12 @@ pub(super) fn correlation_id(headers: &HeaderMap) -> Option<String> {
 
 /// The fingerprint of a request: its target (path and query) and its body, as
 /// canonical JSON when it is JSON, else as the SHA-256 of its bytes.
-pub(super) fn fingerprint(uri: &Uri, body: &[u8], volatile: &[String]) -> Fingerprint {
+pub(super) fn fingerprint(
+    uri: &Uri,
+    body: &[u8],
+    volatile: &[String],
+    keys: Option<&Keys>,
+) -> Fingerprint {
     let target = uri.path_and_query().map_or("/", |p| p.as_str());
     let payload = if body.is_empty() {
         json!({ "target": target })
@@ -91,7 +97,7 @@ pub(super) fn fingerprint(uri: &Uri, body: &[u8], volatile: &[String]) -> Finger
         }
     };
     let volatile: Vec<&str> = volatile.iter().map(String::as_str).collect();
-    Fingerprint::of(&payload, &volatile)
+    Fingerprint::keyed(&payload, &volatile, keys)
 }
 
 /// Why a body was not read.
@@ -173,25 +179,35 @@ mod tests {
             &uri,
             br#"{"amount": 5, "sent_at": 1}"#,
             &["body.sent_at".into()],
+            None,
         );
         let b = fingerprint(
             &uri,
             br#"{ "sent_at": 2,"amount":5 }"#,
             &["body.sent_at".into()],
+            None,
         );
         assert_eq!(a, b);
-        let other_amount = fingerprint(&uri, br#"{"amount": 6}"#, &[]);
+        let other_amount = fingerprint(&uri, br#"{"amount": 6}"#, &[], None);
         assert_ne!(a, other_amount);
-        let other_target = fingerprint(&"/payments?x=1".parse().unwrap(), br#"{"amount": 5}"#, &[]);
-        assert_ne!(fingerprint(&uri, br#"{"amount": 5}"#, &[]), other_target);
+        let other_target = fingerprint(
+            &"/payments?x=1".parse().unwrap(),
+            br#"{"amount": 5}"#,
+            &[],
+            None,
+        );
+        assert_ne!(
+            fingerprint(&uri, br#"{"amount": 5}"#, &[], None),
+            other_target
+        );
         // Not JSON: the bytes count.
         assert_ne!(
-            fingerprint(&uri, b"a=1", &[]),
-            fingerprint(&uri, b"a=2", &[])
+            fingerprint(&uri, b"a=1", &[], None),
+            fingerprint(&uri, b"a=2", &[], None)
         );
         assert_eq!(
-            fingerprint(&uri, b"a=1", &[]),
-            fingerprint(&uri, b"a=1", &[])
+            fingerprint(&uri, b"a=1", &[], None),
+            fingerprint(&uri, b"a=1", &[], None)
         );
     }
 }

@@ -153,7 +153,7 @@ where
             return answered(&label, "unreadable_body", problem);
         }
     };
-    let fingerprint = fingerprint(&parts.uri, &bytes, &route.volatile);
+    let fingerprint = fingerprint(&parts.uri, &bytes, &route.volatile, shared.store.keys());
     let incoming = trace_context(&parts.headers);
     let origin = Origin {
         message_id: None,
@@ -222,6 +222,14 @@ fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
             "failed",
             Problem::FAILED_FOR_GOOD
                 .answer("the request with this key failed for good; use a new key"),
+        ),
+        Answer::Erased => answered(
+            label,
+            "erased",
+            Problem::ERASED.answer(
+                "the request with this key was handled and is not run again; what was \
+                 stored of it, its answer too, has been erased",
+            ),
         ),
     }
 }

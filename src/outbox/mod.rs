@@ -194,6 +194,14 @@ impl FollowUp {
         &self.body
     }
 
+    /// The message with its body sealed by `keys`, as the outbox keeps it.
+    pub(crate) fn sealed(mut self, keys: Option<&crate::protect::Keys>) -> Self {
+        if keys.is_some() {
+            self.body = crate::protect::seal_body(keys, &self.body);
+        }
+        self
+    }
+
     /// Whether it can be published: every AMQP short string within
     /// [`SHORT_STRING_MAX`] bytes and without a NUL, and its headers within
     /// [`HEADERS_MAX`] bytes (as JSON).

@@ -25,6 +25,7 @@ use super::publish::{mark_dispatched, publish};
 use super::table;
 use crate::connector::Connector;
 use crate::metrics;
+use crate::protect::Keys;
 
 /// The `NOTIFY` channel of the outbox's insert trigger.
 pub(crate) const CHANNEL: &str = "idem_outbox";
@@ -60,6 +61,8 @@ pub struct Relay {
     shared: Option<Arc<Connector>>,
     /// Where its `LISTEN` connection opens; none: where the pool connects now.
     session: Option<PgConnectOptions>,
+    /// The keys that open sealed bodies (`StoreConfig::keys`).
+    keys: Option<Keys>,
 }
 
 impl Relay {
@@ -76,7 +79,14 @@ impl Relay {
             wake: Arc::new(Notify::new()),
             shared: None,
             session: None,
+            keys: None,
         }
+    }
+
+    /// Opens sealed follow-up bodies with `keys` (the store's: `StoreConfig::keys`).
+    pub fn opening_with(mut self, keys: Option<Keys>) -> Self {
+        self.keys = keys;
+        self
     }
 
     /// Opens its `LISTEN` connection with `options` (a session of its own, which a
@@ -250,7 +260,13 @@ impl Relay {
     /// publishes nothing.
     async fn drain(&self, channel: &Channel, shutdown: &CancellationToken) {
         while !shutdown.is_cancelled() {
-            let rows = match table::take_due(&self.pool, self.config.batch, self.config.lease).await
+            let rows = match table::take_due(
+                &self.pool,
+                self.config.batch,
+                self.config.lease,
+                self.keys.as_ref(),
+            )
+            .await
             {
                 Ok(rows) => rows,
                 Err(error) => {

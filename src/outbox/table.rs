@@ -8,6 +8,7 @@ use sqlx::AssertSqlSafe;
 use sqlx::{PgConnection, PgPool};
 
 use super::{FollowUp, NotBefore, Properties, backoff};
+use crate::protect::{self, Keys};
 use crate::store::{StoreError, storable};
 
 /// A staged message that is not published yet, as a publisher took it.
@@ -91,17 +92,29 @@ pub(crate) async fn take_staged(
     pool: &PgPool,
     ids: &[i64],
     lease: Duration,
+    keys: Option<&Keys>,
 ) -> Result<Vec<OutboxRow>, StoreError> {
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "UPDATE outbox_messages SET {TAKE}
+    opened(
+        sqlx::query_as(AssertSqlSafe(format!(
+            "UPDATE outbox_messages SET {TAKE}
          WHERE id = ANY($1) AND dispatched_at IS NULL AND take_token = 0
            AND (not_before IS NULL OR not_before <= now())
          RETURNING {ROW}"
-    )))
-    .bind(ids)
-    .bind(millis(lease))
-    .fetch_all(pool)
-    .await?)
+        )))
+        .bind(ids)
+        .bind(millis(lease))
+        .fetch_all(pool)
+        .await?,
+        keys,
+    )
+}
+
+/// `rows` with their sealed bodies opened.
+fn opened(mut rows: Vec<OutboxRow>, keys: Option<&Keys>) -> Result<Vec<OutboxRow>, StoreError> {
+    for row in &mut rows {
+        row.body = protect::open_body(keys, std::mem::take(&mut row.body))?;
+    }
+    Ok(rows)
 }
 
 /// A relay takes up to `batch` rows that are due, the longest due first (through the
@@ -111,19 +124,23 @@ pub(crate) async fn take_due(
     pool: &PgPool,
     batch: i64,
     lease: Duration,
+    keys: Option<&Keys>,
 ) -> Result<Vec<OutboxRow>, StoreError> {
-    Ok(sqlx::query_as(AssertSqlSafe(format!(
-        "UPDATE outbox_messages SET {TAKE}
+    opened(
+        sqlx::query_as(AssertSqlSafe(format!(
+            "UPDATE outbox_messages SET {TAKE}
          WHERE id IN (SELECT id FROM outbox_messages
                       WHERE dispatched_at IS NULL AND available_at <= now()
                       ORDER BY available_at LIMIT $1
                       FOR UPDATE SKIP LOCKED)
          RETURNING {ROW}"
-    )))
-    .bind(batch)
-    .bind(millis(lease))
-    .fetch_all(pool)
-    .await?)
+        )))
+        .bind(batch)
+        .bind(millis(lease))
+        .fetch_all(pool)
+        .await?,
+        keys,
+    )
 }
 
 /// For each of `sources`, the first message not yet dispatched among rows other than

@@ -13,6 +13,7 @@ use super::{Store, StoreError, millis};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::metrics;
+use crate::protect::{self, Keys};
 
 /// How often a claim may find the key inserted or deleted between its snapshot and its
 /// write before giving up (each retry is one more statement with a fresh snapshot).
@@ -41,7 +42,7 @@ pub(super) const NO_EXPIRY: &str = "NULL::timestamptz";
 /// after that starts afresh (attempt 1, no takeover), so only its provider key guards
 /// effects outside the transaction.
 #[cfg(feature = "http")]
-const REQUEST_EXPIRY: &str = "now() + $10::bigint * interval '1 millisecond'";
+const REQUEST_EXPIRY: &str = "now() + $12::bigint * interval '1 millisecond'";
 
 /// Taking a record: a new fencing token, attempts + 1, a lease of `$5` ms for owner `$6`,
 /// the taker's trace id (`trace`, the record's own when the taker has none), and the
@@ -73,13 +74,23 @@ pub(super) fn take(expiry: &str, trace: &str) -> String {
 pub(super) const TAKEN_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        previous_status, external_ref, NULL::text AS payload_sha256, NULL::jsonb AS result,
        NULL::jsonb AS error, NULL::boolean AS claimable, NULL::boolean AS dead_lettered,
-       NULL::boolean AS awaits_reconcile";
+       NULL::boolean AS awaits_reconcile, NULL::boolean AS erased";
 pub(super) const EXISTING_COLUMNS: &str = "id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, external_ref, payload_sha256, result, error, claimable,
        (dead_lettered_at IS NOT NULL OR discarded_at IS NOT NULL) AS dead_lettered,
        (status = 'pending' OR (reconcile_first AND (
             (status = 'processing' AND lease_expires_at <= now())
-         OR (status = 'failed' AND retryable)))) AS awaits_reconcile";
+         OR (status = 'failed' AND retryable)))) AS awaits_reconcile,
+       erased_at IS NOT NULL AS erased";
+
+/// The record `p` holds the payload of fingerprint `fp` (a digest made with the
+/// newest key) or of `also` (the same payload's digests under older keys and unkeyed,
+/// comma-separated, or NULL).
+pub(super) fn same_payload(fp: &str, also: &str) -> String {
+    format!(
+        "(p.payload_sha256 = {fp} OR COALESCE(p.payload_sha256 = ANY(string_to_array({also}, ',')), false))"
+    )
+}
 
 /// One statement decides the claim: insert a new record, or take over an expired /
 /// retryable / pending one, or report the existing one. Each CTE runs on the same
@@ -103,20 +114,21 @@ static REQUEST_CLAIM_UNLESS_PENDING_SQL: LazyLock<String> =
 /// the records it inserts or takes.
 fn claim_sql(claimable: &str, expiry: &str) -> String {
     let take = take(expiry, "$9");
+    let same = same_payload("$4", "$10");
     format!(
         "WITH ins AS (
     INSERT INTO processed_operations
-        (scope, operation, idempotency_key, payload_sha256, status, attempts,
-         lease_token, lease_expires_at, owner, message_id, correlation_id, trace_id,
-         expires_at)
-    VALUES ($1, $2, $3, $4, 'processing', 1,
+        (scope, operation, idempotency_key, payload_sha256, fingerprint_key, status,
+         attempts, lease_token, lease_expires_at, owner, message_id, correlation_id,
+         trace_id, expires_at)
+    VALUES ($1, $2, $3, $4, $11, 'processing', 1,
             nextval('processed_operations_lease_token_seq'),
             now() + $5::bigint * interval '1 millisecond', $6, $7, $8, $9, {expiry})
     ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
     RETURNING id, status, attempts, lease_token, lease_expires_at
 ),
 cur AS (
-    SELECT p.*, p.payload_sha256 = $4 AND {claimable} AS claimable
+    SELECT p.*, {same} AND {claimable} AS claimable
     FROM processed_operations p
     WHERE p.scope = $1 AND p.operation = $2 AND p.idempotency_key = $3
       AND NOT EXISTS (SELECT 1 FROM ins)
@@ -124,7 +136,7 @@ cur AS (
 upd AS (
     UPDATE processed_operations p {take}
     FROM cur
-    WHERE p.id = cur.id AND p.payload_sha256 = $4 AND {claimable}
+    WHERE p.id = cur.id AND {same} AND {claimable}
     RETURNING p.id, p.status, p.attempts, p.lease_token, p.lease_expires_at,
               cur.status AS previous_status, p.external_ref
 )
@@ -132,7 +144,7 @@ SELECT 'inserted' AS found, id, status, attempts, lease_token, lease_expires_at,
        NULL::text AS previous_status, NULL::text AS external_ref,
        NULL::text AS payload_sha256, NULL::jsonb AS result, NULL::jsonb AS error,
        NULL::boolean AS claimable, NULL::boolean AS dead_lettered,
-       NULL::boolean AS awaits_reconcile
+       NULL::boolean AS awaits_reconcile, NULL::boolean AS erased
   FROM ins
 UNION ALL
 SELECT 'taken', {TAKEN_COLUMNS} FROM upd
@@ -171,6 +183,8 @@ pub(super) struct ClaimRow {
     /// request's claim only).
     #[cfg_attr(not(feature = "http"), allow(dead_code))]
     awaits_reconcile: Option<bool>,
+    /// The existing record was erased (a tombstone).
+    erased: Option<bool>,
 }
 
 impl Store {
@@ -184,12 +198,13 @@ impl Store {
         fingerprint: &Fingerprint,
         origin: &Origin,
     ) -> Result<Claim, StoreError> {
+        self.prepare().await?;
         for _ in 0..CLAIM_TRIES {
             let row = self
                 .claim_once(&CLAIM_SQL, key, fingerprint, origin)
                 .await?;
             if let Some(row) = row
-                && let Some(claim) = claim_of(row, fingerprint)?
+                && let Some(claim) = claim_of(row, fingerprint, self.keys())?
             {
                 return Ok(claim);
             }
@@ -210,6 +225,7 @@ impl Store {
         origin: &Origin,
         reconcile: bool,
     ) -> Result<RequestClaim, StoreError> {
+        self.prepare().await?;
         let sql = if reconcile {
             &REQUEST_CLAIM_SQL
         } else {
@@ -221,19 +237,22 @@ impl Store {
             };
             let uncertain = row.found == "existing"
                 && row.claimable != Some(true)
-                && row.payload_sha256.as_deref() == Some(fingerprint.as_hex())
+                && row
+                    .payload_sha256
+                    .as_deref()
+                    .is_some_and(|stored| fingerprint.accepts(stored))
                 && row.awaits_reconcile == Some(true);
             if uncertain && !reconcile {
                 return Ok(RequestClaim::Uncertain);
             }
-            if let Some(claim) = claim_of(row, fingerprint)? {
+            if let Some(claim) = claim_of(row, fingerprint, self.keys())? {
                 return Ok(RequestClaim::Claim(claim));
             }
         }
         Err(StoreError::Contention(CLAIM_TRIES))
     }
 
-    /// One run of a single-key claim statement (`$10`, the in-flight expiry, is bound
+    /// One run of a single-key claim statement (`$12`, the in-flight expiry, is bound
     /// for the HTTP statements only).
     async fn claim_once(
         &self,
@@ -252,8 +271,10 @@ impl Store {
             .bind(&self.config.owner)
             .bind(origin.message_id.as_deref())
             .bind(origin.correlation_id.as_deref())
-            .bind(origin.trace_id.as_deref());
-        if sql.contains("$10") {
+            .bind(origin.trace_id.as_deref())
+            .bind(fingerprint.also())
+            .bind(fingerprint.key_id());
+        if sql.contains("$12") {
             let expiry = self.config.retention.saturating_add(self.config.lease);
             query = query.bind(millis(expiry));
         }
@@ -268,7 +289,12 @@ impl Store {
 pub(super) fn claim_of(
     row: ClaimRow,
     fingerprint: &Fingerprint,
+    keys: Option<&Keys>,
 ) -> Result<Option<Claim>, StoreError> {
+    let external_ref = row
+        .external_ref
+        .map(|r| protect::open_text(keys, protect::Kind::Reference, r))
+        .transpose()?;
     let status = row.status;
     let lease = |takeover| -> Result<Lease, StoreError> {
         Ok(Lease {
@@ -285,19 +311,27 @@ pub(super) fn claim_of(
         "inserted" => Claim::Claimed(lease(false)?),
         "taken" if status == Status::Pending => Claim::Pending {
             lease: lease(false)?,
-            external_ref: row.external_ref,
+            external_ref,
         },
         "taken" => Claim::Claimed(lease(row.previous_status == Some(Status::Processing))?),
         "existing" if row.claimable == Some(true) => return Ok(None),
         "existing" => {
             let stored = row.payload_sha256.unwrap_or_default();
-            if stored != fingerprint.as_hex() {
+            if !fingerprint.accepts(&stored) {
                 return Ok(Some(Claim::Conflict {
                     stored: Fingerprint::from_hex(stored),
                 }));
             }
+            if row.erased == Some(true) {
+                return Ok(Some(Claim::Erased));
+            }
             match status {
-                Status::Completed => Claim::Completed { result: row.result },
+                Status::Completed => Claim::Completed {
+                    result: row
+                        .result
+                        .map(|r| protect::open_json(keys, protect::Kind::Result, r))
+                        .transpose()?,
+                },
                 Status::Failed => Claim::FailedForGood {
                     id: row.id,
                     error: row.error,

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgExecutor;
 
 use super::claim::{
-    CLAIMABLE, ClaimRow, EXISTING_COLUMNS, NO_EXPIRY, TAKEN_COLUMNS, claim_of, take,
+    CLAIMABLE, ClaimRow, EXISTING_COLUMNS, NO_EXPIRY, TAKEN_COLUMNS, claim_of, same_payload, take,
 };
 use super::record::{Claim, ClaimRequest, Lease};
 use super::{Store, StoreError, millis};
@@ -26,9 +26,9 @@ use crate::metrics;
 /// record (a later takeover draws after this commit), and every write a token allows
 /// also names the record's id.
 const CLAIM_NEW_SQL: &str = "INSERT INTO processed_operations
-    (scope, operation, idempotency_key, payload_sha256, status, attempts,
+    (scope, operation, idempotency_key, payload_sha256, fingerprint_key, status, attempts,
      lease_token, lease_expires_at, owner, message_id, correlation_id, trace_id)
-SELECT t.scope, t.operation, t.idempotency_key, t.fp, 'processing', 1,
+SELECT t.scope, t.operation, t.idempotency_key, t.fp, $10, 'processing', 1,
        (SELECT nextval('processed_operations_lease_token_seq')),
        now() + $5::bigint * interval '1 millisecond', $6, t.message_id, t.correlation_id,
        t.trace_id
@@ -43,19 +43,22 @@ RETURNING id, scope, operation, idempotency_key, lease_token, lease_expires_at";
 /// rest, exactly as [`CLAIM_SQL`] does for one key.
 static CLAIM_EXISTING_SQL: LazyLock<String> = LazyLock::new(|| {
     let take = take(NO_EXPIRY, "cur.new_trace_id");
+    let same_input = same_payload("i.fp", "i.also");
+    let same_cur = same_payload("cur.fp", "cur.also");
     format!(
         "WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[])
-                  AS t(scope, operation, idempotency_key, fp, trace_id)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $7::text[],
+                         $8::text[])
+                  AS t(scope, operation, idempotency_key, fp, trace_id, also)
 ),
 cur AS (
-    SELECT p.*, i.fp, i.trace_id AS new_trace_id, p.payload_sha256 = i.fp AND {CLAIMABLE} AS claimable
+    SELECT p.*, i.fp, i.also, i.trace_id AS new_trace_id, {same_input} AND {CLAIMABLE} AS claimable
     FROM processed_operations p JOIN input i USING (scope, operation, idempotency_key)
 ),
 upd AS (
     UPDATE processed_operations p {take}
     FROM cur
-    WHERE p.id = cur.id AND p.payload_sha256 = cur.fp AND {CLAIMABLE}
+    WHERE p.id = cur.id AND {same_cur} AND {CLAIMABLE}
     RETURNING p.id, p.scope, p.operation, p.idempotency_key, p.status, p.attempts,
               p.lease_token, p.lease_expires_at, cur.status AS previous_status,
               p.external_ref
@@ -86,6 +89,7 @@ impl Store {
         &self,
         inputs: &[ClaimRequest],
     ) -> Result<Vec<Claim>, StoreError> {
+        self.prepare().await?;
         let mut results: Vec<Option<Claim>> = vec![None; inputs.len()];
         let mut first: HashMap<(&str, &str, &str), usize> = HashMap::new();
         for (i, input) in inputs.iter().enumerate() {
@@ -120,7 +124,7 @@ impl Store {
                 row.idempotency_key.as_str(),
             );
             if let Some(&i) = first.get(&slot) {
-                results[i] = claim_of(row.row, &inputs[i].fingerprint)?;
+                results[i] = claim_of(row.row, &inputs[i].fingerprint, self.keys())?;
             }
         }
         // Copies of a key within the batch, and keys whose snapshot was stale: one at a
@@ -159,6 +163,7 @@ impl Store {
             .bind(column(&|c| c.origin.message_id.as_deref()))
             .bind(column(&|c| c.origin.correlation_id.as_deref()))
             .bind(column(&|c| c.origin.trace_id.as_deref()))
+            .bind(inputs.first().and_then(|c| c.fingerprint.key_id()))
             .fetch_all(&self.pool)
             .await?;
         metrics::store_round_trip("claim_many", started);
@@ -209,6 +214,12 @@ impl Store {
             .bind(millis(self.config.lease))
             .bind(&self.config.owner)
             .bind(column(&|c| c.origin.trace_id.as_deref()))
+            .bind(
+                picked
+                    .iter()
+                    .map(|&i| inputs[i].fingerprint.also())
+                    .collect::<Vec<_>>(),
+            )
             .fetch_all(executor)
             .await?;
         metrics::store_round_trip("claim_many", started);

@@ -22,6 +22,8 @@ use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 
 use crate::fault::{self, Fault};
+use crate::fingerprint::Fingerprint;
+use crate::protect::{self, Keys, SealError};
 
 mod claim;
 mod claim_batch;
@@ -73,6 +75,20 @@ pub enum StoreError {
     /// The batched statement this call was part of failed.
     #[error(transparent)]
     Batch(Arc<StoreError>),
+    /// A stored value could not be opened with the configured keys.
+    #[error(transparent)]
+    Sealed(#[from] SealError),
+    /// Keys that sealed stored values (registered in `idem_keys`, not retired) are not
+    /// among the configured keys.
+    #[error(
+        "stored values may be sealed with key(s) {ids}, which {} does not give: add them \
+         (after the newest), or run `idem keys rotate` and `idem keys retire` where they are",
+        crate::protect::KEYS_ENV
+    )]
+    KeysMissing {
+        /// The missing key ids, comma-separated.
+        ids: String,
+    },
 }
 
 impl StoreError {
@@ -84,6 +100,8 @@ impl StoreError {
             StoreError::Database(error) => fault::classify(error),
             StoreError::Batch(error) => error.fault(),
             StoreError::LeaseLost { .. } | StoreError::Contention(_) => Fault::Outage,
+            // The deployment's keys, not the message: it heals when the keys are fixed.
+            StoreError::Sealed(_) | StoreError::KeysMissing { .. } => Fault::Outage,
             StoreError::NoLeaseExpiry { .. } | StoreError::UnknownClaimRow(_) => Fault::Unknown,
         }
     }
@@ -117,6 +135,11 @@ pub struct StoreConfig {
     /// from a URL, `DATABASE_SESSION_URL` in the examples). `None`: the pool's own
     /// options.
     pub session: Option<PgConnectOptions>,
+    /// The keys stored values are sealed with (docs/DESIGN.md, "Data protection"):
+    /// handler outputs, HTTP answers, provider references and follow-up bodies, and the
+    /// key payload fingerprints are hashed with. `None` (the default): stored as given.
+    /// [`Keys::from_env`] reads `IDEM_KEYS`.
+    pub keys: Option<Keys>,
 }
 
 impl Default for StoreConfig {
@@ -126,6 +149,7 @@ impl Default for StoreConfig {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(7 * 24 * 3600),
             session: None,
+            keys: None,
         }
     }
 }
@@ -135,12 +159,70 @@ impl Default for StoreConfig {
 pub struct Store {
     pool: PgPool,
     config: StoreConfig,
+    /// Set once the keys were checked and the retentions noted ([`Store::prepare`]).
+    prepared: Arc<tokio::sync::OnceCell<()>>,
+    /// The retention of each operation a service hosts, noted by [`Store::prepare`].
+    retentions: Retentions,
 }
+
+/// Operations and their retentions (`None`: the store's), to note.
+type Retentions = Arc<std::sync::Mutex<Vec<(String, Option<Duration>)>>>;
 
 impl Store {
     /// A store on `pool` (already migrated, see [`crate::db::connect_and_migrate`]).
     pub fn new(pool: PgPool, config: StoreConfig) -> Self {
-        Self { pool, config }
+        Self {
+            pool,
+            config,
+            prepared: Arc::default(),
+            retentions: Arc::default(),
+        }
+    }
+
+    /// Checks the configured keys against those that sealed stored values, and notes
+    /// the retention of each operation a service hosts: once per store, before its
+    /// first claim (every claim asks; a service asks at start, to stop with one line).
+    /// Each key must open its check value, and every key not yet retired must be
+    /// configured, so that nothing is written in plaintext beside sealed values nor
+    /// fails later on a value it cannot open.
+    pub async fn prepare(&self) -> Result<(), StoreError> {
+        self.prepared
+            .get_or_try_init(|| async {
+                protect::check(&self.pool, self.config.keys.as_ref()).await?;
+                let noted = self
+                    .retentions
+                    .lock()
+                    .map(|r| r.clone())
+                    .unwrap_or_default();
+                for (operation, retention) in noted {
+                    self.note_retention(&operation, retention).await?;
+                }
+                Ok::<(), StoreError>(())
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Notes, for [`Store::prepare`], that `operation`'s records are kept for
+    /// `retention` (`None`: the store's).
+    pub(crate) fn retains(&self, operation: &str, retention: Option<Duration>) {
+        if let Ok(mut noted) = self.retentions.lock() {
+            noted.push((operation.to_owned(), retention));
+        }
+    }
+
+    /// The keys values are sealed with, if any.
+    pub(crate) fn keys(&self) -> Option<&Keys> {
+        self.config.keys.as_ref()
+    }
+
+    /// `payload`'s fingerprint, keyed when keys are configured.
+    pub(crate) fn fingerprint(
+        &self,
+        payload: &serde_json::Value,
+        volatile: &[&str],
+    ) -> Fingerprint {
+        Fingerprint::keyed(payload, volatile, self.keys())
     }
 
     /// The pool, for callers that open their own transactions.

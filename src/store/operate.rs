@@ -230,6 +230,40 @@ impl Store {
         .await?)
     }
 
+    /// Notes how long `operation`'s completed records are kept (`None`: the store's
+    /// retention, the note is removed), for every completion of it in any process.
+    pub(crate) async fn note_retention(
+        &self,
+        operation: &str,
+        retention: Option<Duration>,
+    ) -> Result<(), StoreError> {
+        match retention {
+            Some(retention) => sqlx::query(
+                "INSERT INTO operation_retention (operation, retention_ms) VALUES ($1, $2)
+                 ON CONFLICT (operation) DO UPDATE
+                 SET retention_ms = EXCLUDED.retention_ms, noted_at = now()",
+            )
+            .bind(operation)
+            .bind(millis(retention).max(1)),
+            None => {
+                sqlx::query("DELETE FROM operation_retention WHERE operation = $1").bind(operation)
+            }
+        }
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// How long `operation`'s completed records are kept, if noted.
+    pub async fn retention_of(&self, operation: &str) -> Result<Option<Duration>, StoreError> {
+        let ms: Option<i64> =
+            sqlx::query_scalar("SELECT retention_ms FROM operation_retention WHERE operation = $1")
+                .bind(operation)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
+    }
+
     /// Notes that a worker of `queue` runs `operation` (`queue_operations`), so that
     /// operators' tools know which records belong to which queue.
     pub(crate) async fn note_queue(&self, queue: &str, operation: &str) -> Result<(), StoreError> {
@@ -273,7 +307,10 @@ impl Store {
         .bind(millis(older_than))
         .bind(limit)
         .fetch_all(&self.pool)
-        .await?)
+        .await?
+        .into_iter()
+        .map(|r: Record| r.opened(self.keys()))
+        .collect())
     }
 
     /// For each of `keys`, in order, whether its record is `completed`: one statement
@@ -312,7 +349,8 @@ impl Store {
             key,
         )
         .fetch_optional(&self.pool)
-        .await?)
+        .await?
+        .map(|r| r.opened(self.keys())))
     }
 
     /// The records in `scope` and `operation` whose key has this short hash (the 12 hex
@@ -340,7 +378,10 @@ impl Store {
         .bind(operation)
         .bind(short_hash)
         .fetch_all(&self.pool)
-        .await?)
+        .await?
+        .into_iter()
+        .map(|r: Record| r.opened(self.keys()))
+        .collect())
     }
 }
 

@@ -13,25 +13,37 @@ use sqlx::PgExecutor;
 use super::record::{Lease, storable};
 use super::{Store, StoreError, millis};
 use crate::metrics;
+use crate::protect::{self, Kind};
 
 /// The lease still owns the record: the condition of every fenced write on one row
 /// (`$1` id, `$2` token).
 const FENCED: &str = "id = $1 AND lease_token = $2 AND status IN ('processing', 'pending')";
 
-/// What a success writes, with the stored result taken from `result` and the retention
-/// in milliseconds from `$4`.
-fn completed_set(result: &str) -> String {
+/// How long a record of `table`'s row (an alias or the table's name) is kept, in
+/// milliseconds: its operation's own retention (`operation_retention`), else the
+/// store's from `default`.
+pub(super) fn retention_of(table: &str, default: &str) -> String {
+    format!(
+        "COALESCE((SELECT r.retention_ms FROM operation_retention r
+                   WHERE r.operation = {table}.operation), {default}::bigint)"
+    )
+}
+
+/// What a success writes, with the stored result taken from `result` and the store's
+/// retention in milliseconds from `$4`; `table` names the updated row.
+fn completed_set(table: &str, result: &str) -> String {
+    let retention = retention_of(table, "$4");
     format!(
         "SET status = 'completed', result = {result}, error = NULL, retryable = false,
              lease_expires_at = NULL, completed_at = now(), updated_at = now(),
-             expires_at = now() + $4::bigint * interval '1 millisecond'"
+             expires_at = now() + {retention} * interval '1 millisecond'"
     )
 }
 
 static COMPLETE_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE processed_operations {} WHERE {FENCED}",
-        completed_set("$3")
+        completed_set("processed_operations", "$3")
     )
 });
 
@@ -45,7 +57,7 @@ static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
          WHERE p.id = t.id AND p.lease_token = t.token
            AND p.status IN ('processing', 'pending')
          RETURNING p.id, p.lease_token",
-        completed_set("t.result")
+        completed_set("p", "t.result")
     )
 });
 
@@ -82,9 +94,10 @@ static FAIL_EXPIRING_SQL: LazyLock<String> = LazyLock::new(|| {
         "UPDATE processed_operations
          SET status = 'failed', retryable = true, error = $3, lease_expires_at = NULL,
              expires_at = CASE WHEN reconcile_first THEN NULL
-                               ELSE now() + $4::bigint * interval '1 millisecond' END,
+                               ELSE now() + {} * interval '1 millisecond' END,
              updated_at = now()
-         WHERE {FENCED}"
+         WHERE {FENCED}",
+        retention_of("processed_operations", "$4")
     )
 });
 
@@ -147,11 +160,12 @@ impl Store {
         lease: &Lease,
         result: &Value,
     ) -> Result<(), StoreError> {
+        let result = protect::seal_json(self.keys(), Kind::Result, result);
         let started = Instant::now();
         let done = sqlx::query(COMPLETE_SQL.as_str())
             .bind(lease.id)
             .bind(lease.token)
-            .bind(result)
+            .bind(&result)
             .bind(millis(self.config.retention))
             .execute(executor)
             .await?;
@@ -168,7 +182,10 @@ impl Store {
     ) -> Result<Vec<bool>, StoreError> {
         let ids: Vec<i64> = items.iter().map(|(lease, _)| lease.id).collect();
         let tokens: Vec<i64> = items.iter().map(|(lease, _)| lease.token).collect();
-        let results: Vec<&Value> = items.iter().map(|(_, result)| result).collect();
+        let results: Vec<Value> = items
+            .iter()
+            .map(|(_, result)| protect::seal_json(self.keys(), Kind::Result, result))
+            .collect();
         let started = Instant::now();
         // In a transaction of its own: an unnamed statement is parsed and executed in
         // two exchanges, which a transaction pooler keeps on one server connection only
@@ -287,13 +304,16 @@ impl Store {
         error: &Value,
     ) -> Result<(), StoreError> {
         let started = Instant::now();
-        let done = sqlx::query(PENDING_SQL.as_str())
-            .bind(lease.id)
-            .bind(lease.token)
-            .bind(external_ref.map(storable))
-            .bind(error)
-            .execute(executor)
-            .await?;
+        let done =
+            sqlx::query(PENDING_SQL.as_str())
+                .bind(lease.id)
+                .bind(lease.token)
+                .bind(external_ref.map(|r| {
+                    protect::seal_text(self.keys(), Kind::Reference, storable(r).as_ref())
+                }))
+                .bind(error)
+                .execute(executor)
+                .await?;
         metrics::store_round_trip("mark_pending", started);
         fenced(done.rows_affected(), lease)
     }

@@ -161,9 +161,35 @@ pub struct Record {
     pub completed_at: Option<DateTime<Utc>>,
     /// When gc may delete the record; none: kept (in flight, failed or pending).
     pub expires_at: Option<DateTime<Utc>>,
+    /// The id of the key `payload_sha256` was made with (an HMAC); none: unkeyed
+    /// SHA-256 (docs/DESIGN.md, "Data protection").
+    pub fingerprint_key: Option<String>,
+    /// When an erasure removed the record's result, error and reference: a tombstone,
+    /// which still decides redeliveries (acked) and retried requests (410).
+    pub erased_at: Option<DateTime<Utc>>,
 }
 
 impl Record {
+    /// The record with its sealed result and reference opened by `keys`, for an
+    /// operator to read; a value the keys cannot open stays as stored (sealed, its key
+    /// id visible).
+    pub(crate) fn opened(mut self, keys: Option<&crate::protect::Keys>) -> Self {
+        use crate::protect::{self, Kind};
+        if let Some(result) = self.result.take() {
+            self.result = Some(
+                match protect::open_json(keys, Kind::Result, result.clone()) {
+                    Ok(opened) => opened,
+                    Err(_) => result,
+                },
+            );
+        }
+        if let Some(reference) = self.external_ref.take() {
+            let opened = protect::open_text(keys, Kind::Reference, reference.clone());
+            self.external_ref = Some(opened.unwrap_or(reference));
+        }
+        self
+    }
+
     /// Whether the operation's outcome is uncertain and waits to be reconciled:
     /// `pending`, or failed retryably after having been uncertain. These are the
     /// records [`Store::resolve_not_applied`](super::Store::resolve_not_applied) may
@@ -246,6 +272,9 @@ pub(crate) enum Claim {
         /// The stored result.
         result: Option<Value>,
     },
+    /// Done with this payload, and then erased (docs/DESIGN.md, "Data protection"):
+    /// do not run; nothing is left to replay.
+    Erased,
     /// Another worker holds a live lease: do not run, retry later.
     InProgress {
         /// When that lease lapses, if known.

@@ -10,15 +10,18 @@
 //! with it) and starts again, and then sees `completed`.
 
 use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::time::Instant;
 
 use serde_json::Value;
 use sqlx::PgConnection;
 
 use super::claim::claim_of;
+use super::outcome::retention_of;
 use super::record::{Claim, ClaimRequest, Status, storable};
 use super::{Store, StoreError, millis};
 use crate::metrics;
+use crate::protect::{self, Kind};
 
 /// What a transactional batch found for one key.
 #[derive(Debug)]
@@ -48,24 +51,29 @@ pub(crate) struct NewRecord<'a> {
 /// keys wait for each other instead of deadlocking. One fencing token for the
 /// statement, as in `CLAIM_NEW_SQL`. A key another transaction inserted meanwhile is
 /// skipped (after waiting for that transaction), and missing from what comes back.
-const INSERT_SQL: &str = "INSERT INTO processed_operations
-    (scope, operation, idempotency_key, payload_sha256, status, retryable, attempts,
-     lease_token, owner, result, error, external_ref, reconcile_first, message_id,
+static INSERT_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO processed_operations
+    (scope, operation, idempotency_key, payload_sha256, fingerprint_key, status, retryable,
+     attempts, lease_token, owner, result, error, external_ref, reconcile_first, message_id,
      correlation_id, trace_id, completed_at, expires_at)
-SELECT t.scope, t.operation, t.idempotency_key, t.fp, t.status, t.retryable, 1,
+SELECT t.scope, t.operation, t.idempotency_key, t.fp, $15, t.status, t.retryable, 1,
        (SELECT nextval('processed_operations_lease_token_seq')), $12, t.result, t.error,
        t.external_ref, t.status = 'pending', t.message_id, t.correlation_id,
        t.trace_id,
        CASE WHEN t.status = 'completed' THEN now() END,
        CASE WHEN t.status = 'completed'
-            THEN now() + $13::bigint * interval '1 millisecond' END
+            THEN now() + {} * interval '1 millisecond' END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bool[],
             $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $14::text[])
      AS t(scope, operation, idempotency_key, fp, status, retryable, result, error,
           external_ref, message_id, correlation_id, trace_id)
 ORDER BY t.scope, t.operation, t.idempotency_key
 ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
-RETURNING scope, operation, idempotency_key, id, lease_token";
+RETURNING scope, operation, idempotency_key, id, lease_token",
+        retention_of("t", "$13")
+    )
+});
 
 impl Store {
     /// Looks up the keys of `inputs` (distinct) in the batch's transaction: a record
@@ -76,6 +84,7 @@ impl Store {
         conn: &mut PgConnection,
         inputs: &[ClaimRequest],
     ) -> Result<Vec<Found>, StoreError> {
+        self.prepare().await?;
         let all: Vec<usize> = (0..inputs.len()).collect();
         let mut index: HashMap<(&str, &str, &str), usize> = HashMap::new();
         for (i, input) in inputs.iter().enumerate() {
@@ -90,7 +99,7 @@ impl Store {
                 row.idempotency_key.as_str(),
             );
             if let Some(&i) = index.get(&slot) {
-                found[i] = match claim_of(row.row, &inputs[i].fingerprint)? {
+                found[i] = match claim_of(row.row, &inputs[i].fingerprint, self.keys())? {
                     Some(claim) => Found::Record(claim),
                     None => Found::Stale,
                 };
@@ -113,11 +122,29 @@ impl Store {
         let column = |f: fn(&NewRecord<'_>) -> Option<String>| -> Vec<Option<String>> {
             records.iter().map(f).collect()
         };
-        let json = |f: fn(&NewRecord<'_>) -> Option<Value>| -> Vec<Option<Value>> {
-            records.iter().map(f).collect()
-        };
+        let keys = self.keys();
+        let results: Vec<Option<Value>> = records
+            .iter()
+            .map(|r| {
+                r.result
+                    .as_ref()
+                    .map(|v| protect::seal_json(keys, Kind::Result, v))
+            })
+            .collect();
+        let errors: Vec<Option<&Value>> = records.iter().map(|r| r.error.as_ref()).collect();
+        let references: Vec<Option<String>> = records
+            .iter()
+            .map(|r| {
+                let r = r.external_ref.as_deref()?;
+                Some(protect::seal_text(
+                    keys,
+                    Kind::Reference,
+                    storable(r).as_ref(),
+                ))
+            })
+            .collect();
         let started = Instant::now();
-        let rows: Vec<(String, String, String, i64, i64)> = sqlx::query_as(INSERT_SQL)
+        let rows: Vec<(String, String, String, i64, i64)> = sqlx::query_as(INSERT_SQL.as_str())
             .persistent(false)
             .bind(column(|r| Some(r.request.key.scope().to_owned())))
             .bind(column(|r| Some(r.request.key.operation().to_owned())))
@@ -125,16 +152,15 @@ impl Store {
             .bind(column(|r| Some(r.request.fingerprint.as_hex().to_owned())))
             .bind(column(|r| Some(r.status.as_str().to_owned())))
             .bind(records.iter().map(|r| r.retryable).collect::<Vec<_>>())
-            .bind(json(|r| r.result.clone()))
-            .bind(json(|r| r.error.clone()))
-            .bind(column(|r| {
-                r.external_ref.as_deref().map(|s| storable(s).into_owned())
-            }))
+            .bind(&results)
+            .bind(&errors)
+            .bind(&references)
             .bind(column(|r| r.request.origin.message_id.clone()))
             .bind(column(|r| r.request.origin.correlation_id.clone()))
             .bind(&self.config.owner)
             .bind(millis(self.config.retention))
             .bind(column(|r| r.request.origin.trace_id.clone()))
+            .bind(records.first().and_then(|r| r.request.fingerprint.key_id()))
             .fetch_all(&mut *conn)
             .await?;
         metrics::store_round_trip("insert_many", started);

@@ -294,6 +294,7 @@ impl<'w, H: Handler> Check<'w, H> {
             .as_ref()
             .map_or((1, false), |l| (l.attempt, l.takeover));
         let mut ctx = Context::new(key.clone(), attempt, takeover, store.pool().clone())
+            .sealing_with(store.keys().cloned())
             .for_follow_ups(None, None, self.worker.config().outbox.handoff)
             .with_envelope(Arc::new(self.worker.envelope(&self.properties)));
         // What the handler returns is lost with the crash; its transaction rolls back.

@@ -83,6 +83,7 @@ impl Background {
             )
             .sharing(publishing.clone())
             .listening_on(store.config().session.clone())
+            .opening_with(store.config().keys.clone())
             .waking_on(relay_wake.clone());
             tasks.push(tokio::spawn(relay.run(shutdown.clone())));
         }

@@ -119,6 +119,13 @@ pub struct WorkerConfig {
     /// runs; its success closes the circuit. Shared by every worker of the queue through
     /// the database. `None` (the default): no breaker, failures walk the retry tiers.
     pub circuit: Option<CircuitBreaker>,
+    /// How long this handler's completed records are kept (docs/DESIGN.md,
+    /// "Retention": an order's 30 days, an e-mail's 2): noted for its operation in
+    /// `operation_retention` when the service starts, and used by every completion of
+    /// the operation, in any process. `None` (the default): the store's
+    /// [`crate::StoreConfig::retention`]. It must exceed the longest redelivery and
+    /// replay horizon of the queue, or a late duplicate runs again.
+    pub retention: Option<Duration>,
 }
 
 impl WorkerConfig {
@@ -157,6 +164,7 @@ impl Default for WorkerConfig {
             tally_every: Some(Duration::from_secs(5)),
             retry_overdue_after: None,
             circuit: None,
+            retention: None,
         }
     }
 }

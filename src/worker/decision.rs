@@ -283,7 +283,8 @@ pub(crate) fn on_claim(claim: Claim, retries: Retries<'_>) -> Step {
             lease,
             external_ref,
         },
-        Claim::Completed { .. } => finish(Settle::Ack, Outcome::DuplicateCompleted),
+        // An erased record's intent is done all the same: acked, never run again.
+        Claim::Completed { .. } | Claim::Erased => finish(Settle::Ack, Outcome::DuplicateCompleted),
         Claim::InProgress { .. } => finish(retries.later(), Outcome::DuplicateInProgress),
         Claim::Conflict { .. } => dead_letter(
             Reason::FingerprintConflict,

@@ -23,7 +23,7 @@ use crate::fingerprint::Fingerprint;
 use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
 use crate::key::Key;
-use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
+use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, storable};
 use crate::trace;
 
 /// Decides one delivery inside its span and carries the verdict out on the broker; one
@@ -192,7 +192,11 @@ pub(super) struct Parsed {
     pub(super) correlation_id: Option<String>,
 }
 
-fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), String> {
+fn parse<H: Handler>(
+    handler: &H,
+    store: &Store,
+    body: &[u8],
+) -> Result<(Parsed, H::Message), String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
     if !value.is_object() {
@@ -206,7 +210,7 @@ fn parse<H: Handler>(handler: &H, body: &[u8]) -> Result<(Parsed, H::Message), S
         handler.idempotency_key(&message),
     )
     .map_err(|e| format!("invalid key: {e}"))?;
-    let fingerprint = Fingerprint::of(&value, handler.volatile_fields());
+    let fingerprint = store.fingerprint(&value, handler.volatile_fields());
     let parsed = Parsed {
         value: Arc::new(value),
         key,
@@ -222,7 +226,7 @@ pub(crate) async fn walk<H: Handler>(
     runtime: &Runtime<H>,
     incoming: &Incoming<'_>,
 ) -> Result<Decided, Failure> {
-    let (mut parsed, message) = match parse(&*runtime.handler, incoming.data) {
+    let (mut parsed, message) = match parse(&*runtime.handler, &runtime.store, incoming.data) {
         Ok(parsed) => parsed,
         Err(why) => return Ok(Decided::without_key(decision::malformed(why))),
     };

@@ -38,7 +38,7 @@ impl FollowUps {
             config,
             move |store, requests: Arc<[Vec<i64>]>| async move {
                 let ids: Vec<i64> = requests.iter().flatten().copied().collect();
-                let rows = outbox::take_staged(store.pool(), &ids, lease).await?;
+                let rows = outbox::take_staged(store.pool(), &ids, lease, store.keys()).await?;
                 let mut taken: HashMap<i64, OutboxRow> =
                     rows.into_iter().map(|r| (r.id, r)).collect();
                 Ok(requests

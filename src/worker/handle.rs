@@ -40,6 +40,7 @@ fn prepare<H: Handler>(
         lease.takeover,
         runtime.store.pool().clone(),
     )
+    .sealing_with(runtime.store.keys().cloned())
     .for_follow_ups(
         parsed.correlation_id.clone(),
         trace::outgoing(span, incoming.trace.as_ref()),

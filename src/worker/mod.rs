@@ -103,6 +103,10 @@ pub enum WorkerError {
         /// What is wrong, naming the queue or operation.
         reason: String,
     },
+    /// The store refused the service at start: the keys do not open what they sealed,
+    /// a key is missing, or Postgres could not be reached.
+    #[error("the service cannot start")]
+    Store(#[source] StoreError),
 }
 
 /// Why a delivery could not be decided (it is requeued), or why a session ended (the

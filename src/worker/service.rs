@@ -29,8 +29,8 @@ use crate::flow::circuit::Circuit;
 use crate::handler::Handler;
 use crate::metrics::BrokerHealth;
 use crate::outbox::OutboxConfig;
-use crate::store::Store;
 use crate::store::gc::Pace;
+use crate::store::{Store, StoreError};
 use crate::tally::Tally;
 
 /// What a service's queues share; one [`WorkerConfig`] per handler says the rest.
@@ -223,6 +223,19 @@ impl Service {
             hosted,
             health,
         } = self;
+        // Keys that do not open what they sealed, or a key missing, stop the service
+        // here with one line, before a delivery is taken.
+        for hosted in &hosted {
+            store.retains(hosted.operation, hosted.config.retention);
+        }
+        match store.prepare().await {
+            Ok(()) => {}
+            // Postgres is not there yet: every claim prepares first, and waits for it.
+            Err(error @ StoreError::Database(_)) => {
+                warn!(error = %crate::text::error_line(&error), "keys and retentions not checked yet");
+            }
+            Err(error) => return Err(WorkerError::Store(error)),
+        }
         let mut queues: BTreeMap<String, Vec<Hosted>> = BTreeMap::new();
         for hosted in hosted {
             health.set(&hosted.config.queue, false);

@@ -658,6 +658,20 @@ pub async fn start_in_process<H: idem::Handler>(
     tokio_util::sync::CancellationToken,
     tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
 ) {
+    start_in_process_with(pool, q, handler, idem::StoreConfig::default(), tune).await
+}
+
+/// [`start_in_process`] with a store of `store_config`'s settings.
+pub async fn start_in_process_with<H: idem::Handler>(
+    pool: &PgPool,
+    q: &TestQueue,
+    handler: H,
+    store_config: idem::StoreConfig,
+    tune: impl FnOnce(&mut idem::WorkerConfig),
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
+) {
     // A pool of its own on the test's database: a test pool holds 5 connections, shared
     // with the test's own queries, and a worker's batches in flight each hold one; a
     // worker short of connections waits for the pool, not for the database.
@@ -667,7 +681,7 @@ pub async fn start_in_process<H: idem::Handler>(
         .connect_with(options)
         .await
         .expect("connect the worker's pool");
-    let store = idem::Store::new(worker_pool, idem::StoreConfig::default());
+    let store = idem::Store::new(worker_pool, store_config);
     let mut config = idem::WorkerConfig {
         amqp_url: amqp_url(),
         queue: q.name.clone(),

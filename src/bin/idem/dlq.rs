@@ -81,6 +81,10 @@ pub(crate) struct FilterArgs {
     /// Only this key: the idempotency key, or the key hash logs show.
     #[arg(long)]
     key: Option<String>,
+    /// Only this scope's letters (`idem-scope`): with discard, a subject's erasure
+    /// from the DLQ.
+    #[arg(long)]
+    scope: Option<String>,
     /// At most this many messages.
     #[arg(long)]
     limit: Option<usize>,
@@ -95,6 +99,7 @@ impl FilterArgs {
         Filter {
             reason: self.reason.clone(),
             key: self.key.clone(),
+            scope: self.scope.clone(),
             limit: self.limit,
             ..Filter::default()
         }

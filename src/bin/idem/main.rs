@@ -16,6 +16,7 @@ mod flow;
 mod ops;
 mod out;
 mod outbox;
+mod protect;
 
 use out::say;
 
@@ -23,6 +24,7 @@ use dlq::Dlq;
 use flow::Flow;
 use ops::Ops;
 use outbox::Outbox;
+use protect::Keys;
 
 #[derive(Parser)]
 #[command(
@@ -67,6 +69,10 @@ enum Command {
     /// Circuit breakers and limits: where each stands; close a circuit by hand.
     #[command(subcommand)]
     Flow(Flow),
+    /// Encryption keys: make one, see what each holds, move values to the newest,
+    /// retire an old one.
+    #[command(subcommand)]
+    Keys(Keys),
     /// A web page for operators: dead letters with replay previews, stuck operations,
     /// the outbox, charts (feature `console`). Its token is IDEM_CONSOLE_TOKEN, or one
     /// generated and printed as a login link.
@@ -125,6 +131,7 @@ async fn store(cli: &Cli) -> anyhow::Result<Store> {
         pool,
         StoreConfig {
             session,
+            keys: idem::protect::Keys::from_env()?,
             ..StoreConfig::default()
         },
     ))
@@ -139,6 +146,7 @@ impl Command {
             Command::Ops(_) => "idem ops",
             Command::Outbox(_) => "idem outbox",
             Command::Flow(_) => "idem flow",
+            Command::Keys(_) => "idem keys",
             #[cfg(feature = "console")]
             Command::Console(_) => "idem console",
             Command::Gc(_) => "idem gc",
@@ -177,6 +185,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ops(command) => ops::run(&cli, command).await?,
         Command::Outbox(command) => outbox::run(&cli, command).await?,
         Command::Flow(command) => flow::run(&cli, command).await?,
+        Command::Keys(command) => protect::run(&cli, command).await?,
         #[cfg(feature = "console")]
         Command::Console(args) => console::run(&cli, args).await?,
     }

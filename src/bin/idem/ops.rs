@@ -58,6 +58,22 @@ pub(crate) enum Ops {
         #[arg(long, default_value = "")]
         note: String,
     },
+    /// Erase what idem stored about a subject (a scope, or one key of it): results,
+    /// HTTP answers, errors, provider references and published follow-ups. The keys
+    /// stay as tombstones: a redelivery is acked, a retried request gets 410, nothing
+    /// runs again. Audited in `erasures` (`idem ops erasures`).
+    Erase(crate::protect::EraseArgs),
+    /// The erasures made, newest first.
+    Erasures {
+        /// Only this scope's.
+        #[arg(long)]
+        scope: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args)]
@@ -142,6 +158,10 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
         Ops::Resolve {
             key, note, token, ..
         } => resolve(&store, key, *token, note).await,
+        Ops::Erase(args) => crate::protect::erase(&store, args).await,
+        Ops::Erasures { scope, limit, json } => {
+            crate::protect::erasures(&store, scope.as_deref(), *limit, *json).await
+        }
     }
 }
 
@@ -155,10 +175,27 @@ async fn show(store: &Store, key: &KeyArgs, json: bool) -> anyhow::Result<()> {
             key.idempotency_key()
         );
     };
+    let retention = store.retention_of(key.operation()).await?;
     if json {
-        say!("{}", serde_json::to_string_pretty(&record)?);
+        let mut value = serde_json::to_value(&record)?;
+        value["operation_retention_ms"] = retention.map(|d| d.as_millis() as u64).into();
+        say!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print_record(&record);
+        let kept = record
+            .completed_at
+            .zip(record.expires_at)
+            .and_then(|(done, expires)| (expires - done).to_std().ok());
+        say!(
+            "retention         {}; this record: {}",
+            retention.map_or("the store's (no operation_retention)".into(), |d| {
+                format!("{} (operation_retention)", humane(d))
+            }),
+            kept.map_or("-".into(), |d| format!(
+                "expires {} after completion",
+                humane(d)
+            ))
+        );
     }
     Ok(())
 }
@@ -308,7 +345,13 @@ fn print_record(r: &Record) {
         }
     );
     say!("attempts          {}", r.attempts);
-    say!("payload_sha256    {}", r.payload_sha256);
+    say!(
+        "payload_sha256    {}  ({})",
+        r.payload_sha256,
+        r.fingerprint_key
+            .as_deref()
+            .map_or("unkeyed SHA-256".into(), |k| format!("HMAC, key {k}"))
+    );
     say!("lease_token       {}", r.lease_token);
     say!("lease_expires_at  {}", t(r.lease_expires_at));
     say!("owner             {}", r.owner.as_deref().unwrap_or("-"));
@@ -350,6 +393,7 @@ fn print_record(r: &Record) {
         t(r.last_replayed_at)
     );
     say!("discarded_at      {}", t(r.discarded_at));
+    say!("erased_at         {}", t(r.erased_at));
     say!("created_at        {}", r.created_at.to_rfc3339());
     say!("updated_at        {}", r.updated_at.to_rfc3339());
     say!("completed_at      {}", t(r.completed_at));

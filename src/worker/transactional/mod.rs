@@ -190,6 +190,7 @@ async fn once<H: Handler>(
     // in turn gets it for its key (`ctx.tx()` is the batch's transaction).
     let first = &requests[distinct[0]].claim;
     let mut ctx = Context::new(first.key.clone(), 1, false, store.pool().clone())
+        .sealing_with(store.keys().cloned())
         .with_tx(store.pool().begin().await?);
     let found = store.find_in(ctx.tx().await?, &claims).await?;
     let mut runs = Vec::new();
@@ -411,6 +412,7 @@ impl<'a> RunIn<'a> {
                 self.takeover,
                 ctx.pool().clone(),
             )
+            .sealing_with(ctx.sealing_keys())
             .for_follow_ups(
                 self.correlation_id.clone(),
                 trace::outgoing(&span, self.trace.as_ref()),
