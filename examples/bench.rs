@@ -48,6 +48,15 @@
 //!     --variants idem_ledger,idem_ledger_limited --runs 3
 //! ```
 //!
+//! 12. `idem_orders_follow_up_sealed`: `idem_orders_follow_up` with keys
+//!     (`StoreConfig::keys`): the output and the follow-up body sealed, the fingerprint
+//!     keyed. The last line `sealing: …` compares it with `idem_orders_follow_up`:
+//!
+//! ```sh
+//! cargo run --release --example bench -- \
+//!     --variants idem_orders_follow_up,idem_orders_follow_up_sealed --runs 5
+//! ```
+//!
 //! For the cost of traces with export off, compare `idem_ledger_traced` with
 //! `idem_ledger` (same run, same binary); the last line `traces: …` does, with the
 //! spread of `idem_ledger` over the runs as the noise. Without `idem_ledger_exporting`
@@ -409,8 +418,9 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, orders_worker::Orders::default(), Mode::Leased).await?
                 }
-                "idem_orders_follow_up" => {
-                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                "idem_orders_follow_up" | "idem_orders_follow_up_sealed" => {
+                    let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    bench.sealed = variant.ends_with("_sealed");
                     let follow_ups = format!("{queue}.follow");
                     declare_plain(&connection, &follow_ups).await?;
                     let orders = orders_worker::Orders {
@@ -489,6 +499,19 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                 m.msgs_per_s, m.cpu
             );
         }
+    }
+    if let (Some(sealed), Some(plain)) = (
+        median("idem_orders_follow_up_sealed"),
+        median("idem_orders_follow_up"),
+    ) {
+        println!(
+            "sealing: idem_orders_follow_up_sealed_msgs_per_s={:.0} idem_orders_follow_up_msgs_per_s={:.0} ratio={:.2} (cpu: {} against {})",
+            sealed.msgs_per_s,
+            plain.msgs_per_s,
+            sealed.msgs_per_s / plain.msgs_per_s,
+            sealed.cpu,
+            plain.cpu
+        );
     }
     if let (Some(with), Some(without)) = (median("idem_orders_follow_up"), median("idem_orders")) {
         println!(
@@ -789,6 +812,8 @@ struct Bench<'a> {
     traced: bool,
     /// The worker counts outcomes for the console (`WorkerConfig::tally_every`).
     tallied: bool,
+    /// Stored values are sealed and fingerprints keyed (`StoreConfig::keys`).
+    sealed: bool,
 }
 
 impl<'a> Bench<'a> {
@@ -809,6 +834,7 @@ impl<'a> Bench<'a> {
             outcomes,
             traced: false,
             tallied: true,
+            sealed: false,
         }
     }
 }
@@ -823,7 +849,23 @@ async fn idem_variant<H: Handler>(
     publish(connection, queue, args.messages, run, b.traced).await?;
     let cpu = CpuTicks::now();
     outcomes.reset();
-    let store = Store::new(pool.clone(), StoreConfig::default());
+    // Each sealed run has a key of its own, and an unsealed run none: the keys the last
+    // run registered are forgotten first, or the store would refuse to start (its rows
+    // are never read again: every run has its own keys).
+    sqlx::query("DELETE FROM idem_keys").execute(pool).await?;
+    let keys = match b.sealed {
+        true => Some(idem::protect::Keys::parse(&idem::protect::Keys::generate(
+            "bench",
+        ))?),
+        false => None,
+    };
+    let store = Store::new(
+        pool.clone(),
+        StoreConfig {
+            keys,
+            ..StoreConfig::default()
+        },
+    );
     let config = WorkerConfig {
         amqp_url: args.amqp_url.clone(),
         queue: queue.to_owned(),

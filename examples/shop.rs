@@ -242,8 +242,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ..ServiceConfig::default()
         },
     )
-    .handler(orders, queue("orders", Mode::Leased))
-    .handler(Notifications, queue("notifications", Mode::Transactional))
+    // Each job type keeps its records for its own time: an order's for a month (its
+    // producer may resend for weeks), a notification's for two days.
+    .handler(
+        orders,
+        WorkerConfig {
+            retention: Some(Duration::from_secs(30 * 86_400)),
+            ..queue("orders", Mode::Leased)
+        },
+    )
+    .handler(
+        Notifications,
+        WorkerConfig {
+            retention: Some(Duration::from_secs(2 * 86_400)),
+            ..queue("notifications", Mode::Transactional)
+        },
+    )
     // Two message types on one queue, told apart by their AMQP `type`.
     .handler_for("order.refunded", Refunds, events.clone())
     .handler_for("order.cancelled", Cancellations, events.clone());

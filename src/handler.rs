@@ -168,11 +168,9 @@ impl HandlerError {
     }
 }
 
-/// A database error fails the run by its cause (docs/DESIGN.md, "Errors by cause"), so `?` works on
-/// sqlx calls in a handler: the data's fault (a NUL in text, a number out of range, a
-/// violated check: SQLSTATE classes 22, 23, 54) is permanent, and the message goes to
-/// the DLQ at once instead of through every retry tier; an outage or anything else is
-/// transient.
+/// A database error fails the run by its cause (docs/DESIGN.md, "Errors by cause"), so
+/// `?` works on sqlx calls in a handler: the data's fault (SQLSTATE classes 22, 23, 54)
+/// is permanent, dead-lettered at once; an outage or anything else is transient.
 impl From<sqlx::Error> for HandlerError {
     fn from(error: sqlx::Error) -> Self {
         let text = format!(
@@ -335,14 +333,12 @@ impl Context {
         self
     }
 
-    /// The transaction the handler opened through [`Context::tx`], if it did: the
-    /// worker commits it with the record; a test commits or drops it.
+    /// The transaction the handler opened through [`Context::tx`], if any, to commit.
     pub fn into_transaction(mut self) -> Option<Transaction<'static, Postgres>> {
         self.tx.take()
     }
 
-    /// The source message's correlation id and the trace context (for follow-ups), and
-    /// the handoff of staged rows to the committing worker.
+    /// Follow-ups' correlation id and trace context, and the committing worker's handoff.
     pub(crate) fn for_follow_ups(
         mut self,
         correlation_id: Option<String>,
@@ -365,11 +361,6 @@ impl Context {
     pub(crate) fn sealing_with(mut self, keys: Option<Keys>) -> Self {
         self.keys = keys;
         self
-    }
-
-    /// The keys follow-up bodies are sealed with.
-    pub(crate) fn sealing_keys(&self) -> Option<Keys> {
-        self.keys.clone()
     }
 
     /// The context for a run of a message that came in `envelope`.
@@ -465,7 +456,6 @@ impl Context {
         }
         let (source, operation) = (self.key.digest(), self.key.operation().to_owned());
         let handoff = self.handoff;
-        // Sealed here, so that the outbox holds only what the keys can open.
         let message = message.sealed(self.keys.as_ref());
         let conn = self.tx().await?;
         let row =
@@ -492,12 +482,11 @@ impl Context {
         self
     }
 
-    /// This context, with its transaction, becomes `next` for the next run of a
-    /// transactional batch: that run's key and claim, its follow-ups' ids and trace, its
-    /// envelope, nothing staged yet.
+    /// This context, with its transaction and keys, becomes `next` for the next run of a
+    /// transactional batch (its key, claim, follow-ups' ids and trace, envelope).
     pub(crate) fn next_run(&mut self, next: Context) {
-        let tx = self.tx.take();
-        *self = Context { tx, ..next };
+        let (tx, keys) = (self.tx.take(), self.keys.take());
+        *self = Context { tx, keys, ..next };
     }
 
     /// Commits the context's transaction, if it opened one (a run that never wrote

@@ -223,14 +223,7 @@ fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
             Problem::FAILED_FOR_GOOD
                 .answer("the request with this key failed for good; use a new key"),
         ),
-        Answer::Erased => answered(
-            label,
-            "erased",
-            Problem::ERASED.answer(
-                "the request with this key was handled and is not run again; what was \
-                 stored of it, its answer too, has been erased",
-            ),
-        ),
+        Answer::Erased => answered(label, "erased", erased()),
     }
 }
 
@@ -289,6 +282,9 @@ pub(super) async fn poll(shared: &Settings, key: &Key) -> Response {
     let Some(record) = record else {
         return Problem::NO_ANSWER.answer("no request with this key is known");
     };
+    if record.erased_at.is_some() {
+        return erased();
+    }
     let lease_live = record.lease_expires_at.is_some_and(|at| at > Utc::now());
     match record.status {
         Status::Completed => {
@@ -310,6 +306,14 @@ pub(super) async fn poll(shared: &Settings, key: &Key) -> Response {
         Status::Failed => Problem::NO_ANSWER
             .answer("the request with this key failed without an answer to keep; send it again"),
     }
+}
+
+/// 410 for a key whose request was handled and whose stored answer was erased since.
+fn erased() -> Response {
+    Problem::ERASED.answer(
+        "the request with this key was handled and is not run again; what was stored of \
+         it, its answer too, has been erased",
+    )
 }
 
 /// Calls the route.

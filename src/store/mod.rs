@@ -203,9 +203,11 @@ impl Store {
             .map(|_| ())
     }
 
-    /// Notes, for [`Store::prepare`], that `operation`'s records are kept for
-    /// `retention` (`None`: the store's).
-    pub(crate) fn retains(&self, operation: &str, retention: Option<Duration>) {
+    /// Notes, for [`Store::prepare`], that `operation`'s completed records are kept for
+    /// `retention` (`None`: the store's) by every process that completes it. A service
+    /// notes each handler's `WorkerConfig::retention`; call it for an HTTP route's
+    /// operation (`POST /payments`) before the store's first claim.
+    pub fn retains(&self, operation: &str, retention: Option<Duration>) {
         if let Ok(mut noted) = self.retentions.lock() {
             noted.push((operation.to_owned(), retention));
         }

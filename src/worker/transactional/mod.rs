@@ -412,7 +412,6 @@ impl<'a> RunIn<'a> {
                 self.takeover,
                 ctx.pool().clone(),
             )
-            .sealing_with(ctx.sealing_keys())
             .for_follow_ups(
                 self.correlation_id.clone(),
                 trace::outgoing(&span, self.trace.as_ref()),
