@@ -247,12 +247,16 @@ async fn with_keys_a_marker_is_nowhere_in_the_table_files_and_replays_keep_the_b
     assert!(contains(&first.1, MARKER));
 
     // The follow-up row is kept (dispatched) until gc: its body is in the table too.
-    let dispatched: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(dispatched, 1);
+    wait_until(SETTLE, "the follow-up marked dispatched", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        n == 1
+    })
+    .await;
     let records = table_bytes(&pool, "processed_operations").await;
     assert!(
         contains(&records, "tenant-VISIBLE"),
@@ -549,12 +553,14 @@ async fn an_erased_subject_stays_recognised_redeliveries_are_acked_and_http_retr
     for (event, tenant) in [("a1", "alice"), ("a2", "alice"), ("b1", "bob")] {
         q.publish(&profile(event, tenant, MARKER)).await;
     }
-    let failing = json!({"event_id": "a3", "tenant": "alice", "name": MARKER, "fail": true});
-    q.publish(failing.to_string().as_bytes()).await;
+    for event in ["a3", "a4"] {
+        let failing = json!({"event_id": event, "tenant": "alice", "name": MARKER, "fail": true});
+        q.publish(failing.to_string().as_bytes()).await;
+    }
     let failing = json!({"event_id": "b2", "tenant": "bob", "name": "b", "fail": true});
     q.publish(failing.to_string().as_bytes()).await;
     wait_for_status(&pool, "completed", 3).await;
-    q.wait_for_messages(&q.dlq(), 2, SETTLE).await;
+    q.wait_for_messages(&q.dlq(), 3, SETTLE).await;
     to.wait_for_messages(&to.name, 3, SETTLE).await;
     wait_until(SETTLE, "follow-ups marked dispatched", || async {
         let n: i64 = sqlx::query_scalar(
@@ -577,7 +583,7 @@ async fn an_erased_subject_stays_recognised_redeliveries_are_acked_and_http_retr
         .unwrap();
     assert_eq!(
         (erased.records, erased.follow_ups, erased.skipped),
-        (4, 2, 0)
+        (5, 2, 0)
     );
     let left: Vec<(String, bool, bool)> = sqlx::query_as(
         "SELECT idempotency_key, result IS NULL AND error IS NULL, erased_at IS NOT NULL
@@ -586,7 +592,7 @@ async fn an_erased_subject_stays_recognised_redeliveries_are_acked_and_http_retr
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(left.len(), 4, "tombstones kept: {left:?}");
+    assert_eq!(left.len(), 5, "tombstones kept: {left:?}");
     assert!(
         left.iter().all(|(_, empty, erased)| *empty && *erased),
         "{left:?}"
@@ -609,7 +615,7 @@ async fn an_erased_subject_stays_recognised_redeliveries_are_acked_and_http_retr
     q.publish(&profile("a1", "alice", MARKER)).await;
     q.publish(&profile("a2", "alice", MARKER)).await;
     q.publish(&profile("c1", "carol", "c")).await;
-    wait_for_status(&pool, "completed", 4).await;
+    wait_for_status(&pool, "completed", 5).await;
     wait_until(SETTLE, "the queue drained", || async {
         q.counts(&q.name).await == (0, 1)
     })
@@ -630,13 +636,31 @@ async fn an_erased_subject_stays_recognised_redeliveries_are_acked_and_http_retr
     assert_eq!(done["http"], 1);
     assert_eq!(effects(&pool).await["http"], 1);
 
+    // A replayed dead letter of an erased record lands on its tombstone: acked, not run
+    // (run, it would fail and be dead-lettered again).
+    idem_cli(&url, &["dlq", "replay", "--queue", &q.name, "--key", "a4"]).await;
+    q.publish(&profile("c2", "carol", "c")).await;
+    wait_for_status(&pool, "completed", 6).await;
+    wait_until(SETTLE, "the queue drained", || async {
+        q.counts(&q.name).await == (0, 1)
+    })
+    .await;
+    let (attempts, erased): (i32, bool) = sqlx::query_as(
+        "SELECT attempts, result IS NULL AND error IS NULL AND erased_at IS NOT NULL
+         FROM processed_operations WHERE idempotency_key = 'a4'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((attempts, erased), (1, true));
+
     // The audit, and the DLQ: alice's letter is discarded by scope, bob's stays.
     let audit = idem_cli(&url, &["ops", "erasures", "--json"]).await;
     let audit: Vec<Value> = serde_json::from_str(&audit).unwrap();
     assert_eq!(audit.len(), 1);
     assert_eq!(audit[0]["erased_by"], "dpo@example");
     assert_eq!(audit[0]["note"], "GDPR-17");
-    assert_eq!(audit[0]["records"], 4);
+    assert_eq!(audit[0]["records"], 5);
     idem_cli(
         &url,
         &["dlq", "discard", "--queue", &q.name, "--scope", "alice"],

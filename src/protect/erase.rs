@@ -74,13 +74,24 @@ impl Store {
         note: &str,
     ) -> Result<Erasure, StoreError> {
         let mut tx = self.pool().begin().await?;
+        // The records are locked first, in a statement of their own: the next one then
+        // runs on a snapshot taken after a completion that held a lock committed, and
+        // sees the follow-ups it wrote in the same transaction.
+        sqlx::query(
+            "SELECT 1 FROM processed_operations
+             WHERE scope = $1 AND ($2::text IS NULL OR idempotency_key = $2)
+             FOR UPDATE",
+        )
+        .bind(scope)
+        .bind(idempotency_key)
+        .execute(&mut *tx)
+        .await?;
         let (records, follow_ups, skipped): (i64, i64, i64) =
             sqlx::query_as(sqlx::AssertSqlSafe(format!(
                 "WITH target AS (
                  SELECT p.id, {FINISHED} AS finished, {DIGEST} AS digest
                  FROM processed_operations p
                  WHERE p.scope = $1 AND ($2::text IS NULL OR p.idempotency_key = $2)
-                 FOR UPDATE
              ),
              erased AS (
                  UPDATE processed_operations p

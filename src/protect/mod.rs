@@ -38,38 +38,20 @@ const CHECK: &[u8] = b"idem key check v1";
 /// plaintext beside sealed values nor fails later on a value it cannot open. The keys
 /// after the first are marked superseded.
 pub(crate) async fn check(pool: &PgPool, keys: Option<&Keys>) -> Result<(), StoreError> {
-    if let Some(keys) = keys {
-        let ids: Vec<&str> = keys.ids().collect();
-        let checks: Vec<Vec<u8>> = keys
-            .all()
-            .iter()
-            .map(|key| seal::seal_with(key, Kind::Check, CHECK))
-            .collect();
-        sqlx::query(
-            "INSERT INTO idem_keys (id, check_value)
-             SELECT * FROM unnest($1::text[], $2::bytea[])
-             ON CONFLICT (id) DO UPDATE SET retired_at = NULL
-             WHERE idem_keys.retired_at IS NOT NULL",
-        )
-        .bind(&ids)
-        .bind(&checks)
-        .execute(pool)
+    // One transaction, the table locked: what is registered is checked before anything
+    // is written, so a process with a wrong key registers nothing.
+    let mut tx = pool.begin().await?;
+    sqlx::query("LOCK TABLE idem_keys IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut *tx)
         .await?;
-        sqlx::query(
-            "UPDATE idem_keys SET superseded_at = now()
-             WHERE id = ANY($1) AND superseded_at IS NULL",
-        )
-        .bind(&ids[1..])
-        .execute(pool)
-        .await?;
-    }
     let registered: Vec<(String, Vec<u8>, bool)> =
         sqlx::query_as("SELECT id, check_value, retired_at IS NOT NULL FROM idem_keys ORDER BY id")
-            .fetch_all(pool)
+            .fetch_all(&mut *tx)
             .await?;
     let mut missing = Vec::new();
     for (id, check_value, retired) in registered {
         match keys.and_then(|keys| keys.get(&id)) {
+            Some(_) if retired => return Err(StoreError::KeyRetired { id }),
             Some(_) => {
                 let opened = seal::open_with(keys, &id, Kind::Check, &check_value)?;
                 if opened != CHECK {
@@ -80,11 +62,39 @@ pub(crate) async fn check(pool: &PgPool, keys: Option<&Keys>) -> Result<(), Stor
             None => {}
         }
     }
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(StoreError::KeysMissing {
+    if !missing.is_empty() {
+        return Err(StoreError::KeysMissing {
             ids: missing.join(", "),
-        })
+        });
     }
+    if let Some(keys) = keys {
+        let ids: Vec<&str> = keys.ids().collect();
+        let checks: Vec<Vec<u8>> = keys
+            .all()
+            .iter()
+            .map(|key| seal::seal_with(key, Kind::Check, CHECK))
+            .collect();
+        sqlx::query(
+            "INSERT INTO idem_keys (id, check_value)
+             SELECT * FROM unnest($1::text[], $2::bytea[])
+             ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(&ids)
+        .bind(&checks)
+        .execute(&mut *tx)
+        .await?;
+        // The newest is current; the others superseded (since the first process that
+        // put a newer one before them).
+        sqlx::query(
+            "UPDATE idem_keys
+             SET superseded_at = CASE WHEN id = $1 THEN NULL ELSE COALESCE(superseded_at, now()) END
+             WHERE id = ANY($2)",
+        )
+        .bind(ids[0])
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
 }

@@ -147,7 +147,13 @@ pub(crate) fn seal_json(keys: Option<&Keys>, kind: Kind, value: &Value) -> Value
 
 /// The key id of a sealed JSON value.
 pub(crate) fn json_key(value: &Value) -> Option<&str> {
-    value.as_object()?.get(JSON_MARK)?.as_str()
+    let object = value.as_object()?;
+    // Exactly the two fields a seal writes: an output that only mentions the mark is
+    // the handler's own.
+    if object.len() != 2 || !object.contains_key("v") {
+        return None;
+    }
+    object.get(JSON_MARK)?.as_str()
 }
 
 /// `value` opened when sealed, as it is otherwise.

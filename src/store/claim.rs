@@ -20,15 +20,17 @@ use crate::protect::{self, Keys};
 const CLAIM_TRIES: u32 = 8;
 
 /// A record the claimer may take (alias `p`): an expired lease, a retryable failure, or
-/// a pending operation nobody is reconciling.
-pub(super) const CLAIMABLE: &str = "(   (p.status = 'processing' AND p.lease_expires_at <= now())
+/// a pending operation nobody is reconciling; never an erased one (a replay of its dead
+/// letter makes it retryable, and it must still not run again).
+pub(super) const CLAIMABLE: &str = "(p.erased_at IS NULL AND (
+        (p.status = 'processing' AND p.lease_expires_at <= now())
      OR (p.status = 'failed' AND p.retryable)
-     OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now())))";
+     OR (p.status = 'pending' AND (p.lease_expires_at IS NULL OR p.lease_expires_at <= now()))))";
 
 /// [`CLAIMABLE`] without records to reconcile: for a claimer that cannot reconcile (an
 /// HTTP route without a reconciler), which must leave them as they are.
 #[cfg(feature = "http")]
-const CLAIMABLE_UNLESS_PENDING: &str = "(NOT p.reconcile_first AND
+const CLAIMABLE_UNLESS_PENDING: &str = "(NOT p.reconcile_first AND p.erased_at IS NULL AND
     (   (p.status = 'processing' AND p.lease_expires_at <= now())
      OR (p.status = 'failed' AND p.retryable)))";
 
@@ -36,7 +38,7 @@ const CLAIMABLE_UNLESS_PENDING: &str = "(NOT p.reconcile_first AND
 pub(super) const NO_EXPIRY: &str = "NULL::timestamptz";
 
 /// An HTTP request's record expires even in flight, after the retention plus one lease
-/// (`$10` ms): if its server dies and its client never asks again, nothing else would
+/// (`$12` ms): if its server dies and its client never asks again, nothing else would
 /// bring it back. A request still running by then (heartbeats past the retention) loses
 /// its record to gc, and with it its fenced completion: its writes roll back; a repeat
 /// after that starts afresh (attempt 1, no takeover), so only its provider key guards

@@ -89,6 +89,13 @@ pub enum StoreError {
         /// The missing key ids, comma-separated.
         ids: String,
     },
+    /// A configured key was retired (`idem keys retire`): values it sealed may have
+    /// been dropped from the fleet's keys. Give the key a new id.
+    #[error("key {id:?} is retired: remove it, or give its material a new id")]
+    KeyRetired {
+        /// The key id.
+        id: String,
+    },
 }
 
 impl StoreError {
@@ -100,8 +107,11 @@ impl StoreError {
             StoreError::Database(error) => fault::classify(error),
             StoreError::Batch(error) => error.fault(),
             StoreError::LeaseLost { .. } | StoreError::Contention(_) => Fault::Outage,
-            // The deployment's keys, not the message: it heals when the keys are fixed.
-            StoreError::Sealed(_) | StoreError::KeysMissing { .. } => Fault::Outage,
+            // The deployment's keys (checked at start), or one altered row: nobody's
+            // known fault, so the safety net still ends a delivery that never decides.
+            StoreError::Sealed(_)
+            | StoreError::KeysMissing { .. }
+            | StoreError::KeyRetired { .. } => Fault::Unknown,
             StoreError::NoLeaseExpiry { .. } | StoreError::UnknownClaimRow(_) => Fault::Unknown,
         }
     }

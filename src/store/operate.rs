@@ -230,25 +230,24 @@ impl Store {
         .await?)
     }
 
-    /// Notes how long `operation`'s completed records are kept (`None`: the store's
-    /// retention, the note is removed), for every completion of it in any process.
+    /// Notes how long `operation`'s completed records are kept, for every completion of
+    /// it in any process. A process without a retention of its own for the operation
+    /// leaves what another noted (a canary must not shorten it for the fleet).
     pub(crate) async fn note_retention(
         &self,
         operation: &str,
         retention: Option<Duration>,
     ) -> Result<(), StoreError> {
-        match retention {
-            Some(retention) => sqlx::query(
-                "INSERT INTO operation_retention (operation, retention_ms) VALUES ($1, $2)
-                 ON CONFLICT (operation) DO UPDATE
-                 SET retention_ms = EXCLUDED.retention_ms, noted_at = now()",
-            )
-            .bind(operation)
-            .bind(millis(retention).max(1)),
-            None => {
-                sqlx::query("DELETE FROM operation_retention WHERE operation = $1").bind(operation)
-            }
-        }
+        let Some(retention) = retention else {
+            return Ok(());
+        };
+        sqlx::query(
+            "INSERT INTO operation_retention (operation, retention_ms) VALUES ($1, $2)
+             ON CONFLICT (operation) DO UPDATE
+             SET retention_ms = EXCLUDED.retention_ms, noted_at = now()",
+        )
+        .bind(operation)
+        .bind(millis(retention).max(1))
         .execute(&self.pool)
         .await?;
         Ok(())

@@ -10,7 +10,6 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::{Delivered, Failing, FakeProvider, Hazard, Settled, TestError, TestWorker};
-use crate::fingerprint::Fingerprint;
 use crate::handler::{Context, Handler};
 use crate::store::{Claim, Origin, StoreError, StoredError};
 use crate::worker::{Mode, Outcome};
@@ -278,7 +277,7 @@ impl<'w, H: Handler> Check<'w, H> {
         let lease = if crash_in_a_batch {
             None
         } else {
-            let fingerprint = Fingerprint::of(m, handler.volatile_fields());
+            let fingerprint = store.fingerprint(m, handler.volatile_fields());
             match store.claim(&key, &fingerprint, &Origin::default()).await {
                 Ok(Claim::Claimed(lease)) => Some(lease),
                 Ok(other) => {

@@ -231,7 +231,10 @@ impl Service {
         match store.prepare().await {
             Ok(()) => {}
             // Postgres is not there yet: every claim prepares first, and waits for it.
-            Err(error @ StoreError::Database(_)) => {
+            Err(error)
+                if matches!(error, StoreError::Database(_))
+                    && error.fault() == crate::fault::Fault::Outage =>
+            {
                 warn!(error = %crate::text::error_line(&error), "keys and retentions not checked yet");
             }
             Err(error) => return Err(WorkerError::Store(error)),

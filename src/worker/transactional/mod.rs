@@ -189,6 +189,8 @@ async fn once<H: Handler>(
     // One context for the whole batch: it holds the batch's transaction, and each run
     // in turn gets it for its key (`ctx.tx()` is the batch's transaction).
     let first = &requests[distinct[0]].claim;
+    // Before the batch holds a connection: a first check must not wait for one.
+    store.prepare().await?;
     let mut ctx = Context::new(first.key.clone(), 1, false, store.pool().clone())
         .sealing_with(store.keys().cloned())
         .with_tx(store.pool().begin().await?);
