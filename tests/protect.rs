@@ -459,8 +459,30 @@ async fn rotation_beside_a_live_worker_loses_nothing_and_ends_with_every_value_u
     assert_eq!(q.counts(&q.dlq()).await.0, 0, "no conflict dead-lettered");
 
     // k1 still made fingerprints: it is not retired yet.
-    let (code, _) = run_idem(&url, &["keys", "retire", "--id", "k1"]).await;
-    assert_ne!(code, 0);
+    let retire = idem_command(&url, &["keys", "retire", "--id", "k1"])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&retire.stderr);
+    assert!(
+        !retire.status.success() && said.contains("100 fingerprint(s)"),
+        "{said}"
+    );
+
+    // Rotating to a key no worker has run with is refused: the workers could not open
+    // what it would seal.
+    let k3 = format!("k3:{}", "33".repeat(32));
+    let refused = idem_command(&url, &["keys", "rotate"])
+        .env("IDEM_KEYS", format!("{k3},{K2},{K1}"))
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("key k3 is not registered"),
+        "{said}"
+    );
+    assert_eq!(key_use(&url).await["k2"]["results"], 501, "e-last too");
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

@@ -68,7 +68,8 @@ pub struct Relay {
 impl Relay {
     /// A relay of the outbox in `pool`'s database, publishing to the broker at
     /// `amqp_url`, with `config`'s timing; dispatched rows are kept for `retention`
-    /// (the store's: `StoreConfig::retention`).
+    /// (the store's: `StoreConfig::retention`). A relay of sealed follow-ups needs the
+    /// store's keys too ([`Relay::opening_with`]); a worker's relay is given them.
     pub fn new(pool: PgPool, amqp_url: &str, config: OutboxConfig, retention: Duration) -> Self {
         Self {
             pool,

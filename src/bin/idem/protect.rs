@@ -157,6 +157,19 @@ pub(crate) async fn run(cli: &Cli, command: &Keys) -> anyhow::Result<()> {
             let Some(keys) = store.config().keys.clone() else {
                 bail!("no keys: set {KEYS_ENV} (the newest first) to rotate to");
             };
+            // Only to a key the fleet already has: a key first seen here would leave the
+            // running workers with values they cannot open.
+            let known: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM idem_keys WHERE id = $1)")
+                    .bind(keys.current_id())
+                    .fetch_one(pool)
+                    .await?;
+            if !known {
+                bail!(
+                    "key {} is not registered: no worker or server has run with it yet; roll it out first (docs/OPERATING.md, \"Data protection\")",
+                    keys.current_id()
+                );
+            }
             store.prepare().await?;
             let done = protect::rotate(pool, &keys, *batch, Duration::from_millis(*pause_ms))
                 .await
