@@ -57,6 +57,15 @@
 //!     --variants idem_orders_follow_up,idem_orders_follow_up_sealed --runs 5
 //! ```
 //!
+//! 13. `idem_ledger_batch`: the ledger handler as a batch handler in transactional
+//!     mode, one `unnest` insert per batch (`Handler::handle_batch`). The line
+//!     `batches: …` compares it with `idem_noop_tx` and `idem_ledger_tx`:
+//!
+//! ```sh
+//! cargo run --release --example bench -- \
+//!     --variants idem_noop_tx,idem_ledger_tx,idem_ledger_batch --runs 3
+//! ```
+//!
 //! For the cost of traces with export off, compare `idem_ledger_traced` with
 //! `idem_ledger` (same run, same binary); the last line `traces: …` does, with the
 //! spread of `idem_ledger` over the runs as the noise. Without `idem_ledger_exporting`
@@ -136,7 +145,7 @@ struct Args {
     /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
     /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx,
     /// idem_ledger_traced, idem_ledger_exporting (the last with `--features otel`),
-    /// idem_ledger_untallied, idem_ledger_limited.
+    /// idem_ledger_untallied, idem_ledger_limited, idem_ledger_batch.
     #[arg(
         long,
         value_delimiter = ',',
@@ -216,6 +225,63 @@ impl Handler for Ledger {
         .await?;
         Ok(())
     }
+}
+
+/// [`Ledger`] as a batch handler: the rows of every order the worker decides together
+/// in one `unnest` insert, one statement per batch instead of one per message.
+struct BatchLedger;
+
+impl Handler for BatchLedger {
+    type Message = orders_worker::Order;
+    type Output = ();
+    const OPERATION: &'static str = "bench.ledger";
+
+    fn scope(&self, o: &orders_worker::Order) -> String {
+        o.tenant.clone()
+    }
+
+    fn idempotency_key(&self, o: &orders_worker::Order) -> String {
+        o.event_id.clone()
+    }
+
+    async fn handle(&self, o: orders_worker::Order, ctx: &mut Context) -> Result<(), HandlerError> {
+        Ledger.handle(o, ctx).await
+    }
+
+    async fn handle_batch(
+        &self,
+        batch: &mut idem::Batch<orders_worker::Order>,
+    ) -> Option<Vec<Result<(), HandlerError>>> {
+        Some(match book_all(batch).await {
+            Ok(()) => vec![Ok(()); batch.len()],
+            Err(error) => vec![Err(error.into()); batch.len()],
+        })
+    }
+}
+
+/// One ledger row per order of the batch, in one statement.
+async fn book_all(batch: &mut idem::Batch<orders_worker::Order>) -> Result<(), sqlx::Error> {
+    let orders = batch.messages();
+    let column = |f: fn(&orders_worker::Order) -> &String| -> Vec<String> {
+        orders.iter().map(|o| f(o).clone()).collect()
+    };
+    let (events, tenants, ids) = (
+        column(|o| &o.event_id),
+        column(|o| &o.tenant),
+        column(|o| &o.order_id),
+    );
+    let amounts: Vec<i64> = orders.iter().map(|o| o.amount_cents).collect();
+    sqlx::query(
+        "INSERT INTO example_ledger (event_id, tenant, order_id, amount_cents, created_at)
+         SELECT e, t, o, a, now() FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[]) AS u(e, t, o, a)",
+    )
+    .bind(&events)
+    .bind(&tenants)
+    .bind(&ids)
+    .bind(&amounts)
+    .execute(batch.tx().await?)
+    .await?;
+    Ok(())
 }
 
 /// [`Ledger`] holding a permit of a limit that never binds (1,000 at once, 10,000 a
@@ -433,6 +499,10 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, Ledger, mode_of(variant)).await?
                 }
+                "idem_ledger_batch" => {
+                    let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
+                    idem_variant(&bench, BatchLedger, Mode::Transactional).await?
+                }
                 "idem_ledger_limited" => {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     let limit = idem::Limit::new(&format!("bench-{run}"), pool.clone())
@@ -511,6 +581,23 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
             sealed.msgs_per_s / plain.msgs_per_s,
             sealed.cpu,
             plain.cpu
+        );
+    }
+    if let (Some(batch), Some(noop), Some(ledger)) = (
+        median("idem_ledger_batch"),
+        median("idem_noop_tx"),
+        median("idem_ledger_tx"),
+    ) {
+        println!(
+            "batches: idem_ledger_batch_msgs_per_s={:.0} idem_noop_tx_msgs_per_s={:.0} idem_ledger_tx_msgs_per_s={:.0} vs_noop_tx={:.2} vs_ledger_tx={:.2} (cpu: {} against {} and {})",
+            batch.msgs_per_s,
+            noop.msgs_per_s,
+            ledger.msgs_per_s,
+            batch.msgs_per_s / noop.msgs_per_s,
+            batch.msgs_per_s / ledger.msgs_per_s,
+            batch.cpu,
+            noop.cpu,
+            ledger.cpu
         );
     }
     if let (Some(with), Some(without)) = (median("idem_orders_follow_up"), median("idem_orders")) {

@@ -5,11 +5,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::BasicProperties;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
+use crate::batch::Batch;
+pub use crate::envelope::Envelope;
 use crate::fault::Fault;
 use crate::headers;
 use crate::key::Key;
@@ -81,6 +82,25 @@ pub trait Handler: Send + Sync + 'static {
         message: Self::Message,
         ctx: &mut Context,
     ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send;
+
+    /// Runs several messages at once on one transaction, for a handler whose effects are
+    /// all writes in this database (a ledger, a projection): one `unnest` insert for the
+    /// batch instead of one insert per message. Used in [`crate::Mode::Transactional`]
+    /// only, with the deliveries the worker decides together; answers one outcome per
+    /// message of [`Batch::messages`], in order. The default, `None`, runs each message
+    /// through [`Handler::handle`].
+    ///
+    /// When an outcome is an error (or the call panics, or answers a wrong count), the
+    /// batch's writes are rolled back and every message runs again through
+    /// [`Handler::handle`] in a savepoint of its own, so that only the failing one's
+    /// writes are undone: `handle` must do what `handle_batch` does for one message.
+    fn handle_batch(
+        &self,
+        batch: &mut Batch<Self::Message>,
+    ) -> impl Future<Output = Option<Vec<Result<Self::Output, HandlerError>>>> + Send {
+        let _ = batch;
+        async { None }
+    }
 
     /// Finds out what became of an operation left `pending` (an uncertain outcome):
     /// ask the provider with `external_ref`. The default says it cannot tell, so the
@@ -210,51 +230,6 @@ impl<T, E: Display> ResultExt<T> for Result<T, E> {
     }
     fn permanent(self) -> Result<T, HandlerError> {
         self.map_err(HandlerError::permanent)
-    }
-}
-
-/// What the message carried, as the broker delivered it: its AMQP properties (type,
-/// message id, correlation id, headers), the exchange and routing key it came through,
-/// and whether the broker delivered it before. Empty for an HTTP request and in
-/// [`Context::for_test`].
-#[derive(Debug, Clone, Default)]
-#[non_exhaustive]
-pub struct Envelope {
-    /// The exchange it was published to (`""`: the default exchange).
-    pub exchange: String,
-    /// The routing key it was published with.
-    pub routing_key: String,
-    /// Whether the broker delivered it before (a redelivery after a lost ack, or a
-    /// requeue).
-    pub redelivered: bool,
-    /// Its AMQP properties, headers included.
-    pub properties: BasicProperties,
-}
-
-impl Envelope {
-    /// The AMQP `type` property: what kind of message this is (`order.created`).
-    pub fn message_type(&self) -> Option<&str> {
-        self.properties.kind().as_ref().map(|t| t.as_str())
-    }
-
-    /// The AMQP `message_id` property (a broker-level id, never the idempotency key).
-    pub fn message_id(&self) -> Option<&str> {
-        self.properties.message_id().as_ref().map(|t| t.as_str())
-    }
-
-    /// The AMQP `correlation_id` property.
-    pub fn correlation_id(&self) -> Option<&str> {
-        self.properties
-            .correlation_id()
-            .as_ref()
-            .map(|t| t.as_str())
-    }
-
-    /// A header as text (a string header, or a number written out), if the message
-    /// carried it.
-    pub fn header(&self, name: &str) -> Option<String> {
-        headers::text(&self.properties, name)
-            .or_else(|| headers::integer(&self.properties, name).map(|n| n.to_string()))
     }
 }
 
@@ -418,6 +393,16 @@ impl Context {
 
     pub(crate) fn take_tx(&mut self) -> Option<Transaction<'static, Postgres>> {
         self.tx.take()
+    }
+
+    /// The keys follow-up bodies are sealed with.
+    pub(crate) fn keys(&self) -> Option<&Keys> {
+        self.keys.as_ref()
+    }
+
+    /// Lends the context a batch's transaction, for one call that writes through it.
+    pub(crate) fn lend_tx(&mut self, tx: Option<Transaction<'static, Postgres>>) {
+        self.tx = tx;
     }
 
     /// Stages a follow-up message (docs/DESIGN.md, "Follow-up messages"): it is written

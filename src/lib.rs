@@ -66,9 +66,11 @@
 #![warn(missing_docs)]
 #![deny(unreachable_pub)]
 
+mod batch;
 mod connector;
 pub mod db;
 mod dead_letter;
+mod envelope;
 mod failpoint;
 mod fault;
 mod fingerprint;
@@ -102,6 +104,7 @@ mod worker;
 /// ([`Envelope::properties`], the connections of [`topology`]) are the ones you name.
 pub use lapin;
 
+pub use batch::Batch;
 pub use fingerprint::Fingerprint;
 pub use flow::{CircuitBreaker, Limit, Permit};
 pub use handler::{Context, Envelope, Handler, HandlerError, Reconciliation, ResultExt};

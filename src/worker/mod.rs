@@ -283,21 +283,25 @@ impl<H: Handler> Runtime<H> {
         circuit: Option<Arc<Circuit>>,
     ) -> Self {
         let handler = Arc::new(handler);
-        let transactions = (config.mode == Mode::Transactional).then(|| {
-            let handler = handler.clone();
-            // At most 64 deliveries per transaction: the second pass gives each handler
-            // a savepoint, and past 64 subtransactions Postgres's snapshots slow down
-            // for every session of the database.
-            let config = WorkerConfig {
-                batch_size: config.batch_size.min(transactional::MAX_BATCH),
-                ..config.clone()
-            };
-            let handoff = config.outbox.handoff;
-            batched(&store, &config, move |store, requests| {
+        let transactions =
+            (config.mode == Mode::Transactional).then(|| {
                 let handler = handler.clone();
-                async move { transactional::run(&*handler, &store, &requests, handoff).await }
-            })
-        });
+                // At most 64 deliveries per transaction: the second pass gives each handler
+                // a savepoint, and past 64 subtransactions Postgres's snapshots slow down
+                // for every session of the database.
+                let config = WorkerConfig {
+                    batch_size: config.batch_size.min(transactional::MAX_BATCH),
+                    ..config.clone()
+                };
+                let handoff = config.outbox.handoff;
+                let batching = Arc::new(transactional::Batching::default());
+                batched(&store, &config, move |store, requests| {
+                    let (handler, batching) = (handler.clone(), batching.clone());
+                    async move {
+                        transactional::run(&*handler, &store, &requests, handoff, &batching).await
+                    }
+                })
+            });
         Self {
             transactions,
             claims: batched(&store, &config, |store, requests| async move {

@@ -15,24 +15,25 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde::Deserialize;
 use serde_json::Value;
-use tracing::{Instrument, debug, field, info_span};
+use tracing::debug;
 
-use super::decision::{self, Ran, Reconciled};
-use super::guard::caught;
+use super::decision::Ran;
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Envelope, Handler, HandlerError};
 use crate::key::Key;
-use crate::metrics;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
-use crate::trace::{self, TraceContext};
+use crate::trace::TraceContext;
+pub(super) use batched::Batching;
 use outcome::{answer_of, first_lease, new_record, refused, write_taken};
+use run::RunIn;
 
+mod batched;
 mod outcome;
+mod run;
 
 /// Most deliveries in one transaction: each may get a savepoint, and Postgres keeps
 /// the subtransactions of a transaction in a per-session cache of 64; past it, every
@@ -74,11 +75,12 @@ pub(super) async fn run<H: Handler>(
     store: &Store,
     requests: &[TxRequest],
     handoff: Duration,
+    batching: &Batching,
 ) -> Result<Vec<TxAnswer>, StoreError> {
     let mut pass = Pass::Optimistic;
     let mut last = None;
     for round in 0..PASSES {
-        match once(handler, store, requests, pass, handoff).await {
+        match once(handler, store, requests, pass, handoff, batching).await {
             Ok(Ended::Committed(answers)) => return Ok(answers),
             Ok(Ended::HandlerFailed) => pass = Pass::Careful,
             // Neither the data nor an outage (a handler that ignored a failed statement
@@ -179,6 +181,7 @@ async fn once<H: Handler>(
     requests: &[TxRequest],
     pass: Pass,
     handoff: Duration,
+    batching: &Batching,
 ) -> Result<Ended, StoreError> {
     let distinct = distinct(requests);
     let mut answers: Vec<Option<TxAnswer>> = requests.iter().map(|_| None).collect();
@@ -196,6 +199,10 @@ async fn once<H: Handler>(
         .with_tx(store.pool().begin().await?);
     let found = store.find_in(ctx.tx().await?, &claims).await?;
     let mut runs = Vec::new();
+    // In the optimistic pass, what runs without a reconciliation first runs together,
+    // after the rest: through `handle_batch`, or one by one when the handler takes none.
+    let batch = pass == Pass::Optimistic && batching.asks();
+    let mut runnable = Vec::new();
     for (&i, found) in distinct.iter().zip(found) {
         let (owner, reconcile) = match found {
             Found::New => (Owner::New, None),
@@ -213,12 +220,22 @@ async fn once<H: Handler>(
                 continue;
             }
         };
+        if batch && reconcile.is_none() {
+            runnable.push((i, owner));
+            continue;
+        }
         let run = RunIn::of(&requests[i], &owner, pass, handoff);
         let result = run.guarded(handler, &mut ctx, reconcile).await?;
         if pass == Pass::Optimistic && !matches!(result, RunResult::Done { .. }) {
             return Ok(Ended::HandlerFailed);
         }
         runs.push((i, owner, result));
+    }
+    if !runnable.is_empty() {
+        match batched::run(handler, &mut ctx, requests, runnable, handoff, batching).await {
+            Some(batch) => runs.extend(batch),
+            None => return Ok(Ended::HandlerFailed),
+        }
     }
     if let Some(raced) = write(store, &mut ctx, requests, runs, &mut answers).await? {
         return Ok(raced);
@@ -295,202 +312,4 @@ async fn write(
         answers[i] = Some(answer_of(first_lease(id, token), result));
     }
     Ok(None)
-}
-
-/// Ends the savepoint of a run in the careful pass: released after a success, rolled
-/// back to after a failure. A success whose savepoint cannot be released left its
-/// subtransaction aborted (it ignored a failed statement: SQLSTATE 25P02): its writes
-/// are rolled back and the run is a transient failure, so that the retry tiers bound
-/// it, as in leased mode.
-async fn end_savepoint(
-    conn: &mut sqlx::PgConnection,
-    result: RunResult,
-) -> Result<RunResult, StoreError> {
-    const UNDO: &str = "ROLLBACK TO SAVEPOINT idem_run";
-    if !matches!(result, RunResult::Done { .. }) {
-        sqlx::query(UNDO).execute(&mut *conn).await?;
-        return Ok(result);
-    }
-    match sqlx::query("RELEASE SAVEPOINT idem_run")
-        .execute(&mut *conn)
-        .await
-    {
-        Ok(_) => Ok(result),
-        Err(error) if crate::fault::classify(&error) == Fault::Unknown => {
-            sqlx::query(UNDO).execute(&mut *conn).await?;
-            let why = format!(
-                "the outcome could not be recorded: {}",
-                crate::fault::describe(&error)
-            );
-            tracing::warn!(error = %why, "completion failed");
-            Ok(RunResult::Failed(HandlerError::Transient(why)))
-        }
-        Err(error) => Err(error.into()),
-    }
-}
-
-/// One run in the batch: the key, the body, and which claim of the key it is.
-struct RunIn<'a> {
-    key: &'a Key,
-    value: &'a Value,
-    correlation_id: &'a Option<String>,
-    trace: &'a Option<TraceContext>,
-    envelope: &'a Arc<Envelope>,
-    handoff: Duration,
-    attempt: i32,
-    takeover: bool,
-    pass: Pass,
-}
-
-impl<'a> RunIn<'a> {
-    fn of(request: &'a TxRequest, owner: &Owner, pass: Pass, handoff: Duration) -> Self {
-        let (attempt, takeover) = match owner {
-            Owner::New => (1, false),
-            Owner::Taken(lease) => (lease.attempt, lease.takeover),
-        };
-        Self {
-            key: &request.claim.key,
-            value: &request.value,
-            correlation_id: &request.claim.origin.correlation_id,
-            trace: &request.trace,
-            envelope: &request.envelope,
-            handoff,
-            attempt,
-            takeover,
-            pass,
-        }
-    }
-
-    /// [`RunIn::run`], in the careful pass inside a savepoint of its own: released
-    /// after a success, rolled back to after a failure (`end_savepoint`).
-    async fn guarded<H: Handler>(
-        &self,
-        handler: &H,
-        ctx: &mut Context,
-        reconcile: Option<Option<String>>,
-    ) -> Result<RunResult, StoreError> {
-        if self.takeover {
-            metrics::delivery(H::OPERATION, "takeover");
-        }
-        if self.pass == Pass::Careful {
-            sqlx::query("SAVEPOINT idem_run")
-                .execute(ctx.tx().await?)
-                .await?;
-        }
-        let result = self.run(handler, ctx, reconcile).await;
-        match self.pass {
-            Pass::Careful => end_savepoint(ctx.tx().await?, result).await,
-            Pass::Optimistic => Ok(result),
-        }
-    }
-
-    /// Runs the handler (or reconciles first, when `reconcile` holds the reference of a
-    /// pending operation) on the batch's transaction, which `ctx` holds.
-    async fn run<H: Handler>(
-        &self,
-        handler: &H,
-        ctx: &mut Context,
-        reconcile: Option<Option<String>>,
-    ) -> RunResult {
-        let message = match H::Message::deserialize(self.value) {
-            Ok(message) => message,
-            Err(e) => return RunResult::Refused(format!("body does not fit the message: {e}")),
-        };
-        // The batch runs apart from the delivery's task: the handler's span is made a
-        // child of the delivery's span by its context.
-        let span = info_span!(
-            "handler",
-            otel.name = field::Empty,
-            otel.kind = field::Empty
-        );
-        if trace::continue_trace(&span, self.trace.as_ref(), "handler", "internal") {
-            trace::attribute(&span, "idem.attempt", i64::from(self.attempt));
-            trace::attribute(&span, "idem.takeover", self.takeover);
-        }
-        ctx.next_run(
-            Context::new(
-                self.key.clone(),
-                self.attempt,
-                self.takeover,
-                ctx.pool().clone(),
-            )
-            .for_follow_ups(
-                self.correlation_id.clone(),
-                trace::outgoing(&span, self.trace.as_ref()),
-                self.handoff,
-            )
-            .with_envelope(self.envelope.clone()),
-        );
-        let started = Instant::now();
-        let result = match reconcile {
-            None => caught(handler.handle(message, ctx)).instrument(span).await,
-            Some(external_ref) => {
-                match self
-                    .reconcile(handler, ctx, &message, external_ref, &span)
-                    .await
-                {
-                    Ok(Some(output)) => return done(output, true, ctx.take_staged()),
-                    Ok(None) => caught(handler.handle(message, ctx)).instrument(span).await,
-                    Err(error) => Err(error),
-                }
-            }
-        };
-        metrics::handler_duration(H::OPERATION, started.elapsed());
-        failpoint::hit("after-effect");
-        match result {
-            Ok(output) => done(output, false, ctx.take_staged()),
-            Err(error) => RunResult::Failed(error),
-        }
-    }
-
-    /// Asks the handler's `reconcile` about a pending operation: `Some(output)` when the
-    /// effect happened, `None` when it did not (what reconcile wrote or staged is undone,
-    /// and the handler runs afresh, as in leased mode). The careful pass goes back to its
-    /// run's savepoint (one subtransaction per delivery, as `MAX_BATCH` counts them);
-    /// the optimistic one sets its own.
-    async fn reconcile<H: Handler>(
-        &self,
-        handler: &H,
-        ctx: &mut Context,
-        message: &H::Message,
-        external_ref: Option<String>,
-        span: &tracing::Span,
-    ) -> Result<Option<H::Output>, HandlerError> {
-        let undo = match self.pass {
-            Pass::Careful => "ROLLBACK TO SAVEPOINT idem_run",
-            Pass::Optimistic => {
-                savepoint(ctx, "SAVEPOINT idem_reconcile").await?;
-                "ROLLBACK TO SAVEPOINT idem_reconcile"
-            }
-        };
-        let asked = caught(handler.reconcile(message, external_ref.as_deref(), ctx));
-        match decision::reconciled(asked.instrument(span.clone()).await) {
-            Reconciled::Applied(output) => Ok(Some(output)),
-            Reconciled::NotApplied => {
-                savepoint(ctx, undo).await?;
-                ctx.take_staged();
-                Ok(None)
-            }
-            Reconciled::Failed(error) => Err(error),
-        }
-    }
-}
-
-/// Runs a savepoint statement on the batch's transaction, which the context holds.
-async fn savepoint(ctx: &mut Context, statement: &'static str) -> Result<(), HandlerError> {
-    sqlx::query(statement).execute(ctx.tx().await?).await?;
-    Ok(())
-}
-
-fn done<O: serde::Serialize>(output: O, reconciled: bool, follow_ups: Vec<i64>) -> RunResult {
-    match serde_json::to_value(output) {
-        Ok(output) => RunResult::Done {
-            output,
-            reconciled,
-            follow_ups,
-        },
-        Err(e) => RunResult::Failed(HandlerError::permanent(format!(
-            "handler output does not serialize: {e}"
-        ))),
-    }
 }
