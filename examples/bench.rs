@@ -15,7 +15,9 @@
 //!    own commit), 32 at a time, then the ack;
 //! 3. `idem_noop`: an idem worker with a handler that does nothing;
 //! 4. `idem_orders`: an idem worker with the orders handler (a provider-call insert and a
-//!    ledger row in the handler's transaction);
+//!    ledger row in the handler's transaction); `idem_orders_tx` the same in
+//!    transactional mode (both rows in the batch's transaction), as `orders_worker
+//!    --mode transactional` runs it;
 //! 5. `idem_ledger`: leased mode, a handler that inserts one ledger row through
 //!    `ctx.tx()`;
 //! 6. `idem_ledger_tx`, `idem_noop_tx`: the ledger and no-op handlers in transactional
@@ -143,7 +145,7 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     in_flight: usize,
     /// Only these variants (comma separated): raw, handwritten, idem_noop, idem_orders,
-    /// idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx,
+    /// idem_orders_tx, idem_orders_follow_up, idem_ledger, idem_ledger_tx, idem_noop_tx,
     /// idem_ledger_traced, idem_ledger_exporting (the last with `--features otel`),
     /// idem_ledger_untallied, idem_ledger_limited, idem_ledger_batch.
     #[arg(
@@ -480,9 +482,14 @@ async fn run(args: Args, outcomes: Outcomes) -> anyhow::Result<()> {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
                     idem_variant(&bench, NoOp, mode_of(variant)).await?
                 }
-                "idem_orders" => {
+                "idem_orders" | "idem_orders_tx" => {
                     let bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);
-                    idem_variant(&bench, orders_worker::Orders::default(), Mode::Leased).await?
+                    let mode = mode_of(variant);
+                    let orders = orders_worker::Orders {
+                        mode,
+                        ..orders_worker::Orders::default()
+                    };
+                    idem_variant(&bench, orders, mode).await?
                 }
                 "idem_orders_follow_up" | "idem_orders_follow_up_sealed" => {
                     let mut bench = Bench::new(&args, &pool, &connection, &queue, run, &outcomes);

@@ -11,7 +11,7 @@ mod orders_worker;
 mod notifications_worker;
 
 use idem::testing::{CheckFailed, FakeProvider, Hazard, ProviderError, Settled, TestWorker};
-use idem::{Context, Handler, HandlerError, Mode, Outcome, Reconciliation};
+use idem::{Batch, Context, Handler, HandlerError, Mode, Outcome, Reconciliation};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -70,6 +70,93 @@ async fn the_orders_handler_passes_in_both_modes(pool: PgPool) {
             [(Hazard::UncertainThenReconciled, "no FakeProvider given")]
         );
     }
+}
+
+/// Books in `wrong_ledger`: one at a time through the transaction, as it should, but
+/// a batch through the pool, outside the batch's transaction.
+struct BatchOutsideTheTransaction;
+
+impl Handler for BatchOutsideTheTransaction {
+    type Message = Value;
+    type Output = ();
+    const OPERATION: &'static str = "wrong.batch_outside_tx";
+    fn scope(&self, _: &Value) -> String {
+        "acme".into()
+    }
+    fn idempotency_key(&self, m: &Value) -> String {
+        m["event_id"].as_str().unwrap_or_default().into()
+    }
+    async fn handle(&self, m: Value, ctx: &mut Context) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO wrong_ledger (event_id) VALUES ($1)")
+            .bind(m["event_id"].as_str())
+            .execute(ctx.tx().await?)
+            .await?;
+        Ok(())
+    }
+    async fn handle_batch(
+        &self,
+        batch: &mut Batch<Value>,
+    ) -> Option<Vec<Result<(), HandlerError>>> {
+        let pool = batch.context(0)?.pool().clone();
+        let ids: Vec<String> = batch
+            .messages()
+            .iter()
+            .map(|m| m["event_id"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        let written =
+            sqlx::query("INSERT INTO wrong_ledger (event_id) SELECT * FROM unnest($1::text[])")
+                .bind(&ids)
+                .execute(&pool)
+                .await;
+        Some(
+            ids.iter()
+                .map(|_| {
+                    written
+                        .as_ref()
+                        .map(|_| ())
+                        .map_err(HandlerError::transient)
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The orders handler's batches (`orders_worker --batch`) pass the check; a batch
+/// handler that writes outside the batch's transaction fails it.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn batch_handlers_are_checked_too(pool: PgPool) {
+    orders_worker::create_example_tables(&pool).await.unwrap();
+    let orders = orders_worker::Orders {
+        mode: Mode::Transactional,
+        batch: true,
+        ..Default::default()
+    };
+    let passed = TestWorker::transactional(orders, pool.clone())
+        .check()
+        .other_payload(other_amount)
+        .run(order, order_effects)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(passed.passed.len(), 7, "{passed:?}");
+
+    sqlx::query("CREATE TABLE wrong_ledger (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let message = |n: usize| json!({"event_id": format!("e-{n}")});
+    let failed = TestWorker::transactional(BatchOutsideTheTransaction, pool.clone())
+        .check()
+        .run(message, wrong_ledger)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(failed, CheckFailed::Effects { effects: 2, .. }),
+        "{failed}"
+    );
+    assert!(
+        failed.to_string().contains("writes outside ctx.tx()"),
+        "{failed}"
+    );
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
