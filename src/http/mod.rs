@@ -47,6 +47,13 @@
 //! | answer over [`Idempotency::max_response_bytes`] | 500 | key free, writes rolled back |
 //! | store unreachable | 503 + `Retry-After` | nothing |
 //!
+//! On a route in single-commit mode ([`IdempotencyLayer::single_commit`]: the record
+//! is written in the request's transaction with its answer, one commit) two rows
+//! differ: a repeat while the first runs waits for it and gets its stored answer (or
+//! runs itself if the first rolled back), never 409 or 202 (those answer only a record
+//! the default mode left running); and a failure that frees the key leaves no record at
+//! all.
+//!
 //! A claimed request runs to its recorded outcome in a task of its own, so a client
 //! that hangs up does not leave its key `processing` until the lease lapses.
 

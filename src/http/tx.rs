@@ -4,7 +4,8 @@
 //! The layer lends the handler one transaction through the request's extensions; the
 //! handler's writes go through it, and when the handler has answered, the layer writes
 //! the stored response and the fencing check into the same transaction and commits: the
-//! writes and the record commit together or not at all.
+//! writes and the record commit together or not at all. On a single-commit route the
+//! transaction lent is the one the layer claimed the key in, after a savepoint.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,7 +25,9 @@ use crate::key::Key;
 /// Do not commit it: the layer commits it together with the stored response after
 /// the handler answered (an answer of 500 or more, or a transient or uncertain
 /// [`crate::HandlerError`], rolls it back). The transaction begins when the handler
-/// extracts it; a handler that never extracts it costs no connection.
+/// extracts it; a handler that never extracts it costs no connection. On a route in
+/// single-commit mode ([`super::IdempotencyLayer::single_commit`]) it is the
+/// transaction that holds the key's record, begun before the handler ran.
 ///
 /// ```no_run
 /// # use axum::{Json, http::StatusCode};
