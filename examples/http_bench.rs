@@ -107,36 +107,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .build()?;
     wait_for(&client, &format!("{base}/healthz")).await?;
 
-    // Warm up both routes (connections, plans, caches).
-    let warm = Args {
-        requests: 500,
-        database_url: String::new(),
-        ..args
-    };
-    send(
-        &client,
-        &format!("{base}/unprotected/payments"),
-        &warm,
-        "warm-bare",
-        false,
-    )
-    .await?;
-    send(
-        &client,
-        &format!("{base}/payments"),
-        &warm,
-        "warm-layer",
-        false,
-    )
-    .await?;
-    send(
-        &client,
-        &format!("{base}/single/payments"),
-        &warm,
-        "warm-single",
-        false,
-    )
-    .await?;
+    warm_up(&client, &base, &args).await?;
 
     let paths = ["/unprotected/payments", "/payments", "/single/payments"];
     let mut results: Vec<(&str, Vec<Measured>)> = vec![
@@ -184,6 +155,27 @@ async fn run(args: Args) -> anyhow::Result<()> {
         single.p99_ms / bare.p99_ms
     );
     child.kill().await.ok();
+    Ok(())
+}
+
+/// Warms every route up (connections, plans, caches).
+async fn warm_up(client: &reqwest::Client, base: &str, args: &Args) -> anyhow::Result<()> {
+    let warm = Args {
+        requests: 500,
+        database_url: String::new(),
+        ..*args
+    };
+    for path in ["/unprotected/payments", "/payments", "/single/payments"] {
+        let url = format!("{base}{path}");
+        send(
+            client,
+            &url,
+            &warm,
+            &format!("warm{}", path.replace('/', "-")),
+            false,
+        )
+        .await?;
+    }
     Ok(())
 }
 
