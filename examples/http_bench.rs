@@ -7,7 +7,8 @@
 //! cargo run --release --features http --example http_bench -- --requests 5000 --rounds 3
 //! ```
 //!
-//! It starts `payments_api --unprotected-route` (the release binary beside this one) on
+//! It starts `payments_api --unprotected-route --single-commit-route` (the release
+//! binary beside this one) on
 //! a fresh database `idem_http_bench`, and for each round sends `--requests` payments
 //! with `--concurrency` clients at once, each request with a new key, to:
 //!
@@ -15,11 +16,15 @@
 //!    without the layer;
 //! 2. `layer`: `POST /payments`, behind the layer (claim, the handler in the request's
 //!    transaction, the stored answer committed with it);
-//! 3. `replayed`: `POST /payments` again with the keys `layer` used: every answer comes
+//! 3. `single`: `POST /single/payments`, behind the layer in single-commit mode (the
+//!    record inserted in the request's transaction, the handler in it, the answer
+//!    written and committed with both: one commit);
+//! 4. `replayed`: `POST /payments` again with the keys `layer` used: every answer comes
 //!    from the record.
 //!
 //! It prints requests/s and p50/p99 latency per variant and round, the medians, and a
-//! last line `layer_req_per_s=… bare_req_per_s=… ratio=…`.
+//! last line `layer_req_per_s=… bare_req_per_s=… ratio=… single_req_per_s=…
+//! single_ratio=… single_p99_ratio=…` (the ratios are to `bare`).
 
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
@@ -31,7 +36,9 @@ use clap::Parser;
 use sqlx::Connection;
 
 #[derive(Parser, Debug)]
-#[command(about = "idem HTTP bench: POST /payments with and without the idempotency layer")]
+#[command(
+    about = "idem HTTP bench: POST /payments without the idempotency layer, with it, and with it in single-commit mode"
+)]
 struct Args {
     /// Requests per variant and round.
     #[arg(long, default_value_t = 5000)]
@@ -85,7 +92,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "payments_api beside http_bench: cargo build --release --features http --examples",
         )?;
     let mut child = tokio::process::Command::new(server)
-        .args(["--unprotected-route", "--connections", "40"])
+        .args(["--unprotected-route", "--single-commit-route"])
+        .args(["--connections", "40"])
         .args(["--listen", &format!("127.0.0.1:{}", args.port)])
         .env("DATABASE_URL", &bench_url)
         .env("RUST_LOG", "warn")
@@ -99,51 +107,28 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .build()?;
     wait_for(&client, &format!("{base}/healthz")).await?;
 
-    // Warm up both routes (connections, plans, caches).
-    let warm = Args {
-        requests: 500,
-        database_url: String::new(),
-        ..args
-    };
-    send(
-        &client,
-        &format!("{base}/unprotected/payments"),
-        &warm,
-        "warm-bare",
-        false,
-    )
-    .await?;
-    send(
-        &client,
-        &format!("{base}/payments"),
-        &warm,
-        "warm-layer",
-        false,
-    )
-    .await?;
+    warm_up(&client, &base, &args).await?;
 
+    let paths = ["/unprotected/payments", "/payments", "/single/payments"];
     let mut results: Vec<(&str, Vec<Measured>)> = vec![
         ("bare", Vec::new()),
         ("layer", Vec::new()),
+        ("single", Vec::new()),
         ("replayed", Vec::new()),
     ];
     for round in 0..args.rounds {
         let keys = format!("r{round}");
-        // Alternate which goes first, so neither always meets a warmer cache.
-        let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-        for i in order {
-            let path = if i == 0 {
-                "/unprotected/payments"
-            } else {
-                "/payments"
-            };
-            let m = send(&client, &format!("{base}{path}"), &args, &keys, false).await?;
+        // Rotate which goes first, so none always meets a warmer cache.
+        for step in 0..paths.len() {
+            let i = (round + step) % paths.len();
+            let url = format!("{base}{}", paths[i]);
+            let m = send(&client, &url, &args, &keys, false).await?;
             print_line(results[i].0, round, m);
             results[i].1.push(m);
         }
         let m = send(&client, &format!("{base}/payments"), &args, &keys, true).await?;
         print_line("replayed", round, m);
-        results[2].1.push(m);
+        results[3].1.push(m);
     }
     let medians: Vec<Measured> = results.iter().map(|(_, ms)| median(ms)).collect();
     for ((name, _), m) in results.iter().zip(&medians) {
@@ -152,9 +137,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             m.per_s, m.p50_ms, m.p99_ms
         );
     }
-    let (bare, layer, replayed) = (medians[0], medians[1], medians[2]);
+    let (bare, layer, single, replayed) = (medians[0], medians[1], medians[2], medians[3]);
     println!(
-        "layer_req_per_s={:.0} bare_req_per_s={:.0} ratio={:.2} layer_p50_ms={:.2} layer_p99_ms={:.2} bare_p50_ms={:.2} bare_p99_ms={:.2} replayed_req_per_s={:.0}",
+        "layer_req_per_s={:.0} bare_req_per_s={:.0} ratio={:.2} layer_p50_ms={:.2} layer_p99_ms={:.2} bare_p50_ms={:.2} bare_p99_ms={:.2} replayed_req_per_s={:.0} single_req_per_s={:.0} single_ratio={:.2} single_p50_ms={:.2} single_p99_ms={:.2} single_p99_ratio={:.2}",
         layer.per_s,
         bare.per_s,
         layer.per_s / bare.per_s,
@@ -162,9 +147,35 @@ async fn run(args: Args) -> anyhow::Result<()> {
         layer.p99_ms,
         bare.p50_ms,
         bare.p99_ms,
-        replayed.per_s
+        replayed.per_s,
+        single.per_s,
+        single.per_s / bare.per_s,
+        single.p50_ms,
+        single.p99_ms,
+        single.p99_ms / bare.p99_ms
     );
     child.kill().await.ok();
+    Ok(())
+}
+
+/// Warms every route up (connections, plans, caches).
+async fn warm_up(client: &reqwest::Client, base: &str, args: &Args) -> anyhow::Result<()> {
+    let warm = Args {
+        requests: 500,
+        database_url: String::new(),
+        ..*args
+    };
+    for path in ["/unprotected/payments", "/payments", "/single/payments"] {
+        let url = format!("{base}{path}");
+        send(
+            client,
+            &url,
+            &warm,
+            &format!("warm{}", path.replace('/', "-")),
+            false,
+        )
+        .await?;
+    }
     Ok(())
 }
 

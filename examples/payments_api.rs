@@ -17,7 +17,12 @@
 //! `example_payments` has no unique constraint, so a double payment would show.
 //!
 //! `--unprotected-route` also serves the same handler without the layer at
-//! `POST /unprotected/payments`, for `examples/http_bench.rs` to compare.
+//! `POST /unprotected/payments`, for `examples/http_bench.rs` to compare, and
+//! `--single-commit-route` serves it at `POST /single/payments` behind the layer in
+//! single-commit mode (`IdempotencyLayer::single_commit`: the record is written in the
+//! request's transaction with its answer, one commit; a concurrent repeat waits for the
+//! first one and gets its answer instead of 409). That mode is for routes whose every
+//! effect is a write in this database: a real provider call belongs on `/payments`.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -62,8 +67,8 @@ struct App {
     keys: Idempotency,
 }
 
-/// `POST /payments`: one payment in the request's transaction, which commits with the
-/// stored answer.
+/// `POST /payments` (and `POST /single/payments`): one payment in the request's
+/// transaction, which commits with the stored answer.
 async fn create_payment(
     State(app): State<App>,
     request: IdempotentRequest,
@@ -223,6 +228,9 @@ struct Args {
     /// Also serve POST /unprotected/payments without the layer (for the bench).
     #[arg(long)]
     unprotected_route: bool,
+    /// Also serve POST /single/payments behind the layer in single-commit mode.
+    #[arg(long)]
+    single_commit_route: bool,
     /// Database connections.
     #[arg(long, default_value_t = 20)]
     connections: u32,
@@ -280,7 +288,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let app = App {
         provider_delay: Duration::from_millis(args.provider_delay_ms),
         pool,
-        keys,
+        keys: keys.clone(),
     };
     let mut router = Router::new()
         .route("/payments", post(create_payment).route_layer(layer))
@@ -288,6 +296,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .route("/healthz", get(|| async { "ok" }));
     if args.unprotected_route {
         router = router.route("/unprotected/payments", post(create_payment_unprotected));
+    }
+    if args.single_commit_route {
+        let single = keys.required().single_commit();
+        router = router.route("/single/payments", post(create_payment).route_layer(single));
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -162,34 +162,44 @@ where
     if let Left::Transaction(tx) = slot.take() {
         rollback(tx).await;
     }
-    let (why, outcome, answer) = match stopped {
-        Stopped::TimedOut(within) => {
-            let why = format!("the route ran longer than {} ms", within.as_millis());
-            let answer = Problem::TIMED_OUT.retry_after(
-                format!(
-                    "{why} and was stopped; its writes were rolled back; retry with the same key"
-                ),
-                Duration::from_secs(1),
-            );
-            warn!(error = %why, "the route was stopped");
-            (why, "timed_out", answer)
-        }
-        Stopped::Panicked(panic) => {
-            warn!(error = %panic, "the route panicked");
-            let answer = Problem::INTERNAL.answer("the request failed; retry with the same key");
-            (panic, "failed", answer)
-        }
-    };
+    let (why, outcome, answer) = stopped.answer();
     free(store, lease, &why).await;
     answered(operation, outcome, answer)
 }
 
 /// How a route's run ended without an answer.
-enum Stopped {
+pub(super) enum Stopped {
     /// It ran past its bound and was dropped.
     TimedOut(Duration),
     /// It panicked (what it said).
     Panicked(String),
+}
+
+impl Stopped {
+    /// Why (logged), the outcome's label, and the client's answer: 503
+    /// `request-timed-out` with `Retry-After`, or 500.
+    pub(super) fn answer(self) -> (String, &'static str, Response) {
+        match self {
+            Stopped::TimedOut(within) => {
+                let why = format!("the route ran longer than {} ms", within.as_millis());
+                let answer = Problem::TIMED_OUT.retry_after(
+                    format!(
+                        "{why} and was stopped; its writes were rolled back; retry with the \
+                         same key"
+                    ),
+                    Duration::from_secs(1),
+                );
+                warn!(error = %why, "the route was stopped");
+                (why, "timed_out", answer)
+            }
+            Stopped::Panicked(panic) => {
+                warn!(error = %panic, "the route panicked");
+                let answer =
+                    Problem::INTERNAL.answer("the request failed; retry with the same key");
+                (panic, "failed", answer)
+            }
+        }
+    }
 }
 
 /// Records what the route answered, as its verdict says: stored with the handler's

@@ -47,6 +47,13 @@
 //! | answer over [`Idempotency::max_response_bytes`] | 500 | key free, writes rolled back |
 //! | store unreachable | 503 + `Retry-After` | nothing |
 //!
+//! On a route in single-commit mode ([`IdempotencyLayer::single_commit`]: the record
+//! is written in the request's transaction with its answer, one commit) two rows
+//! differ: a repeat while the first runs waits for it and gets its stored answer (or
+//! runs itself if the first rolled back), never 409 or 202 (those answer only a record
+//! the default mode left running); and a failure that frees the key leaves no record at
+//! all.
+//!
 //! A claimed request runs to its recorded outcome in a task of its own, so a client
 //! that hangs up does not leave its key `processing` until the lease lapses.
 
@@ -73,6 +80,7 @@ mod problem;
 mod record;
 mod request;
 mod service;
+mod single;
 mod stored;
 mod tx;
 
@@ -197,6 +205,7 @@ impl Idempotency {
                 location: None,
                 reconcile: None,
                 run_within: DEFAULT_RUN_WITHIN,
+                single_commit: false,
             }),
         }
     }
@@ -228,6 +237,9 @@ pub(crate) struct Route {
     pub(crate) reconcile: Option<Arc<ReconcileFn>>,
     /// The longest a claimed request's route (or reconciler) may run.
     pub(crate) run_within: Duration,
+    /// The record is written in the request's own transaction, with its answer: one
+    /// commit ([`IdempotencyLayer::single_commit`]).
+    pub(crate) single_commit: bool,
 }
 
 impl IdempotencyLayer {
@@ -261,6 +273,44 @@ impl IdempotencyLayer {
     /// with the same `provider_key`.
     pub fn run_within(mut self, bound: Duration) -> Self {
         Arc::make_mut(&mut self.route).run_within = bound;
+        self
+    }
+
+    /// Writes the key's record in the request's own transaction, with its answer: one
+    /// commit per request, for a route whose every effect is a write in this database
+    /// (through its [`Tx`]).
+    ///
+    /// By default the layer claims the key in a commit of its own before the route runs,
+    /// so that a concurrent repeat sees the claim at once and is answered 409, and then
+    /// commits the answer with the route's writes: two commits. With `single_commit` the
+    /// layer begins the request's transaction (READ COMMITTED), inserts the record
+    /// (`processing`, with its lease and fencing token) in it, lends it to the route as
+    /// its [`Tx`] (after a savepoint, so that a permanent error's answer can be stored
+    /// without the route's writes), writes the answer and commits once. Until then
+    /// nobody else sees the record: a concurrent repeat's claim waits at the key's
+    /// unique index, and then gets the stored answer (a replay), or, if the first one
+    /// rolled back (a transient error, a 5xx, a refusal not marked [`Decided`], a
+    /// panic, its server killed), runs itself. Such a failure leaves no record at all
+    /// (nothing to expire, no attempt counted), and a server that dies mid-request
+    /// leaves nothing behind either: Postgres rolls its transaction back, and a retry
+    /// runs at once, without waiting for a lease. What is stored and answered is
+    /// otherwise as in the default mode; records the default mode left (a live lease:
+    /// 409; a lapsed one or a retryable failure: taken over in the request's
+    /// transaction; `pending`: reconciled, in the default mode's way, by the route's
+    /// reconciler) are decided as documented.
+    ///
+    /// Do not use it for a route that calls out (a payment provider, another service,
+    /// a broker): a repeat would wait, holding a database connection, for as long as
+    /// the call takes (up to [`IdempotencyLayer::run_within`]); the call's effect is not
+    /// rolled back with the transaction, and nobody sees that it may have happened
+    /// (no record survives a crash to tell a retry `takeover`). Keep such routes in
+    /// the default mode, which holds no transaction across the call. A repeat's wait
+    /// also holds one of the pool's connections: size the pool for the repeats that may
+    /// wait at once. [`IdempotencyLayer::accept_while_running`] has no effect here (a
+    /// repeat never sees the first one running), and the route's transaction is READ
+    /// COMMITTED whatever the database's default.
+    pub fn single_commit(mut self) -> Self {
+        Arc::make_mut(&mut self.route).single_commit = true;
         self
     }
 }

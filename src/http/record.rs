@@ -4,10 +4,11 @@
 use std::future::Future;
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use backon::{ExponentialBuilder, Retryable};
+use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 use tracing::{debug, warn};
 
@@ -58,28 +59,16 @@ pub(super) async fn record(
     mut tx: Option<Transaction<'static, Postgres>>,
 ) -> Response {
     let store = &shared.store;
-    let (parts, body) = response.into_parts();
-    let bytes = match read_limited(body, &HeaderMap::new(), shared.max_response).await {
-        Ok(bytes) => bytes,
-        Err(unread) => {
+    let (parts, bytes, stored) = match stored_answer(shared, response).await {
+        Ok(answer) => answer,
+        Err(detail) => {
             if let Some(tx) = tx {
                 rollback(tx).await;
             }
-            let detail = match unread {
-                Unread::TooLarge => format!(
-                    "the answer exceeds the {} bytes the layer stores for replay",
-                    shared.max_response
-                ),
-                Unread::Broken(error) => format!("the answer could not be read: {error}"),
-            };
             free(store, lease, &detail).await;
-            let detail = format!("{detail}; nothing was stored, the key is free for a retry");
-            let problem = Problem::RESPONSE_TOO_LARGE.answer(detail);
-            return answered(operation, "response_too_large", problem);
+            return too_large(operation, &detail);
         }
     };
-    let stored =
-        StoredResponse::new(parts.status, &parts.headers, &shared.replay_headers, &bytes).to_json();
     let recorded = match tx.as_mut() {
         Some(tx) => store.complete_in(&mut **tx, lease, &stored).await,
         None => store.complete(lease, &stored).await,
@@ -99,14 +88,7 @@ pub(super) async fn record(
             "executed",
             Response::from_parts(parts, Body::from(bytes)),
         ),
-        Err(StoreError::LeaseLost { .. }) => answered(
-            operation,
-            "taken_over",
-            Problem::TAKEN_OVER.answer(
-                "this request outlived its lease and another request with the same key took \
-                 it over; this one's writes were rolled back; retry to get that one's answer",
-            ),
-        ),
+        Err(StoreError::LeaseLost { .. }) => taken_over(operation),
         Err(error) => {
             // Fenced: if the commit went through after all, the record is completed and
             // this writes nothing.
@@ -114,6 +96,46 @@ pub(super) async fn record(
             store_unavailable(operation, "cannot record the answer", &error)
         }
     }
+}
+
+/// The answer read whole (within [`Settings::max_response`]) and as the record stores
+/// it; or why it cannot be stored.
+pub(super) async fn stored_answer(
+    shared: &Settings,
+    response: Response,
+) -> Result<(axum::http::response::Parts, Bytes, Value), String> {
+    let (parts, body) = response.into_parts();
+    let bytes = read_limited(body, &HeaderMap::new(), shared.max_response)
+        .await
+        .map_err(|unread| match unread {
+            Unread::TooLarge => format!(
+                "the answer exceeds the {} bytes the layer stores for replay",
+                shared.max_response
+            ),
+            Unread::Broken(error) => format!("the answer could not be read: {error}"),
+        })?;
+    let stored =
+        StoredResponse::new(parts.status, &parts.headers, &shared.replay_headers, &bytes).to_json();
+    Ok((parts, bytes, stored))
+}
+
+/// 500 for an answer that could not be stored (`detail`): nothing was.
+pub(super) fn too_large(operation: &str, detail: &str) -> Response {
+    let detail = format!("{detail}; nothing was stored, the key is free for a retry");
+    let problem = Problem::RESPONSE_TOO_LARGE.answer(detail);
+    answered(operation, "response_too_large", problem)
+}
+
+/// 409 `request-taken-over`: the request outlived its lease.
+pub(super) fn taken_over(operation: &str) -> Response {
+    answered(
+        operation,
+        "taken_over",
+        Problem::TAKEN_OVER.answer(
+            "this request outlived its lease and another request with the same key took \
+             it over; this one's writes were rolled back; retry to get that one's answer",
+        ),
+    )
 }
 
 /// Records a failure that leaves the key free for a retry; the record expires after

@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -26,6 +26,7 @@ use super::request::{
 use super::stored::StoredResponse;
 use super::tx::{Left, TxSlot};
 use super::{Route, Settings};
+use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::store::{Origin, Status};
 use crate::trace;
@@ -160,6 +161,49 @@ where
         correlation_id: correlation_id(&parts.headers),
         trace_id: trace::trace_id(&Span::current(), incoming.as_ref()),
     };
+    let intent = Intent {
+        parts,
+        body: bytes,
+        keyed,
+        fingerprint,
+        origin,
+    };
+    if route.single_commit {
+        super::single::serve(shared, route, inner, intent).await
+    } else {
+        claim_and_run(shared, route, inner, intent).await
+    }
+}
+
+/// A keyed request read whole: what its claim needs, and what its route is given.
+pub(super) struct Intent {
+    pub(super) parts: Parts,
+    pub(super) body: Bytes,
+    pub(super) keyed: Keyed,
+    pub(super) fingerprint: Fingerprint,
+    pub(super) origin: Origin,
+}
+
+/// Claims the key in a statement of its own (autocommit: a concurrent repeat sees the
+/// claim at once) and does what the claim decides (`decision::on_claim`).
+pub(super) async fn claim_and_run<S>(
+    shared: Arc<Settings>,
+    route: Arc<Route>,
+    inner: S,
+    intent: Intent,
+) -> Response
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let Intent {
+        parts,
+        body,
+        keyed,
+        fingerprint,
+        origin,
+    } = intent;
+    let label = &keyed.label;
     let reconciles = route.reconcile.is_some();
     let claim = match shared
         .store
@@ -167,7 +211,7 @@ where
         .await
     {
         Ok(claim) => claim,
-        Err(error) => return store_unavailable(&label, "cannot claim the key", &error),
+        Err(error) => return store_unavailable(label, "cannot claim the key", &error),
     };
     let (lease, pending) = match decision::on_claim(claim) {
         Next::Run(lease) => (lease, None),
@@ -184,11 +228,11 @@ where
         lease,
         pending,
     };
-    claimed.run(inner, parts, bytes).await
+    claimed.run(inner, parts, body).await
 }
 
 /// What the layer answers from the record itself.
-fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
+pub(super) fn from_record(answer: Answer, route: &Route, keyed: &Keyed) -> Response {
     let label = &keyed.label;
     match answer {
         Answer::Replay(result) => {

@@ -4,7 +4,8 @@
 //! The layer lends the handler one transaction through the request's extensions; the
 //! handler's writes go through it, and when the handler has answered, the layer writes
 //! the stored response and the fencing check into the same transaction and commits: the
-//! writes and the record commit together or not at all.
+//! writes and the record commit together or not at all. On a single-commit route the
+//! transaction lent is the one the layer claimed the key in, after a savepoint.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,7 +25,9 @@ use crate::key::Key;
 /// Do not commit it: the layer commits it together with the stored response after
 /// the handler answered (an answer of 500 or more, or a transient or uncertain
 /// [`crate::HandlerError`], rolls it back). The transaction begins when the handler
-/// extracts it; a handler that never extracts it costs no connection.
+/// extracts it; a handler that never extracts it costs no connection. On a route in
+/// single-commit mode ([`super::IdempotencyLayer::single_commit`]) it is the
+/// transaction that holds the key's record, begun before the handler ran.
 ///
 /// ```no_run
 /// # use axum::{Json, http::StatusCode};
@@ -53,7 +56,18 @@ struct SlotState {
     pool: PgPool,
     lent: bool,
     returned: Option<Transaction<'static, Postgres>>,
+    /// A single-commit route's transaction, begun by the layer with the record in it:
+    /// lent (after a savepoint) instead of a new one.
+    begun: Option<Transaction<'static, Postgres>>,
+    /// The savepoint [`SAVEPOINT`] was taken before the handler's writes.
+    savepoint: bool,
 }
+
+/// The savepoint a single-commit route's handler writes after: rolled back to, its
+/// writes go and the record stays (a permanent error's answer is stored without them).
+pub(crate) const SAVEPOINT: &str = "SAVEPOINT idem_route";
+/// Undoes what the handler wrote after [`SAVEPOINT`].
+pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_route";
 
 /// What the handler left behind.
 pub(crate) enum Left {
@@ -72,14 +86,38 @@ impl TxSlot {
             pool,
             lent: false,
             returned: None,
+            begun: None,
+            savepoint: false,
         })))
+    }
+
+    /// A slot that lends `tx`, already begun (a single-commit route's, which holds the
+    /// record), instead of beginning one.
+    pub(crate) fn with_transaction(pool: PgPool, tx: Transaction<'static, Postgres>) -> Self {
+        let slot = Self::new(pool);
+        slot.lock().begun = Some(tx);
+        slot
+    }
+
+    /// Whether the handler's writes began after [`SAVEPOINT`] (a single-commit route's
+    /// handler that extracted its [`Tx`]).
+    pub(crate) fn savepoint(&self) -> bool {
+        self.lock().savepoint
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// What the handler left, once it answered.
     pub(crate) fn take(&self) -> Left {
-        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut state = self.lock();
         match (state.lent, state.returned.take()) {
-            (false, _) => Left::Nothing,
+            // A begun transaction the handler did not ask for is still the layer's.
+            (false, _) => match state.begun.take() {
+                Some(tx) => Left::Transaction(tx),
+                None => Left::Nothing,
+            },
             (true, Some(tx)) => Left::Transaction(tx),
             (true, None) => Left::Kept,
         }
@@ -96,20 +134,31 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
                  Idempotency::required or ::optional to it)",
             ));
         };
-        let pool = {
-            let mut state = slot.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (pool, begun) = {
+            let mut state = slot.lock();
             if state.lent {
                 return Err(Problem::TRANSACTION_KEPT
                     .answer("the request's transaction can be extracted once per request"));
             }
             state.lent = true;
-            state.pool.clone()
+            (state.pool.clone(), state.begun.take())
         };
-        match pool.begin().await {
-            Ok(tx) => Ok(Tx { tx: Some(tx), slot }),
-            Err(error) => {
-                // Not lent after all: the layer must not wait for it.
-                slot.0.lock().unwrap_or_else(PoisonError::into_inner).lent = false;
+        let single = begun.is_some();
+        let begun = match begun {
+            Some(tx) => savepoint(tx).await,
+            None => pool.begin().await.map_err(|error| (error, None)),
+        };
+        match begun {
+            Ok(tx) => {
+                slot.lock().savepoint = single;
+                Ok(Tx { tx: Some(tx), slot })
+            }
+            Err((error, tx)) => {
+                // Not lent after all: the layer must not wait for it (and a begun
+                // transaction goes back to it, to be rolled back).
+                let mut state = slot.lock();
+                state.lent = false;
+                state.begun = tx;
                 Err(Problem::STORE_UNAVAILABLE.retry_after(
                     format!(
                         "cannot begin the request's transaction: {}",
@@ -119,6 +168,17 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
                 ))
             }
         }
+    }
+}
+
+/// Takes [`SAVEPOINT`] in a single-commit route's transaction before lending it; on
+/// failure, the error and the transaction back.
+async fn savepoint(
+    mut tx: Transaction<'static, Postgres>,
+) -> Result<Transaction<'static, Postgres>, (sqlx::Error, Option<Transaction<'static, Postgres>>)> {
+    match sqlx::raw_sql(SAVEPOINT).execute(&mut *tx).await {
+        Ok(_) => Ok(tx),
+        Err(error) => Err((error, Some(tx))),
     }
 }
 
@@ -146,8 +206,7 @@ impl DerefMut for Tx {
 impl Drop for Tx {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {
-            let mut state = self.slot.0.lock().unwrap_or_else(PoisonError::into_inner);
-            state.returned = Some(tx);
+            self.slot.lock().returned = Some(tx);
         }
     }
 }

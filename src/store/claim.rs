@@ -112,6 +112,16 @@ static REQUEST_CLAIM_SQL: LazyLock<String> = LazyLock::new(|| claim_sql(CLAIMABL
 static REQUEST_CLAIM_UNLESS_PENDING_SQL: LazyLock<String> =
     LazyLock::new(|| claim_sql(CLAIMABLE_UNLESS_PENDING, REQUEST_EXPIRY));
 
+/// The HTTP claim statement for a route that can reconcile (`reconcile`) or cannot.
+#[cfg(feature = "http")]
+fn request_claim_sql(reconcile: bool) -> &'static str {
+    if reconcile {
+        &REQUEST_CLAIM_SQL
+    } else {
+        &REQUEST_CLAIM_UNLESS_PENDING_SQL
+    }
+}
+
 /// The single-key claim statement for records `claimable` may take, with `expiry` on
 /// the records it inserts or takes.
 fn claim_sql(claimable: &str, expiry: &str) -> String {
@@ -203,7 +213,7 @@ impl Store {
         self.prepare().await?;
         for _ in 0..CLAIM_TRIES {
             let row = self
-                .claim_once(&CLAIM_SQL, key, fingerprint, origin)
+                .claim_once(&self.pool, &CLAIM_SQL, key, fingerprint, origin)
                 .await?;
             if let Some(row) = row
                 && let Some(claim) = claim_of(row, fingerprint, self.keys())?
@@ -228,36 +238,76 @@ impl Store {
         reconcile: bool,
     ) -> Result<RequestClaim, StoreError> {
         self.prepare().await?;
-        let sql = if reconcile {
-            &REQUEST_CLAIM_SQL
-        } else {
-            &REQUEST_CLAIM_UNLESS_PENDING_SQL
-        };
+        let sql = request_claim_sql(reconcile);
         for _ in 0..CLAIM_TRIES {
-            let Some(row) = self.claim_once(sql, key, fingerprint, origin).await? else {
-                continue;
-            };
-            let uncertain = row.found == "existing"
-                && row.claimable != Some(true)
-                && row
-                    .payload_sha256
-                    .as_deref()
-                    .is_some_and(|stored| fingerprint.accepts(stored))
-                && row.awaits_reconcile == Some(true);
-            if uncertain && !reconcile {
-                return Ok(RequestClaim::Uncertain);
-            }
-            if let Some(claim) = claim_of(row, fingerprint, self.keys())? {
-                return Ok(RequestClaim::Claim(claim));
+            let row = self
+                .claim_once(&self.pool, sql, key, fingerprint, origin)
+                .await?;
+            if let Some(claim) = self.request_claim_of(row, fingerprint, reconcile)? {
+                return Ok(claim);
             }
         }
         Err(StoreError::Contention(CLAIM_TRIES))
     }
 
+    /// [`Store::claim_request`] in the caller's transaction (a single-commit HTTP
+    /// route's): a new record is inserted uncommitted and a taken one stays locked
+    /// until the caller commits or rolls back, so a concurrent claim of the key waits
+    /// at the unique index (or the row) until then. Each try is a statement of its own,
+    /// with a fresh snapshot under READ COMMITTED: a claim that waited for another
+    /// transaction's commit sees that one's record on its next try.
+    #[cfg(feature = "http")]
+    pub(crate) async fn claim_request_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        origin: &Origin,
+        reconcile: bool,
+    ) -> Result<RequestClaim, StoreError> {
+        self.prepare().await?;
+        let sql = request_claim_sql(reconcile);
+        for _ in 0..CLAIM_TRIES {
+            let row = self
+                .claim_once(&mut *conn, sql, key, fingerprint, origin)
+                .await?;
+            if let Some(claim) = self.request_claim_of(row, fingerprint, reconcile)? {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::Contention(CLAIM_TRIES))
+    }
+
+    /// What an HTTP request's claim statement found: `None` when the statement must run
+    /// again (a stale snapshot).
+    #[cfg(feature = "http")]
+    fn request_claim_of(
+        &self,
+        row: Option<ClaimRow>,
+        fingerprint: &Fingerprint,
+        reconcile: bool,
+    ) -> Result<Option<RequestClaim>, StoreError> {
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let uncertain = row.found == "existing"
+            && row.claimable != Some(true)
+            && row
+                .payload_sha256
+                .as_deref()
+                .is_some_and(|stored| fingerprint.accepts(stored))
+            && row.awaits_reconcile == Some(true);
+        if uncertain && !reconcile {
+            return Ok(Some(RequestClaim::Uncertain));
+        }
+        Ok(claim_of(row, fingerprint, self.keys())?.map(RequestClaim::Claim))
+    }
+
     /// One run of a single-key claim statement (`$12`, the in-flight expiry, is bound
     /// for the HTTP statements only).
-    async fn claim_once(
+    async fn claim_once<'e>(
         &self,
+        executor: impl sqlx::PgExecutor<'e>,
         sql: &'static str,
         key: &Key,
         fingerprint: &Fingerprint,
@@ -280,7 +330,7 @@ impl Store {
             let expiry = self.config.retention.saturating_add(self.config.lease);
             query = query.bind(millis(expiry));
         }
-        let row = query.fetch_optional(&self.pool).await?;
+        let row = query.fetch_optional(executor).await?;
         metrics::store_round_trip("claim", started);
         Ok(row)
     }

@@ -476,11 +476,21 @@ pub fn spawn_shop(database_url: &str, prefix: &str, extra: &[&str]) -> WorkerPro
 
 /// A `payments_api` process listening on 127.0.0.1:`port` (the HTTP layer's example).
 pub fn spawn_payments_api(database_url: &str, port: u16, extra: &[&str]) -> WorkerProcess {
+    spawn_payments_api_with_env(database_url, port, extra, &[])
+}
+
+/// [`spawn_payments_api`] with extra environment variables (`IDEM_FAILPOINT`).
+pub fn spawn_payments_api_with_env(
+    database_url: &str,
+    port: u16,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> WorkerProcess {
     let listen = format!("127.0.0.1:{port}");
     let mut args = vec!["--listen", listen.as_str()];
     args.extend_from_slice(extra);
     let name = format!("payments-{port}");
-    spawn_example("payments_api", database_url, &name, &args, &[])
+    spawn_example("payments_api", database_url, &name, &args, env)
 }
 
 /// Starts the example `name` with `args` on the test's database, logging to a file
