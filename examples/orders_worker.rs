@@ -224,6 +224,10 @@ impl Orders {
         .bind(&amounts)
         .execute(batch.tx().await?)
         .await?;
+        tracing::debug!(
+            orders = batch.len(),
+            "booked a batch with one insert per table"
+        );
         for item in 0..batch.len() {
             let next_id = batch
                 .context(item)
@@ -328,14 +332,15 @@ struct Args {
     /// The queue to consume (its retry queues and DLQ are declared beside it).
     #[arg(long, default_value = "orders")]
     queue: String,
-    /// Handlers running at once.
-    #[arg(long, default_value_t = 16)]
+    /// Deliveries run at once (0: chosen from the mode, see `WorkerConfig::concurrency`).
+    #[arg(long, default_value_t = 0)]
     concurrency: usize,
-    /// Postgres connections (default: the concurrency and 4 more).
+    /// Postgres connections (default: the concurrency and 4 more, 24 when it is chosen
+    /// from the mode: Postgres on a few cores gains nothing from more).
     #[arg(long)]
     pool_size: Option<u32>,
-    /// Unacked deliveries the broker sends ahead.
-    #[arg(long, default_value_t = 64)]
+    /// Unacked deliveries the broker sends ahead (0: twice the deliveries run at once).
+    #[arg(long, default_value_t = 0)]
     prefetch: u16,
     /// leased: claim, then run under a lease (for handlers that call out);
     /// transactional: claim, effects and outcome in one transaction per batch.
@@ -444,7 +449,10 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let name = format!("orders_worker-{}", std::process::id());
-    let pool_size = args.pool_size.unwrap_or(args.concurrency as u32 + 4);
+    let pool_size = args.pool_size.unwrap_or(match args.concurrency {
+        0 => 24,
+        n => n as u32 + 4,
+    });
     let pool = idem::db::connect_and_migrate(&args.database_url, pool_size)
         .await
         .context("prepare the database")?;

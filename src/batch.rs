@@ -36,6 +36,8 @@ pub struct Batch<M> {
     contexts: Vec<Context>,
     pool: PgPool,
     tx: Option<Transaction<'static, Postgres>>,
+    /// Whether the handler took the transaction or staged a follow-up.
+    touched: bool,
 }
 
 impl<M> Batch<M> {
@@ -50,6 +52,7 @@ impl<M> Batch<M> {
             contexts,
             pool,
             tx,
+            touched: false,
         }
     }
 
@@ -95,6 +98,7 @@ impl<M> Batch<M> {
     /// The batch's transaction: what goes through it commits atomically with every
     /// message's `completed` record, and is rolled back with all of them.
     pub async fn tx(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        self.touched = true;
         let tx = match self.tx.take() {
             Some(tx) => tx,
             None => self.pool.begin().await?,
@@ -116,6 +120,7 @@ impl<M> Batch<M> {
                 self.messages.len()
             )));
         };
+        self.touched = true;
         ctx.lend_tx(self.tx.take());
         let staged = ctx.publish(message).await;
         self.tx = ctx.take_tx();
@@ -125,6 +130,11 @@ impl<M> Batch<M> {
     /// The transaction the handler opened through [`Batch::tx`], if any, to commit.
     pub fn into_transaction(self) -> Option<Transaction<'static, Postgres>> {
         self.tx
+    }
+
+    /// Whether the handler took the batch's transaction or staged a follow-up.
+    pub(crate) fn touched(&self) -> bool {
+        self.touched
     }
 
     /// The messages, their contexts (with what each staged) and the transaction.

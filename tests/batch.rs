@@ -17,6 +17,25 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const SETTLE: Duration = Duration::from_secs(90);
 const BATCHED: [&str; 3] = ["--mode", "transactional", "--batch"];
+/// The orders worker's log with its batches (`booked a batch … orders=N`).
+const BATCH_LOG: (&str, &str) = ("RUST_LOG", "info,sqlx=warn,orders_worker=debug");
+
+/// The most orders `process` booked in one batch, from its log.
+fn largest_batch(process: &WorkerProcess) -> usize {
+    let log = std::fs::read_to_string(&process.log).unwrap_or_default();
+    log.lines()
+        .filter(|line| line.contains("booked a batch"))
+        .filter_map(|line| {
+            let (_, after) = line.split_once("orders=")?;
+            after
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0)
+}
 
 #[derive(Deserialize)]
 struct Entry {
@@ -301,18 +320,18 @@ async fn a_crash_before_the_batch_commits_leaves_nothing(o: PgPoolOptions, c: Pg
     for i in 0..ORDERS {
         q.publish(&order(&format!("evt-{i}"), "acme", 5)).await;
     }
-    let mut crashing = spawn_orders_worker_with_env(
-        &url,
-        &q.name,
-        &BATCHED,
-        &[("IDEM_FAILPOINT", "before-commit")],
-    );
+    let crash = [("IDEM_FAILPOINT", "before-commit"), BATCH_LOG];
+    let mut crashing = spawn_orders_worker_with_env(&url, &q.name, &BATCHED, &crash);
     let status = tokio::time::timeout(SETTLE, crashing.child.wait())
         .await
         .expect("the worker reaches the failpoint")
         .unwrap();
     assert!(!status.success(), "{status:?}");
     assert!(crashing.log_contains("failpoint before-commit: aborting"));
+    assert!(
+        largest_batch(&crashing) > 1,
+        "the batch that died held several orders"
+    );
     assert!(statuses(&pool).await.is_empty());
     assert!(ledger(&pool).await.is_empty() && provider_calls(&pool).await.is_empty());
 
@@ -349,8 +368,8 @@ async fn racing_batches_on_two_processes_book_each_order_once(
     declare(&q, &out.name).await;
     let url = database_url(&c);
     let args = [&BATCHED[..], &["--follow-ups", out.name.as_str()]].concat();
-    let _a = spawn_orders_worker(&url, &q.name, &args);
-    let _b = spawn_orders_worker(&url, &q.name, &args);
+    let a = spawn_orders_worker_with_env(&url, &q.name, &args, &[BATCH_LOG]);
+    let b = spawn_orders_worker_with_env(&url, &q.name, &args, &[BATCH_LOG]);
     wait_for_worker_tables(&pool).await;
     wait_for_consumers(&q, 2).await;
     const EVENTS: usize = 300;
@@ -391,4 +410,8 @@ async fn racing_batches_on_two_processes_book_each_order_once(
         .collect();
     assert_eq!(sent.len(), EVENTS);
     assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    assert!(
+        largest_batch(&a) > 1 && largest_batch(&b) > 1,
+        "both booked batches"
+    );
 }

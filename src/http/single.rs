@@ -23,7 +23,7 @@ use tower::Service;
 use tracing::{Instrument, debug, warn};
 
 use super::claimed::Stopped;
-use super::decision::{self, Next, Verdict};
+use super::decision::{self, Answer, Next, Verdict};
 use super::problem::Problem;
 use super::record::{
     answered, rollback, store_unavailable, stored_answer, taken_over, too_large, verdict_of,
@@ -53,7 +53,17 @@ where
 {
     let store = &shared.store;
     let label = intent.keyed.label.clone();
-    let mut tx = match store.pool().begin_with(BEGIN).await {
+    // Before the request holds a connection: a first check must not wait for one.
+    if let Err(error) = store.prepare().await {
+        return store_unavailable(&label, "cannot check the store", &error);
+    }
+    // A repeat waits at the key for the first request's commit no longer than a run
+    // may take; then it answers as for a key in progress (409 + Retry-After).
+    let begin = format!(
+        "{BEGIN}; SET LOCAL lock_timeout = {}",
+        route.run_within.as_millis().max(1)
+    );
+    let mut tx = match store.pool().begin_with(sqlx::AssertSqlSafe(begin)).await {
         Ok(tx) => tx,
         Err(error) => {
             let error = StoreError::from(error);
@@ -72,6 +82,10 @@ where
         .await;
     let claim = match claim {
         Ok(claim) => claim,
+        Err(error) if waited_too_long(&error) => {
+            rollback(tx).await;
+            return from_record(Answer::InProgress, &route, &intent.keyed);
+        }
         Err(error) => {
             rollback(tx).await;
             return store_unavailable(&label, "cannot claim the key", &error);
@@ -278,5 +292,14 @@ impl Single {
             warn!(error = %e.describe(), "cannot record an uncertain outcome");
         }
         answered(&self.keyed.label, "uncertain", response)
+    }
+}
+
+/// The claim waited longer than `lock_timeout` for another request holding the key
+/// (SQLSTATE 55P03).
+fn waited_too_long(error: &StoreError) -> bool {
+    match error {
+        StoreError::Database(sqlx::Error::Database(db)) => db.code().as_deref() == Some("55P03"),
+        _ => false,
     }
 }

@@ -10,7 +10,8 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::{Delivered, Failing, FakeProvider, Hazard, Settled, TestError, TestWorker};
-use crate::handler::{Context, Handler};
+use crate::batch::Batch;
+use crate::handler::{Context, Handler, HandlerError};
 use crate::store::{Claim, Origin, StoreError, StoredError};
 use crate::worker::{Mode, Outcome};
 
@@ -292,13 +293,12 @@ impl<'w, H: Handler> Check<'w, H> {
         let (attempt, takeover) = lease
             .as_ref()
             .map_or((1, false), |l| (l.attempt, l.takeover));
-        let mut ctx = Context::new(key.clone(), attempt, takeover, store.pool().clone())
+        let ctx = Context::new(key.clone(), attempt, takeover, store.pool().clone())
             .sealing_with(store.keys().cloned())
             .for_follow_ups(None, None, self.worker.config().outbox.handoff)
             .with_envelope(Arc::new(self.worker.envelope(&self.properties)));
         // What the handler returns is lost with the crash; its transaction rolls back.
-        let ran = handler.handle(message, &mut ctx).await;
-        drop(ctx);
+        let ran = run_alone(handler, message, ctx, crash_in_a_batch).await;
         if let Err(error) = ran {
             return Err(CheckFailed::Decided {
                 hazard,
@@ -451,4 +451,33 @@ fn expect(hazard: Hazard, delivered: &Delivered, outcomes: &[Outcome]) -> Result
                 .join(" or ")
         ),
     })
+}
+
+/// Runs `message` once, as a worker would: in a batch (of one) through
+/// [`Handler::handle_batch`] when `batched` and the handler takes batches, otherwise
+/// through [`Handler::handle`]. What it wrote stays in `ctx`'s transaction, dropped here.
+async fn run_alone<H: Handler>(
+    handler: &H,
+    message: H::Message,
+    mut ctx: Context,
+    batched: bool,
+) -> Result<(), HandlerError> {
+    if !batched {
+        return handler.handle(message, &mut ctx).await.map(drop);
+    }
+    let pool = ctx.pool().clone();
+    let mut one = Batch::new(vec![message], vec![ctx], pool, None);
+    if let Some(mut outcomes) = handler.handle_batch(&mut one).await {
+        return match (outcomes.pop(), outcomes.is_empty()) {
+            (Some(outcome), true) => outcome.map(drop),
+            _ => Err(HandlerError::permanent(
+                "handle_batch answered another count of outcomes than messages",
+            )),
+        };
+    }
+    let (mut messages, mut contexts, _) = one.into_parts();
+    match (messages.pop(), contexts.pop()) {
+        (Some(message), Some(mut ctx)) => handler.handle(message, &mut ctx).await.map(drop),
+        _ => Err(HandlerError::permanent("a batch of one lost its message")),
+    }
 }

@@ -65,9 +65,14 @@ pub struct WorkerConfig {
     /// When several handlers of a [`crate::Service`] share the queue, where the message
     /// type that picks one is read (the AMQP `type` property unless told otherwise).
     pub route_by: RouteBy,
-    /// Handlers running at once.
+    /// Deliveries run at once; 0 (the default) lets the worker choose from the mode
+    /// and the pool ([`WorkerConfig::in_flight`]): in leased mode 128 handlers, at most
+    /// the pool's connections less 4; in transactional mode enough to fill
+    /// `batches_in_flight` batches and one more (256 with the defaults). Set it to
+    /// bound what one worker does at once (in leased mode: calls to a provider).
     pub concurrency: usize,
-    /// Unacked deliveries the broker sends ahead (basic.qos).
+    /// Unacked deliveries the broker sends ahead (basic.qos); 0 (the default): twice
+    /// the deliveries run at once.
     pub prefetch: u16,
     /// How transient failures are retried.
     pub retry: RetryPolicy,
@@ -139,6 +144,55 @@ impl WorkerConfig {
     }
 }
 
+/// What `concurrency: 0` runs at most at once in leased mode: measured with
+/// `examples/latency` against `orders_worker` (docs/SCALING.md), 16 kept 1,284 of 2,000
+/// msgs/s offered and 128 kept 1,405, the machine's floor with the publisher beside it.
+const LEASED_IN_FLIGHT: usize = 128;
+
+/// Connections of the store's pool that a leased worker leaves to its claims,
+/// completions and heartbeats when it chooses its concurrency.
+const LEASED_SPARE_CONNECTIONS: usize = 4;
+
+impl WorkerConfig {
+    /// Deliveries run at once by a worker whose store's pool has `connections`:
+    /// `concurrency`, or when it is 0, what the mode needs. Leased: 128, but no more
+    /// than the pool's connections less 4, so that handlers waiting for a connection
+    /// for `ctx.tx()` never starve the heartbeats that keep their leases (at least 4).
+    /// Transactional: enough to fill `batches_in_flight` batches and one more, since a
+    /// batch runs its handlers one after another on one connection.
+    pub fn in_flight(&self, connections: u32) -> usize {
+        match (self.concurrency, self.mode) {
+            (0, Mode::Leased) => {
+                let spare = (connections as usize).saturating_sub(LEASED_SPARE_CONNECTIONS);
+                LEASED_IN_FLIGHT.min(spare).max(4)
+            }
+            (0, Mode::Transactional) => {
+                let batch = self.batch_size.clamp(1, super::transactional::MAX_BATCH);
+                (self.batches_in_flight.max(1) + 1) * batch
+            }
+            (n, _) => n,
+        }
+    }
+
+    /// Unacked deliveries the broker sends ahead: `prefetch`, or when it is 0, twice
+    /// [`WorkerConfig::in_flight`] (at most 65,535), so that the next batch is already
+    /// here when one ends.
+    pub fn prefetch_count(&self, connections: u32) -> u16 {
+        match self.prefetch {
+            0 => u16::try_from(self.in_flight(connections).saturating_mul(2)).unwrap_or(u16::MAX),
+            n => n,
+        }
+    }
+
+    /// These settings with concurrency and prefetch chosen where they are 0, for a
+    /// store whose pool has `connections`.
+    pub(crate) fn sized_for(mut self, connections: u32) -> Self {
+        self.prefetch = self.prefetch_count(connections);
+        self.concurrency = self.in_flight(connections);
+        self
+    }
+}
+
 impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
@@ -148,8 +202,8 @@ impl Default for WorkerConfig {
             queue_type: QueueType::Classic,
             subscriptions: Vec::new(),
             route_by: RouteBy::default(),
-            concurrency: 16,
-            prefetch: 64,
+            concurrency: 0,
+            prefetch: 0,
             retry: RetryPolicy::default(),
             shutdown_timeout: Duration::from_secs(30),
             max_reconnect_delay: Duration::from_secs(5),
@@ -166,5 +220,43 @@ impl Default for WorkerConfig {
             circuit: None,
             retention: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_chooses_from_the_mode_and_the_pool() {
+        let leased = WorkerConfig::default();
+        assert_eq!(
+            (leased.in_flight(200), leased.prefetch_count(200)),
+            (128, 256)
+        );
+        // A pool of 24: 20 handlers, 4 connections to spare; never fewer than 4.
+        assert_eq!((leased.in_flight(24), leased.prefetch_count(24)), (20, 40));
+        assert_eq!(leased.in_flight(2), 4);
+        let transactional = WorkerConfig {
+            mode: Mode::Transactional,
+            ..WorkerConfig::default()
+        };
+        // Batches of at most 64, 3 in flight and one more filling, whatever the pool.
+        assert_eq!(transactional.in_flight(10), 256);
+        assert_eq!(transactional.prefetch_count(10), 512);
+        let set = WorkerConfig {
+            mode: Mode::Transactional,
+            concurrency: 4,
+            prefetch: 10,
+            ..WorkerConfig::default()
+        };
+        assert_eq!((set.in_flight(10), set.prefetch_count(10)), (4, 10));
+        let sized = WorkerConfig::default().sized_for(24);
+        assert_eq!((sized.concurrency, sized.prefetch), (20, 40));
+        let huge = WorkerConfig {
+            concurrency: 40_000,
+            ..WorkerConfig::default()
+        };
+        assert_eq!(huge.prefetch_count(10), u16::MAX);
     }
 }

@@ -23,7 +23,7 @@ use tracing::{error, info, warn};
 use super::background::{self, Background};
 use super::route::{Route, RouteBy, Routes, Unrouted};
 use super::session::Session;
-use super::{Runtime, WorkerConfig, WorkerError, consume, topology_of};
+use super::{Mode, Runtime, WorkerConfig, WorkerError, consume, topology_of};
 use crate::connector::Connector;
 use crate::flow::circuit::Circuit;
 use crate::handler::Handler;
@@ -404,6 +404,7 @@ async fn run_queue(group: Vec<Hosted>, mut shared: Shared, shutdown: Cancellatio
         tokio::spawn(async move { circuit.watch(stop).await });
     }
     let typed = group.iter().any(|h| h.message_type.is_some());
+    let config = sized(&group, config, &shared);
     let mut watches = Vec::new();
     let mut routes = HashMap::new();
     let mut one = None;
@@ -451,6 +452,27 @@ async fn run_queue(group: Vec<Hosted>, mut shared: Shared, shutdown: Cancellatio
         watch.abort();
     }
     refused
+}
+
+/// The queue's settings with concurrency and prefetch chosen where they are 0, for
+/// the store's pool; a queue whose handlers are not all transactional sizes itself as a
+/// leased one (its handlers may hold connections while they run).
+fn sized(group: &[Hosted], config: WorkerConfig, shared: &Shared) -> WorkerConfig {
+    let mode = match group.iter().all(|h| h.config.mode == Mode::Transactional) {
+        true => Mode::Transactional,
+        false => Mode::Leased,
+    };
+    let connections = shared.store.pool().options().get_max_connections();
+    let sized = WorkerConfig {
+        mode,
+        ..config.clone()
+    }
+    .sized_for(connections);
+    WorkerConfig {
+        concurrency: sized.concurrency,
+        prefetch: sized.prefetch,
+        ..config
+    }
 }
 
 /// What a panic said.

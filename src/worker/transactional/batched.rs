@@ -1,6 +1,7 @@
 //! The optimistic pass's runs in one call: the batch's runnable deliveries go to
-//! [`Handler::handle_batch`] together; a handler that does not take batches answers
-//! `None`, and each delivery runs through [`Handler::handle`] in turn, as before.
+//! [`Handler::handle_batch`] together. A handler that does not take batches answers
+//! `None` once, and from then on each delivery runs through [`Handler::handle`] in
+//! turn, as before.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -64,6 +65,7 @@ pub(super) async fn run<H: Handler>(
     let answered = caught(async { Ok(handler.handle_batch(&mut batch).await) })
         .instrument(span)
         .await;
+    let touched = batch.touched();
     let (messages, contexts, tx) = batch.into_parts();
     ctx.lend_tx(tx);
     let outcomes = match answered {
@@ -77,18 +79,25 @@ pub(super) async fn run<H: Handler>(
             );
             return None;
         }
-        // A handler without batches: this batch one message at a time, and the next
-        // batches as before (each handler span begins when its run does).
+        // A handler without batches: the next batches run one message at a time, as
+        // before, and so does this one, unless its `handle_batch` wrote or staged
+        // something before it answered `None`: then it runs again carefully, on a
+        // fresh transaction, so that none of that is kept.
         Ok(None) => {
             batching.0.store(false, Ordering::Relaxed);
+            if touched {
+                return None;
+            }
             return one_by_one(handler, ctx, runnable, messages, contexts, spans).await;
         }
         Err(_) => return None,
     };
     failpoint::hit("after-effect");
+    // Each message's share of the call, so that the histogram stays per message.
+    let share = started.elapsed() / u32::try_from(size).unwrap_or(u32::MAX).max(1);
     let mut runs = Vec::with_capacity(size);
     for (((i, owner), outcome), mut context) in runnable.into_iter().zip(outcomes).zip(contexts) {
-        metrics::handler_duration(H::OPERATION, started.elapsed());
+        metrics::handler_duration(H::OPERATION, share);
         let result = done(outcome.ok()?, false, context.take_staged());
         if !matches!(result, RunResult::Done { .. }) {
             return None;
