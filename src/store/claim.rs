@@ -237,17 +237,12 @@ impl Store {
         origin: &Origin,
         reconcile: bool,
     ) -> Result<RequestClaim, StoreError> {
+        // Before it holds a connection: a first check must not wait for one.
         self.prepare().await?;
-        let sql = request_claim_sql(reconcile);
-        for _ in 0..CLAIM_TRIES {
-            let row = self
-                .claim_once(&self.pool, sql, key, fingerprint, origin)
-                .await?;
-            if let Some(claim) = self.request_claim_of(row, fingerprint, reconcile)? {
-                return Ok(claim);
-            }
-        }
-        Err(StoreError::Contention(CLAIM_TRIES))
+        // Each statement commits on its own (autocommit), on one connection.
+        let mut conn = self.pool.acquire().await?;
+        self.claim_request_in(&mut conn, key, fingerprint, origin, reconcile)
+            .await
     }
 
     /// [`Store::claim_request`] in the caller's transaction (a single-commit HTTP
