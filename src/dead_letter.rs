@@ -31,6 +31,12 @@ pub(crate) enum Reason {
     /// No handler of the queue takes the message's type: the message may be fine, only
     /// its handler is missing. Replayable once one is deployed.
     Unroutable,
+    /// Its sequence number was behind its entity's position (an operator skipped it, or
+    /// a later one ran first after a skip): running it now would apply it out of order.
+    SequencePassed,
+    /// Another message of its entity holds or waits with the same sequence number: two
+    /// events claim one place in the order (a producer's bug).
+    SequenceConflict,
 }
 
 impl Reason {
@@ -43,6 +49,8 @@ impl Reason {
             Reason::RetriesExhausted => "retries_exhausted",
             Reason::Undecidable => "undecidable",
             Reason::Unroutable => "unroutable",
+            Reason::SequencePassed => "sequence_passed",
+            Reason::SequenceConflict => "sequence_conflict",
         }
     }
 }

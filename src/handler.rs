@@ -14,6 +14,7 @@ pub use crate::envelope::Envelope;
 use crate::fault::Fault;
 use crate::headers;
 use crate::key::Key;
+use crate::ordering::Ordered;
 use crate::outbox::{self, FollowUp, FollowUpError, SHORT_STRING_MAX};
 use crate::protect::Keys;
 use crate::trace::{TRACEPARENT, TraceContext};
@@ -70,6 +71,14 @@ pub trait Handler: Send + Sync + 'static {
     /// (`sent_at`, trace ids); dotted paths reach into objects (`meta.sent_at`).
     fn volatile_fields(&self) -> &'static [&'static str] {
         &[]
+    }
+
+    /// Where the message stands in its entity's order, for deliveries that must run one
+    /// at a time per entity, in sequence (docs/DESIGN.md, "Order per entity"); the
+    /// default, `None`, runs every delivery as it comes, at full concurrency.
+    fn ordering(&self, message: &Self::Message) -> Option<Ordered> {
+        let _ = message;
+        None
     }
 
     /// Runs the effect once for this intent.

@@ -27,6 +27,8 @@
 //! | `idem_queue_up` (as it changes) | gauge, 1 or 0 | `queue` |
 //! | `idem_circuit_state` (as it changes) | gauge, 0 closed, 1 half-open, 2 open | `queue` |
 //! | `idem_limit_wait_seconds` | histogram | `limit` |
+//! | `idem_ordering_stalled`, `idem_ordering_waiting` | gauge | |
+//! | `idem_ordering_released_total` | counter | |
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -136,6 +138,18 @@ pub(crate) fn outbox_backlog(undispatched: i64, failing: i64, oldest_age_s: Opti
     ::metrics::gauge!("idem_outbox_pending").set(undispatched as f64);
     ::metrics::gauge!("idem_outbox_failing").set(failing as f64);
     ::metrics::gauge!("idem_outbox_oldest_age_seconds").set(oldest_age_s.unwrap_or(0.0));
+}
+
+/// Sets the ordering gauges: entities with deliveries waiting that have not moved for
+/// the stall time, and the deliveries waiting in all.
+pub(crate) fn ordering_backlog(stalled: i64, waiting: i64) {
+    ::metrics::gauge!("idem_ordering_stalled").set(stalled as f64);
+    ::metrics::gauge!("idem_ordering_waiting").set(waiting as f64);
+}
+
+/// Counts waiting deliveries published again for their turn.
+pub(crate) fn ordering_released(n: u64) {
+    ::metrics::counter!("idem_ordering_released_total").increment(n);
 }
 
 /// Whether each queue of a worker (or of a service's handlers) is connected and

@@ -431,6 +431,12 @@ pub async fn collect(
             metrics::gc_expired(garbage.as_str(), rows, oldest);
         }
     }
+    if !stop.is_cancelled() {
+        let idle =
+            crate::ordering::table::collect(store.pool(), store.config().retention, pace.batch)
+                .await?;
+        metrics::gc_deleted("positions", idle);
+    }
     leader.release().await?;
     Ok(true)
 }

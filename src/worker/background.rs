@@ -1,6 +1,7 @@
 //! What a worker or service runs beside its deliveries, started with it and stopped
 //! after its last delivery: garbage collection (`gc_every`), the tallies' flushes
-//! (`tally_every`) and the outbox relay (`outbox.relay`), once per process; and per
+//! (`tally_every`), the outbox relay (`outbox.relay`) and the ordering sweep
+//! (`ordering_sweep_every`), once per process; and per
 //! queue the watch for overdue retries.
 
 use std::collections::BTreeMap;
@@ -86,6 +87,16 @@ impl Background {
             .opening_with(store.config().keys.clone())
             .waking_on(relay_wake.clone());
             tasks.push(tokio::spawn(relay.run(shutdown.clone())));
+        }
+        if let Some(every) = config.ordering_sweep_every {
+            let sweep = super::ordered::sweep_every(
+                store.clone(),
+                publishing.clone(),
+                every,
+                config.ordering_stall_after,
+                shutdown.clone(),
+            );
+            tasks.push(tokio::spawn(sweep));
         }
         Self {
             tasks,

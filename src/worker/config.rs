@@ -111,6 +111,16 @@ pub struct WorkerConfig {
     /// database was unreachable for longer), and a stopping worker gives its last flush
     /// 5 s.
     pub tally_every: Option<Duration>,
+    /// Sweep the entities' orders this often (docs/DESIGN.md, "Order per entity"):
+    /// move on an entity whose holder completed without moving it (a crash after its
+    /// commit), publish a turn nobody published (after a skip) or one that did not come
+    /// back within 30 s, and set the gauges `idem_ordering_stalled` and
+    /// `idem_ordering_waiting`. `None`: no sweep in this process (one is enough).
+    pub ordering_sweep_every: Option<Duration>,
+    /// An entity with deliveries waiting that has not moved for this long is stalled
+    /// (the gauge, the alert `IdemOrderingStalled`, a warning): a gap, or a predecessor
+    /// retrying, pending or dead-lettered.
+    pub ordering_stall_after: Duration,
     /// How long a retryable failure or pending operation of this worker's may wait for
     /// the delivery that brings it back before it counts as overdue
     /// (`idem_retries_overdue`, the alert `IdemRetriesOverdue`, a warning): its retry
@@ -216,6 +226,8 @@ impl Default for WorkerConfig {
             undecidable_after: 20,
             outbox: OutboxConfig::default(),
             tally_every: Some(Duration::from_secs(5)),
+            ordering_sweep_every: Some(Duration::from_secs(1)),
+            ordering_stall_after: Duration::from_secs(60),
             retry_overdue_after: None,
             circuit: None,
             retention: None,

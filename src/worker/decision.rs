@@ -120,6 +120,12 @@ pub enum Outcome {
     Unroutable,
     /// The queue's circuit is open: given back to the queue unrun, no retry tier spent.
     Paused,
+    /// Came before its turn in its entity's order: acked, kept in Postgres, published
+    /// again when its predecessor completes (no retry tier, no attempt).
+    Waiting,
+    /// Its sequence number was behind its entity's position (skipped by an operator) or
+    /// held by another message: dead-lettered.
+    OutOfSequence,
 }
 
 impl Outcome {
@@ -142,6 +148,8 @@ impl Outcome {
             Outcome::Undecidable => "undecidable",
             Outcome::Unroutable => "unroutable",
             Outcome::Paused => "paused",
+            Outcome::Waiting => "waiting",
+            Outcome::OutOfSequence => "out_of_sequence",
         }
     }
 }

@@ -338,6 +338,8 @@ fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
         Outcome::Undecidable,
         Outcome::Unroutable,
         Outcome::Paused,
+        Outcome::Waiting,
+        Outcome::OutOfSequence,
     ];
     for outcome in all {
         let line = match outcome {
@@ -355,7 +357,9 @@ fn every_outcome_is_on_one_chart_line_or_counted_by_its_dead_letter() {
             | Outcome::RetriesExhausted
             | Outcome::Undecidable
             | Outcome::Unroutable
-            | Outcome::Paused => None,
+            | Outcome::OutOfSequence
+            | Outcome::Paused
+            | Outcome::Waiting => None,
         };
         assert_eq!(Line::of(outcome.as_str()), line, "{outcome:?}");
     }

@@ -14,6 +14,7 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
+use super::ordered::{self, Entity};
 use super::settle::{Incoming, Links, Settler};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Failure, Runtime};
@@ -63,8 +64,12 @@ pub(super) async fn process<H: Handler>(
         tally: runtime.tally.as_deref(),
     };
     async {
+        let mut entity = None;
         let settled = match walk(runtime, &incoming).await {
-            Ok(decided) => settle(&settler, decided).await,
+            Ok(mut decided) => {
+                entity = decided.entity.take();
+                settle(&settler, decided).await
+            }
             Err(error) => Err(error),
         };
         let outcome = match settled {
@@ -74,6 +79,11 @@ pub(super) async fn process<H: Handler>(
             }
             Err(error) => undecided(runtime, &settler, error).await,
         };
+        if let Some(entity) = entity
+            && ordered::moves_on(outcome)
+        {
+            ordered::leave(runtime, links, entity).await;
+        }
         settler.count(outcome.as_str());
         let span = Span::current();
         trace::attribute(&span, "idem.outcome", outcome.as_str());
@@ -110,19 +120,30 @@ pub(crate) fn delivery_span<H: Handler>(runtime: &Runtime<H>, redelivered: bool)
 pub(crate) struct Decided {
     pub(crate) verdict: Verdict,
     pub(crate) key: Option<Key>,
+    /// The entity whose order the delivery entered and took its turn in, if it did.
+    pub(crate) entity: Option<Entity>,
 }
 
 impl Decided {
-    fn without_key(verdict: Verdict) -> Self {
-        Self { verdict, key: None }
+    pub(crate) fn without_key(verdict: Verdict) -> Self {
+        Self {
+            verdict,
+            key: None,
+            entity: None,
+        }
+    }
+
+    fn with_key(verdict: Verdict, key: Key, entity: Option<Entity>) -> Self {
+        Self {
+            verdict,
+            key: Some(key),
+            entity,
+        }
     }
 
     /// The queue's circuit keeps the delivery of `key` out: back to the queue unrun.
     fn paused(key: Key) -> Self {
-        Self {
-            verdict: decision::paused(),
-            key: Some(key),
-        }
+        Self::with_key(decision::paused(), key, None)
     }
 }
 
@@ -245,6 +266,14 @@ pub(crate) async fn walk<H: Handler>(
     if keeps_out(circuit, admission) {
         return Ok(Decided::paused(parsed.key));
     }
+    let mut entity = None;
+    if let Some(ordering) = runtime.handler.ordering(&message) {
+        let taken = (parsed.key.scope().to_owned(), ordering.key.clone());
+        if let Some(verdict) = ordered::enter(runtime, incoming, &parsed, ordering).await? {
+            return Ok(Decided::with_key(verdict, parsed.key, None));
+        }
+        entity = Some(taken);
+    }
     if let Some(transactions) = &runtime.transactions {
         drop(message); // the batch deserializes its own
         let request = TxRequest {
@@ -254,10 +283,7 @@ pub(crate) async fn walk<H: Handler>(
             envelope: incoming.envelope.clone(),
         };
         let verdict = in_transaction(runtime, transactions, incoming, request, retries).await?;
-        return Ok(Decided {
-            verdict,
-            key: Some(parsed.key),
-        });
+        return Ok(Decided::with_key(verdict, parsed.key, entity));
     }
     let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
@@ -269,7 +295,7 @@ pub(crate) async fn walk<H: Handler>(
                 failpoint::hit("after-claim");
                 let ran = handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
                 if counted(circuit, admission, &ran).await {
-                    return Ok(Decided::paused(parsed.key));
+                    return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -284,7 +310,7 @@ pub(crate) async fn walk<H: Handler>(
                     handle::reconcile(runtime, incoming, &parsed, message, &lease, external_ref)
                         .await?;
                 if counted(circuit, admission, &ran).await {
-                    return Ok(Decided::paused(parsed.key));
+                    return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -295,16 +321,11 @@ pub(crate) async fn walk<H: Handler>(
                 );
                 tokio::time::sleep(after).await;
                 if keeps_out(circuit, admission) {
-                    return Ok(Decided::paused(parsed.key));
+                    return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
                 }
                 claim(runtime, &request, retries).await?
             }
-            Step::Settle(verdict) => {
-                return Ok(Decided {
-                    verdict,
-                    key: Some(parsed.key),
-                });
-            }
+            Step::Settle(verdict) => return Ok(Decided::with_key(verdict, parsed.key, entity)),
         };
     }
 }
@@ -429,7 +450,7 @@ async fn claim<H: Handler>(
 
 /// Carries out the verdict on the broker and returns its outcome.
 async fn settle(settler: &Settler<'_>, decided: Decided) -> Result<Outcome, Failure> {
-    let Decided { verdict, key } = decided;
+    let Decided { verdict, key, .. } = decided;
     if verdict.outcome == Outcome::LeaseLost {
         warn!("lease lost to another worker; its outcome decides");
     }

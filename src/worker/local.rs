@@ -66,13 +66,12 @@ impl<H: Handler> Local<H> {
             .await
         {
             Ok(decided) => decided,
-            Err(error) if error.fault() == Fault::Message => Decided {
-                verdict: execute::message_fault(&error),
-                key: None,
-            },
+            Err(error) if error.fault() == Fault::Message => {
+                Decided::without_key(execute::message_fault(&error))
+            }
             Err(error) => return Err(error),
         };
-        let Decided { verdict, key } = decided;
+        let Decided { verdict, key, .. } = decided;
         if let Settle::DeadLetter(order) = &verdict.action
             && let Some(id) = order.pin
         {

@@ -16,6 +16,7 @@
 //!   drain);
 //! - `decision`: the decision table as pure functions;
 //! - `execute`: parse, claim, and walk the decision table to the settling step;
+//! - `ordered`: order per entity, entered before the claim, moved on after completion;
 //! - `handle`: run or reconcile the handler under the lease, and record its outcome;
 //! - `follow_ups`: a run's follow-up messages, published after its commit;
 //! - `transactional`: transactional mode, a batch of deliveries in one transaction;
@@ -44,6 +45,7 @@ mod guard;
 mod handle;
 #[cfg(feature = "testing")]
 mod local;
+mod ordered;
 mod route;
 mod service;
 mod session;
@@ -200,6 +202,8 @@ struct Runtime<H> {
     /// Transactional mode: the deliveries that arrive together, decided in one
     /// transaction (none in leased mode).
     transactions: Option<Batcher<TxRequest, TxAnswer>>,
+    /// Entries into and releases of entities' orders, batched.
+    orderings: ordered::Orderings,
     /// Deliveries that could not be decided: the outage pause and the safety net.
     undecided: Undecided,
     /// Follow-up messages to publish after their operation's commit.
@@ -310,6 +314,7 @@ impl<H: Handler> Runtime<H> {
             completions: batched(&store, &config, |store, items| async move {
                 store.complete_many(&items).await
             }),
+            orderings: ordered::Orderings::new(&store, &config),
             undecided: Undecided::new(config.undecidable_after),
             follow_ups: FollowUps::new(&store, &config, relay_wake),
             process_span: format!("process {}", config.queue),

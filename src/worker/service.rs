@@ -52,6 +52,10 @@ pub struct ServiceConfig {
     pub tally_every: Option<Duration>,
     /// How follow-up messages are published, and whether the relay runs.
     pub outbox: OutboxConfig,
+    /// See [`WorkerConfig::ordering_sweep_every`].
+    pub ordering_sweep_every: Option<Duration>,
+    /// See [`WorkerConfig::ordering_stall_after`].
+    pub ordering_stall_after: Duration,
 }
 
 impl ServiceConfig {
@@ -64,6 +68,8 @@ impl ServiceConfig {
             gc_pace: config.gc_pace.clone(),
             tally_every: config.tally_every,
             outbox: config.outbox.clone(),
+            ordering_sweep_every: config.ordering_sweep_every,
+            ordering_stall_after: config.ordering_stall_after,
         }
     }
 }

@@ -458,6 +458,15 @@ pub fn spawn_orders_worker_with_env(
     spawn_example("orders_worker", database_url, queue, &args, env)
 }
 
+/// An `accounts_worker` process on `queue` (order per entity), with the tests' retry
+/// tiers.
+pub fn spawn_accounts_worker(database_url: &str, queue: &str, extra: &[&str]) -> WorkerProcess {
+    let delays = retry_delays_arg();
+    let mut args = vec!["--queue", queue, "--retry-delays-ms", &delays];
+    args.extend_from_slice(extra);
+    spawn_example("accounts_worker", database_url, queue, &args, &[])
+}
+
 /// A `notifications_worker` process on `queue` (the follow-ups of `orders_worker
 /// --follow-ups`).
 pub fn spawn_notifications_worker(database_url: &str, queue: &str) -> WorkerProcess {

@@ -14,6 +14,7 @@ mod console;
 mod dlq;
 mod flow;
 mod ops;
+mod ordering;
 mod out;
 mod outbox;
 mod protect;

@@ -63,6 +63,12 @@ pub(crate) enum Ops {
     /// stay as tombstones: a redelivery is acked, a retried request gets 410, nothing
     /// runs again. Audited in `erasures` (`idem ops erasures`).
     Erase(crate::protect::EraseArgs),
+    /// Order per entity: entities whose deliveries wait (`list`), skipping a turn
+    /// (`skip`).
+    Ordering {
+        #[command(subcommand)]
+        command: crate::ordering::Ordering,
+    },
     /// The erasures made, newest first.
     Erasures {
         /// Only this scope's.
@@ -117,7 +123,7 @@ impl KeyArgs {
     }
 }
 
-fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
@@ -159,6 +165,7 @@ pub(crate) async fn run(cli: &Cli, command: &Ops) -> anyhow::Result<()> {
             key, note, token, ..
         } => resolve(&store, key, *token, note).await,
         Ops::Erase(args) => crate::protect::erase(&store, args).await,
+        Ops::Ordering { command } => crate::ordering::run(&store, command).await,
         Ops::Erasures { scope, limit, json } => {
             crate::protect::erasures(&store, scope.as_deref(), *limit, *json).await
         }

@@ -1,0 +1,247 @@
+//! An idem worker whose deliveries run in order per entity: each account's entries are
+//! applied one at a time, in version order, across every worker process, while
+//! different accounts run in parallel.
+//!
+//! ```sh
+//! cargo run --example accounts_worker -- --queue accounts
+//! ```
+//!
+//! Messages are JSON objects `{"event_id", "tenant", "account", "version", "amount"}`:
+//! the key is `event_id`, the ordering key the account and the sequence its `version`
+//! (1, 2, 3, …). Each applied entry is one row of `account_entries`, written in the
+//! handler's transaction; its `applied` column (an identity) shows the order the
+//! entries ran in. An entry listed in `account_failures` fails (for good, or
+//! transiently with `kind = 'transient'`) while it is listed: a predecessor that blocks
+//! its account, and only it.
+//!
+//! `--arrival` orders each account's entries by arrival instead (no version needed);
+//! `--unordered` turns ordering off (the baseline of `examples/ordering_bench.rs`).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use idem::{
+    Context, Handler, HandlerError, Mode, Ordered, RetryPolicy, Store, StoreConfig, Worker,
+    WorkerConfig,
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// One ledger entry of an account, as producers publish it.
+#[derive(Debug, Deserialize)]
+pub struct Entry {
+    /// The business event ID: the idempotency key.
+    pub event_id: String,
+    /// The tenant: the scope.
+    pub tenant: String,
+    /// The account: the ordering key.
+    pub account: String,
+    /// The entry's place in its account (1, 2, 3, …): the sequence.
+    #[serde(default)]
+    pub version: Option<i64>,
+    /// The amount booked.
+    pub amount: i64,
+}
+
+/// How an account's entries are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Order {
+    /// By `version`.
+    Version,
+    /// By arrival on the queue.
+    Arrival,
+    /// Not at all.
+    None,
+}
+
+/// Applies entries: one row per entry, in the handler's transaction.
+pub struct Accounts {
+    /// How entries are ordered.
+    pub order: Order,
+    /// Time each entry takes before its write (a slower handler).
+    pub work: Duration,
+}
+
+impl Handler for Accounts {
+    type Message = Entry;
+    type Output = Value;
+    const OPERATION: &'static str = "accounts.apply";
+
+    fn scope(&self, entry: &Entry) -> String {
+        entry.tenant.clone()
+    }
+
+    fn idempotency_key(&self, entry: &Entry) -> String {
+        entry.event_id.clone()
+    }
+
+    fn ordering(&self, entry: &Entry) -> Option<Ordered> {
+        let account = Ordered::by(format!("account-{}", entry.account));
+        match (self.order, entry.version) {
+            (Order::Version, Some(version)) => Some(account.sequence(version)),
+            (Order::Version, None) | (Order::Arrival, _) => Some(account),
+            (Order::None, _) => None,
+        }
+    }
+
+    async fn handle(&self, entry: Entry, ctx: &mut Context) -> Result<Value, HandlerError> {
+        if !self.work.is_zero() {
+            tokio::time::sleep(self.work).await;
+        }
+        let pid = i32::try_from(std::process::id()).unwrap_or(0);
+        let tx = ctx.tx().await?;
+        let failing: Option<String> = sqlx::query_scalar(
+            "SELECT kind FROM account_failures WHERE account = $1 AND event_id = $2",
+        )
+        .bind(&entry.account)
+        .bind(&entry.event_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match failing.as_deref() {
+            Some("transient") => return Err(HandlerError::transient("account_failures says so")),
+            Some(_) => return Err(HandlerError::permanent("account_failures says so")),
+            None => {}
+        }
+        sqlx::query(
+            "INSERT INTO account_entries (account, event_id, version, amount, pid)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&entry.account)
+        .bind(&entry.event_id)
+        .bind(entry.version)
+        .bind(entry.amount)
+        .bind(pid)
+        .execute(&mut *tx)
+        .await?;
+        Ok(json!({"applied": entry.event_id}))
+    }
+}
+
+/// The example's tables: the entries applied, and the entries made to fail.
+pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS account_entries (
+            applied  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            account  text NOT NULL,
+            event_id text NOT NULL,
+            version  bigint,
+            amount   bigint NOT NULL,
+            pid      integer NOT NULL,
+            at       timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE IF NOT EXISTS account_failures (
+            account  text NOT NULL,
+            event_id text NOT NULL,
+            kind     text NOT NULL DEFAULT 'permanent',
+            PRIMARY KEY (account, event_id))",
+    ] {
+        sqlx::query(statement).execute(pool).await?;
+    }
+    Ok(())
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "An idem worker applying each account's entries in order")]
+struct Args {
+    /// Queue to consume.
+    #[arg(long, default_value = "accounts")]
+    queue: String,
+    /// leased or transactional.
+    #[arg(long, default_value = "leased", value_parser = parse_mode)]
+    mode: Mode,
+    /// How each account's entries are ordered.
+    #[arg(long, value_enum, default_value = "version")]
+    order: Order,
+    /// Milliseconds each entry takes before its write.
+    #[arg(long, default_value_t = 0)]
+    work_ms: u64,
+    /// Deliveries in flight (0: chosen from the mode and the pool).
+    #[arg(long, default_value_t = 0)]
+    concurrency: usize,
+    /// Delayed retry tiers, in milliseconds.
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
+    retry_delays_ms: Vec<u64>,
+    /// An entity not moved for this long with deliveries waiting is stalled.
+    #[arg(long, default_value_t = 60_000)]
+    stall_after_ms: u64,
+    /// Postgres URL.
+    #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
+    amqp_url: String,
+}
+
+fn parse_mode(text: &str) -> Result<Mode, String> {
+    match text {
+        "leased" => Ok(Mode::Leased),
+        "transactional" => Ok(Mode::Transactional),
+        other => Err(format!("{other:?}: expected leased or transactional")),
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let _telemetry = match idem::telemetry::init("accounts_worker") {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("accounts_worker: error: {}", idem::text::error_line(&error));
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!(
+                "accounts_worker: error: {}",
+                idem::text::error_line(error.as_ref())
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let name = format!("accounts_worker-{}", std::process::id());
+    let pool = idem::db::connect_and_migrate(&args.database_url, 24)
+        .await
+        .context("prepare the database")?;
+    create_example_tables(&pool)
+        .await
+        .context("create the example tables")?;
+    let store = Store::new(
+        pool,
+        StoreConfig {
+            owner: name.clone(),
+            ..StoreConfig::default()
+        },
+    );
+    let config = WorkerConfig {
+        amqp_url: args.amqp_url,
+        queue: args.queue,
+        mode: args.mode,
+        concurrency: args.concurrency,
+        retry: RetryPolicy {
+            delays: args
+                .retry_delays_ms
+                .iter()
+                .map(|ms| Duration::from_millis(*ms))
+                .collect(),
+            ..RetryPolicy::default()
+        },
+        ordering_stall_after: Duration::from_millis(args.stall_after_ms),
+        name,
+        ..WorkerConfig::default()
+    };
+    let handler = Accounts {
+        order: args.order,
+        work: Duration::from_millis(args.work_ms),
+    };
+    let worker = Worker::new(handler, store, config);
+    worker
+        .run(idem::shutdown::on_signal())
+        .await
+        .context("worker")?;
+    Ok(())
+}

@@ -1,0 +1,377 @@
+//! The ordering statements: entering deliveries (`idem_ordering_enter`), releasing the
+//! next turn (`idem_ordering_release`), the sweep, and what operators read and do.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use sqlx::PgPool;
+
+use super::{Ordered, Position, Skipped};
+use crate::key::Key;
+use crate::protect::{self, Keys};
+use crate::store::StoreError;
+
+/// One delivery entering its entity's order: who it is, and what to keep if it waits.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub(crate) key: Key,
+    pub(crate) ordered: Ordered,
+    /// Its fingerprint's hex, and the one under the previous key (key rotation).
+    pub(crate) fingerprint: String,
+    pub(crate) also: Option<String>,
+    pub(crate) queue: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: BasicProperties,
+}
+
+/// Where a delivery stands, as `idem_ordering_enter` decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gate {
+    /// Its turn (or its record decides: a completed one is a duplicate).
+    Run,
+    /// Parked until its turn: ack it.
+    Wait,
+    /// A copy of one already parked: ack it.
+    Waiting,
+    /// Its number is behind the position (run, or skipped).
+    Passed,
+    /// Another message holds or waits with its number.
+    Taken,
+    /// Its key waits with another payload.
+    Conflict,
+}
+
+/// The decision for one entry, and its sequence number (assigned on arrival when the
+/// message has none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entered {
+    pub(crate) gate: Gate,
+    pub(crate) seq: Option<i64>,
+}
+
+/// A delivery whose turn came: to be published to its queue again.
+#[derive(Debug, Clone)]
+pub(crate) struct Released {
+    pub(crate) scope: String,
+    pub(crate) ordering_key: String,
+    pub(crate) seq: i64,
+    pub(crate) queue: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) properties: BasicProperties,
+}
+
+/// How long a released delivery may take to come back and take its turn before a
+/// sweep publishes it again (its publish may have been lost with a connection).
+pub(crate) const RELEASE_STALE: Duration = Duration::from_secs(30);
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Enters the deliveries that arrived together, one round trip; answers in the order of
+/// `entries`.
+pub(crate) async fn enter(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    entries: &[Entry],
+) -> Result<Vec<Entered>, StoreError> {
+    let mut columns = Columns::default();
+    for e in entries {
+        columns.push(e, keys)?;
+    }
+    let rows: Vec<(i32, String, Option<i64>)> = sqlx::query_as(
+        "SELECT item, verdict, seq FROM idem_ordering_enter(
+            $1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[],
+            $7::text[], $8::text[], $9::text[], $10::bytea[], $11::bytea[])",
+    )
+    .bind(columns.scope)
+    .bind(columns.ordering_key)
+    .bind(columns.seq)
+    .bind(columns.first)
+    .bind(columns.operation)
+    .bind(columns.idempotency_key)
+    .bind(columns.fingerprint)
+    .bind(columns.also)
+    .bind(columns.queue)
+    .bind(columns.body)
+    .bind(columns.properties)
+    .fetch_all(pool)
+    .await?;
+    let mut answers = vec![None; entries.len()];
+    for (item, verdict, seq) in rows {
+        let gate = match verdict.as_str() {
+            "run" => Gate::Run,
+            "wait" => Gate::Wait,
+            "waiting" => Gate::Waiting,
+            "passed" => Gate::Passed,
+            "taken" => Gate::Taken,
+            "conflict" => Gate::Conflict,
+            other => return Err(StoreError::UnknownClaimRow(other.into())),
+        };
+        let slot = usize::try_from(item - 1)
+            .ok()
+            .and_then(|i| answers.get_mut(i));
+        if let Some(slot) = slot {
+            *slot = Some(Entered { gate, seq });
+        }
+    }
+    answers
+        .into_iter()
+        .map(|a| a.ok_or_else(|| StoreError::UnknownClaimRow("an entry without a verdict".into())))
+        .collect()
+}
+
+/// The columns of `idem_ordering_enter`'s arrays.
+#[derive(Default)]
+struct Columns {
+    scope: Vec<String>,
+    ordering_key: Vec<String>,
+    seq: Vec<Option<i64>>,
+    first: Vec<i64>,
+    operation: Vec<String>,
+    idempotency_key: Vec<String>,
+    fingerprint: Vec<String>,
+    also: Vec<Option<String>>,
+    queue: Vec<String>,
+    body: Vec<Vec<u8>>,
+    properties: Vec<Vec<u8>>,
+}
+
+impl Columns {
+    fn push(&mut self, e: &Entry, keys: Option<&Keys>) -> Result<(), StoreError> {
+        let properties = serde_json::to_vec(&e.properties)
+            .map_err(|error| StoreError::UnknownClaimRow(format!("properties: {error}")))?;
+        self.scope.push(e.key.scope().to_owned());
+        self.ordering_key.push(e.ordered.key.clone());
+        self.seq.push(e.ordered.sequence);
+        self.first.push(e.ordered.first);
+        self.operation.push(e.key.operation().to_owned());
+        self.idempotency_key
+            .push(e.key.idempotency_key().to_owned());
+        self.fingerprint.push(e.fingerprint.clone());
+        self.also.push(e.also.clone());
+        self.queue.push(e.queue.clone());
+        self.body.push(protect::seal_body(keys, &e.body));
+        self.properties.push(properties);
+        Ok(())
+    }
+}
+
+type WaitingRow = (String, String, i64, String, Vec<u8>, Vec<u8>);
+
+/// Moves the positions of `entities` on past completed holders and releases the
+/// deliveries whose turn came.
+pub(crate) async fn release(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    entities: &[(String, String)],
+) -> Result<Vec<Released>, StoreError> {
+    let (scopes, ordering_keys): (Vec<&str>, Vec<&str>) = entities
+        .iter()
+        .map(|(s, k)| (s.as_str(), k.as_str()))
+        .unzip();
+    let rows: Vec<WaitingRow> = sqlx::query_as(
+        "SELECT scope, ordering_key, seq, queue, body, properties
+           FROM idem_ordering_release($1::text[], $2::text[], $3)",
+    )
+    .bind(scopes)
+    .bind(ordering_keys)
+    .bind(millis(RELEASE_STALE))
+    .fetch_all(pool)
+    .await?;
+    rows.into_iter().map(|row| released(row, keys)).collect()
+}
+
+fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
+    let (scope, ordering_key, seq, queue, body, properties) = row;
+    let properties = serde_json::from_slice(&properties)
+        .map_err(|error| StoreError::UnknownClaimRow(format!("waiting properties: {error}")))?;
+    Ok(Released {
+        scope,
+        ordering_key,
+        seq,
+        queue,
+        body: protect::open_body(keys, body)?,
+        properties,
+    })
+}
+
+/// Entities that may move on without a delivery of theirs coming: a holder whose record
+/// completed, or a turn nobody released (after a skip), or released longer than
+/// [`RELEASE_STALE`] ago without coming back. At most `limit`.
+pub(crate) async fn unmoved(
+    pool: &PgPool,
+    limit: i64,
+) -> Result<Vec<(String, String)>, StoreError> {
+    let rows = sqlx::query_as(
+        "(SELECT p.scope, p.ordering_key FROM ordering_positions p
+            JOIN processed_operations r ON r.scope = p.scope
+             AND r.operation = p.holder_operation AND r.idempotency_key = p.holder_key
+           WHERE p.holder_key IS NOT NULL AND r.status = 'completed'
+           LIMIT $1)
+         UNION
+         (SELECT p.scope, p.ordering_key FROM ordering_waiting w
+            JOIN ordering_positions p ON p.scope = w.scope
+             AND p.ordering_key = w.ordering_key AND p.next_seq = w.seq
+           WHERE p.holder_key IS NULL
+             AND (w.released_at IS NULL
+                  OR w.released_at < now() - $2 * interval '1 millisecond')
+           LIMIT $1)",
+    )
+    .bind(limit)
+    .bind(millis(RELEASE_STALE))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows)
+}
+
+/// Entities with deliveries waiting that have not moved for `stall_after`, and the
+/// deliveries waiting in all: the gauges `idem_ordering_stalled` and
+/// `idem_ordering_waiting`.
+pub(crate) async fn stats(pool: &PgPool, stall_after: Duration) -> Result<(i64, i64), StoreError> {
+    let row = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM ordering_positions p
+                  WHERE p.moved_at < now() - $1 * interval '1 millisecond'
+                    AND EXISTS (SELECT 1 FROM ordering_waiting w
+                                 WHERE w.scope = p.scope AND w.ordering_key = p.ordering_key)),
+                (SELECT count(*) FROM ordering_waiting)",
+    )
+    .bind(millis(stall_after))
+    .fetch_one(pool)
+    .await?;
+    Ok(row)
+}
+
+#[derive(sqlx::FromRow)]
+struct PositionRow {
+    scope: String,
+    ordering_key: String,
+    next_seq: i64,
+    holder_operation: Option<String>,
+    holder_key: Option<String>,
+    holder_status: Option<String>,
+    holder_dead_lettered: Option<bool>,
+    waiting: i64,
+    first_waiting: Option<i64>,
+    moved_at: DateTime<Utc>,
+    skipped: i64,
+    skip_note: Option<String>,
+}
+
+pub(super) async fn list(
+    pool: &PgPool,
+    stalled_for: Option<Duration>,
+    limit: i64,
+) -> Result<Vec<Position>, StoreError> {
+    let rows: Vec<PositionRow> = sqlx::query_as(
+        "SELECT p.scope, p.ordering_key, p.next_seq, p.holder_operation, p.holder_key,
+                r.status AS holder_status, r.dead_lettered_at IS NOT NULL AS holder_dead_lettered,
+                w.waiting, w.first_waiting, p.moved_at, p.skipped, p.skip_note
+           FROM ordering_positions p
+           JOIN LATERAL (SELECT count(*) AS waiting, min(seq) AS first_waiting
+                           FROM ordering_waiting x
+                          WHERE x.scope = p.scope AND x.ordering_key = p.ordering_key) w
+             ON w.waiting > 0
+           LEFT JOIN processed_operations r ON r.scope = p.scope
+                AND r.operation = p.holder_operation AND r.idempotency_key = p.holder_key
+          WHERE $1::bigint IS NULL OR p.moved_at < now() - $1 * interval '1 millisecond'
+          ORDER BY p.moved_at, p.scope, p.ordering_key
+          LIMIT $2",
+    )
+    .bind(stalled_for.map(millis))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Position {
+            scope: r.scope,
+            ordering_key: r.ordering_key,
+            next_seq: r.next_seq,
+            holder: r.holder_operation.zip(r.holder_key),
+            holder_status: r.holder_status,
+            holder_dead_lettered: r.holder_dead_lettered.unwrap_or(false),
+            waiting: r.waiting,
+            first_waiting: r.first_waiting,
+            moved_at: r.moved_at,
+            skipped: r.skipped,
+            skip_note: r.skip_note,
+        })
+        .collect())
+}
+
+pub(super) async fn skip(
+    pool: &PgPool,
+    scope: &str,
+    ordering_key: &str,
+    note: &str,
+) -> Result<Skipped, StoreError> {
+    let mut tx = pool.begin().await?;
+    let locked: Option<(i64,)> = sqlx::query_as(
+        "SELECT (idem_ordering_lock($1, $2, 0)).next_seq
+          WHERE EXISTS (SELECT 1 FROM ordering_positions WHERE scope = $1 AND ordering_key = $2)",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((from,)) = locked else {
+        return Ok(Skipped::Unknown);
+    };
+    let running: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ordering_positions p JOIN processed_operations r
+                          ON r.scope = p.scope AND r.operation = p.holder_operation
+                         AND r.idempotency_key = p.holder_key
+                       WHERE p.scope = $1 AND p.ordering_key = $2 AND r.status = 'processing'
+                         AND r.lease_expires_at > now())",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .fetch_one(&mut *tx)
+    .await?;
+    if running {
+        return Ok(Skipped::Running);
+    }
+    sqlx::query(
+        "UPDATE ordering_positions
+            SET next_seq = next_seq + 1, last_seq = greatest(last_seq, next_seq),
+                holder_operation = NULL, holder_key = NULL, held_since = NULL,
+                moved_at = now(), skipped = skipped + 1, skip_note = $3, skipped_at = now()
+          WHERE scope = $1 AND ordering_key = $2",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .bind(note)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Skipped::Moved { from })
+}
+
+/// Deletes up to `limit` positions idle for longer than `retention`: no holder, nothing
+/// waiting. A later message of such an entity starts it again at its first number, so
+/// the retention must exceed the entity's quiet time as the records' does their
+/// redeliveries'.
+pub(crate) async fn collect(
+    pool: &PgPool,
+    retention: Duration,
+    limit: i64,
+) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM ordering_positions p
+          WHERE (p.scope, p.ordering_key) IN (
+                SELECT scope, ordering_key FROM ordering_positions q
+                 WHERE q.holder_key IS NULL
+                   AND q.moved_at < now() - $1 * interval '1 millisecond'
+                   AND NOT EXISTS (SELECT 1 FROM ordering_waiting w
+                                    WHERE w.scope = q.scope AND w.ordering_key = q.ordering_key)
+                 ORDER BY q.moved_at LIMIT $2
+                 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(millis(retention))
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}

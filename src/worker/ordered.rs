@@ -1,0 +1,271 @@
+//! Order per entity in the worker (docs/DESIGN.md, "Order per entity"). A delivery of a
+//! handler that answers [`Handler::ordering`] enters its entity's order before its
+//! claim: its turn goes on to the claim; one that came early is acked and waits in
+//! Postgres. Once a delivery's record completed, its entity moves on and the delivery
+//! whose turn it is now is published to its queue again; a sweep in every process does
+//! the same for what a crash or a skip left behind, and keeps the gauges.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::ConfirmSelectOptions;
+use lapin::{BasicProperties, Channel};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::batch::Batcher;
+use super::decision::{CONFLICT, DeadLetterOrder, Outcome, Settle, Verdict};
+use super::execute::{Parsed, message_fault};
+use super::settle::{Incoming, Links};
+use super::{Failure, Runtime, WorkerConfig};
+use crate::connector::Connector;
+use crate::dead_letter::Reason;
+use crate::fault::Fault;
+use crate::handler::Handler;
+use crate::metrics;
+use crate::ordering::{Entered, Entry, Gate, Ordered, Released, table};
+use crate::store::{Store, StoreError};
+use crate::topology;
+
+/// An entity: its scope and ordering key.
+pub(super) type Entity = (String, String);
+
+/// The batching loops of a worker's ordering calls: entries and releases of the
+/// deliveries that arrive together share one round trip.
+pub(super) struct Orderings {
+    entries: Batcher<Entry, Entered>,
+    releases: Batcher<Entity, Option<Released>>,
+}
+
+impl Orderings {
+    pub(super) fn new(store: &Store, config: &WorkerConfig) -> Self {
+        let (size, linger, in_flight) = (
+            config.batch_size,
+            config.batch_linger,
+            config.batches_in_flight,
+        );
+        let entering = store.clone();
+        let entries = Batcher::spawn(size, linger, in_flight, move |entries: Arc<[Entry]>| {
+            let store = entering.clone();
+            async move { table::enter(store.pool(), store.keys(), &entries).await }
+        });
+        let releasing = store.clone();
+        let releases = Batcher::spawn(size, linger, in_flight, move |entities: Arc<[Entity]>| {
+            let store = releasing.clone();
+            async move { released_for(&store, &entities).await }
+        });
+        Self { entries, releases }
+    }
+}
+
+/// What [`table::release`] released, one answer per entity asked about.
+async fn released_for(
+    store: &Store,
+    entities: &[Entity],
+) -> Result<Vec<Option<Released>>, StoreError> {
+    let mut released = table::release(store.pool(), store.keys(), entities).await?;
+    Ok(entities
+        .iter()
+        .map(|(scope, key)| {
+            let i = released
+                .iter()
+                .position(|r| &r.scope == scope && &r.ordering_key == key)?;
+            Some(released.swap_remove(i))
+        })
+        .collect())
+}
+
+/// Enters the delivery of `parsed` into its entity's order: `None` when its turn came
+/// (the claim decides on), or the verdict it settles with (waiting, out of sequence, a
+/// conflict with its waiting copy).
+pub(super) async fn enter<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    parsed: &Parsed,
+    ordered: Ordered,
+) -> Result<Option<Verdict>, Failure> {
+    if let Some(why) = ordered.invalid() {
+        return Ok(Some(super::decision::malformed(why)));
+    }
+    let entity = ordered.key.clone();
+    let entry = Entry {
+        key: parsed.key.clone(),
+        ordered,
+        fingerprint: parsed.fingerprint.as_hex().to_owned(),
+        also: parsed.fingerprint.also(),
+        queue: runtime.config.queue.clone(),
+        body: incoming.data.to_vec(),
+        properties: incoming.properties().clone(),
+    };
+    let entered = match runtime.orderings.entries.call(entry).await? {
+        Ok(entered) => entered,
+        Err(error) if error.fault() == Fault::Message => {
+            return Ok(Some(message_fault(&Failure::Store(error))));
+        }
+        Err(error) => return Err(error.into()),
+    };
+    let seq = entered.seq.map_or_else(|| "?".into(), |s| s.to_string());
+    let verdict = match entered.gate {
+        Gate::Run => return Ok(None),
+        Gate::Wait | Gate::Waiting => {
+            debug!(entity = %entity, seq = %seq, "waiting for its turn");
+            Verdict {
+                action: Settle::Ack,
+                outcome: Outcome::Waiting,
+            }
+        }
+        Gate::Passed => out_of_sequence(
+            Reason::SequencePassed,
+            format!(
+                "sequence {seq} of entity {entity:?} is behind its position: it ran, or an \
+                 operator skipped it (idem ops ordering)"
+            ),
+        ),
+        Gate::Taken => out_of_sequence(
+            Reason::SequenceConflict,
+            format!("another message of entity {entity:?} holds or waits with sequence {seq}"),
+        ),
+        Gate::Conflict => Verdict {
+            action: dead_letter(Reason::FingerprintConflict, CONFLICT.into()),
+            outcome: Outcome::Conflict,
+        },
+    };
+    Ok(Some(verdict))
+}
+
+fn out_of_sequence(reason: Reason, error: String) -> Verdict {
+    Verdict {
+        action: dead_letter(reason, error),
+        outcome: Outcome::OutOfSequence,
+    }
+}
+
+fn dead_letter(reason: Reason, error: String) -> Settle {
+    Settle::DeadLetter(DeadLetterOrder {
+        reason,
+        error,
+        attempts: 0,
+        pin: None,
+    })
+}
+
+/// Whether a delivery that ended with `outcome` leaves its entity's turn to the next:
+/// its record is `completed`.
+pub(super) fn moves_on(outcome: Outcome) -> bool {
+    matches!(
+        outcome,
+        Outcome::Executed | Outcome::Reconciled | Outcome::DuplicateCompleted
+    )
+}
+
+/// Moves `entity` on past the delivery that completed and publishes the next turn's
+/// delivery, if one waits. A failure here only delays the next turn until the sweep.
+pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, links: &Links, entity: Entity) {
+    let released = match runtime.orderings.releases.call(entity).await {
+        Ok(Ok(released)) => released,
+        Ok(Err(error)) => {
+            warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
+            return;
+        }
+        Err(error) => {
+            warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
+            return;
+        }
+    };
+    if let Some(released) = released {
+        publish(&links.publish, &released).await;
+    }
+}
+
+/// Publishes a delivery whose turn came to its queue (confirmed). Not published, it is
+/// released again by a sweep after [`table::RELEASE_STALE`].
+async fn publish(channel: &Channel, released: &Released) {
+    let properties: BasicProperties = released.properties.clone();
+    match topology::publish_confirmed(channel, &released.queue, &released.body, properties).await {
+        Ok(()) => metrics::ordering_released(1),
+        Err(error) => warn!(
+            error = %crate::text::error_line(&error),
+            queue = %released.queue,
+            seq = released.seq,
+            "a waiting delivery's turn came but it was not published; the sweep tries again"
+        ),
+    }
+}
+
+/// Most entities one sweep moves on.
+const SWEEP_BATCH: i64 = 500;
+
+/// Until shutdown, every `every`: moves on the entities whose holder completed without
+/// moving them (a crash between the commit and the release), releases the turns nobody
+/// released (after a skip) or whose release did not come back, and sets the gauges
+/// `idem_ordering_stalled` (not moved for `stall_after`) and `idem_ordering_waiting`.
+pub(super) async fn sweep_every(
+    store: Store,
+    publishing: Arc<Connector>,
+    every: Duration,
+    stall_after: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut channel: Option<Channel> = None;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match table::stats(store.pool(), stall_after).await {
+            Ok((stalled, waiting)) => {
+                metrics::ordering_backlog(stalled, waiting);
+                if stalled > 0 {
+                    warn!(
+                        stalled,
+                        stall_after_s = stall_after.as_secs(),
+                        "entities stalled: deliveries wait behind a turn that does not come; \
+                         idem ops ordering"
+                    );
+                }
+            }
+            Err(error) => debug!(error = %crate::text::error_line(&error), "ordering stats"),
+        }
+        let entities = match table::unmoved(store.pool(), SWEEP_BATCH).await {
+            Ok(entities) if entities.is_empty() => continue,
+            Ok(entities) => entities,
+            Err(error) => {
+                debug!(error = %crate::text::error_line(&error), "ordering sweep");
+                continue;
+            }
+        };
+        if channel.as_ref().is_none_or(|c| !c.status().connected()) {
+            channel = match confirming(&publishing).await {
+                Ok(c) => Some(c),
+                Err(error) => {
+                    debug!(error = %crate::text::error_line(&error), "ordering sweep: broker");
+                    continue;
+                }
+            };
+        }
+        let Some(channel) = &channel else { continue };
+        match table::release(store.pool(), store.keys(), &entities).await {
+            Ok(released) => {
+                if !released.is_empty() {
+                    info!(
+                        released = released.len(),
+                        "ordering sweep released waiting deliveries"
+                    );
+                }
+                for r in &released {
+                    publish(channel, r).await;
+                }
+            }
+            Err(error) => debug!(error = %crate::text::error_line(&error), "ordering sweep"),
+        }
+    }
+}
+
+async fn confirming(connector: &Connector) -> Result<Channel, lapin::Error> {
+    let connection = connector.get().await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}

@@ -1,0 +1,365 @@
+//! Order per entity (`Handler::ordering`, docs/DESIGN.md "Order per entity") against the
+//! real broker and database, with `examples/accounts_worker.rs` processes: shuffled
+//! sequences applied in order across processes and a SIGKILL, in both modes; a failing
+//! predecessor blocks only its own account until it is replayed; a gap is reported and
+//! skipped; a duplicate of a completed sequence is acked at once; order of arrival.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+use rand::seq::SliceRandom;
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+const SETTLE: Duration = Duration::from_secs(120);
+
+fn entry(account: &str, version: i64) -> Vec<u8> {
+    json!({
+        "event_id": format!("{account}-v{version}"),
+        "tenant": "acme",
+        "account": account,
+        "version": version,
+        "amount": version * 10,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Each account's applied versions, in the order they were applied.
+async fn applied(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
+    let rows: Vec<(String, Option<i64>)> =
+        sqlx::query_as("SELECT account, version FROM account_entries ORDER BY applied")
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+    let mut by_account: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (account, version) in rows {
+        by_account
+            .entry(account)
+            .or_default()
+            .push(version.unwrap_or(0));
+    }
+    by_account
+}
+
+async fn applied_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM account_entries")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+async fn waiting(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ordering_waiting")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Creates the example's tables with a worker on a queue of its own, and declares the
+/// test's queue (with the tiers the workers declare) so that what is published first
+/// waits for them.
+async fn prepare(pool: &PgPool, url: &str, q: &TestQueue) {
+    let setup = q.beside("setup").await;
+    let worker = spawn_accounts_worker(url, &setup.name, &[]);
+    wait_until(Duration::from_secs(60), "the example's tables", || async {
+        sqlx::query_scalar::<_, bool>("SELECT to_regclass('account_failures') IS NOT NULL")
+            .fetch_one(pool)
+            .await
+            .unwrap_or(false)
+    })
+    .await;
+    drop(worker);
+    let topology = idem::Topology {
+        queue: q.name.clone(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: RETRY_DELAYS_MS
+            .iter()
+            .map(|&ms| Duration::from_millis(ms))
+            .collect(),
+        subscriptions: Vec::new(),
+    };
+    topology.declare(&q.connection).await.unwrap();
+}
+
+async fn all_settled(q: &TestQueue) -> bool {
+    q.counts(&q.name).await.0 == 0 && unacked(&q.name).await == 0
+}
+
+/// 40 accounts × 15 entries, each account's entries shuffled, published round-robin;
+/// three processes; one is SIGKILLed after a third is applied and started again. Every
+/// account's entries are applied once each, in version order.
+async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new(&format!("ordering-{mode}")).await;
+    prepare(&pool, &url, &q).await;
+    const ACCOUNTS: usize = 40;
+    const VERSIONS: i64 = 15;
+    let mut rng = rand::rng();
+    let mut per_account: Vec<Vec<i64>> = (0..ACCOUNTS)
+        .map(|_| {
+            let mut v: Vec<i64> = (1..=VERSIONS).collect();
+            v.shuffle(&mut rng);
+            v
+        })
+        .collect();
+    for round in 0..VERSIONS as usize {
+        for (a, versions) in per_account.iter_mut().enumerate() {
+            q.publish(&entry(&format!("a{a}"), versions[round])).await;
+        }
+    }
+    let args = ["--mode", mode, "--work-ms", "2"];
+    let mut victim = spawn_accounts_worker(&url, &q.name, &args);
+    let _b = spawn_accounts_worker(&url, &q.name, &args);
+    let _c = spawn_accounts_worker(&url, &q.name, &args);
+    let total = (ACCOUNTS as i64) * VERSIONS;
+    wait_until(SETTLE, "a third applied", || async {
+        applied_count(&pool).await >= total / 3
+    })
+    .await;
+    signal(&victim, "KILL");
+    let _ = victim.child.wait().await;
+    assert!(
+        applied_count(&pool).await < total,
+        "the kill came after the end"
+    );
+    let _d = spawn_accounts_worker(&url, &q.name, &args);
+    wait_until(SETTLE, "every entry applied and acked", || async {
+        applied_count(&pool).await >= total && all_settled(&q).await && waiting(&pool).await == 0
+    })
+    .await;
+    let expected: Vec<i64> = (1..=VERSIONS).collect();
+    let by_account = applied(&pool).await;
+    assert_eq!(by_account.len(), ACCOUNTS);
+    for (account, versions) in &by_account {
+        assert_eq!(
+            versions, &expected,
+            "account {account} out of order or twice"
+        );
+    }
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    // More than one process applied entries: the order held across them.
+    let pids: i64 = sqlx::query_scalar("SELECT count(DISTINCT pid) FROM account_entries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(pids >= 2, "{pids} process(es) applied entries");
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    shuffled_in_order_across_a_kill(o, c, "leased").await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    shuffled_in_order_across_a_kill(o, c, "transactional").await;
+}
+
+/// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries
+/// wait (no retry tier, no dead letter), while account `b` runs to its end. `idem ops
+/// ordering list` says what blocks `a`; once the failure is fixed and the dead letter
+/// replayed, a's entries run in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_failing_predecessor_blocks_only_its_account_until_it_is_replayed(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-blocked").await;
+    prepare(&pool, &url, &q).await;
+    sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('a', 'a-v3')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for v in [5, 3, 1, 8, 2, 7, 4, 6] {
+        q.publish(&entry("a", v)).await;
+        q.publish(&entry("b", v)).await;
+    }
+    let _w = spawn_accounts_worker(&url, &q.name, &[]);
+    let _x = spawn_accounts_worker(&url, &q.name, &["--mode", "transactional"]);
+    wait_until(SETTLE, "b done, a blocked at 3", || async {
+        let by = applied(&pool).await;
+        by.get("b").is_some_and(|v| v.len() == 8)
+            && by.get("a").is_some_and(|v| v.len() == 2)
+            && all_settled(&q).await
+            && q.counts(&q.dlq()).await.0 == 1
+    })
+    .await;
+    let by = applied(&pool).await;
+    assert_eq!(by["a"], vec![1, 2]);
+    assert_eq!(by["b"], (1..=8).collect::<Vec<_>>());
+    assert_eq!(waiting(&pool).await, 5, "a's 4 to 8 wait");
+    let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let rows = listed.as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{listed}");
+    assert_eq!(rows[0]["ordering_key"], "account-a");
+    assert_eq!(rows[0]["next_seq"], 3);
+    assert_eq!(rows[0]["blocked_by"], "dead-lettered");
+    assert_eq!(rows[0]["waiting"], 5);
+
+    sqlx::query("DELETE FROM account_failures")
+        .execute(&pool)
+        .await
+        .unwrap();
+    idem_cli(&url, &["dlq", "replay", "--queue", &q.name]).await;
+    wait_until(SETTLE, "a done", || async {
+        applied(&pool).await.get("a").is_some_and(|v| v.len() == 8)
+            && all_settled(&q).await
+            && waiting(&pool).await == 0
+    })
+    .await;
+    assert_eq!(applied(&pool).await["a"], (1..=8).collect::<Vec<_>>());
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+}
+
+/// Account `g` gets 1, 2, 4, 5: 4 and 5 wait behind the gap; after the stall time the
+/// entity is listed as stalled by a gap and the worker warns; skipped with a note, 4
+/// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.
+/// A copy of the completed 1 is acked at once while the gap holds (not parked).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_once(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-gap").await;
+    prepare(&pool, &url, &q).await;
+    let worker = spawn_accounts_worker(&url, &q.name, &["--stall-after-ms", "300"]);
+    for v in [2, 5, 1, 4] {
+        q.publish(&entry("g", v)).await;
+    }
+    wait_until(SETTLE, "1 and 2 applied, 4 and 5 waiting", || async {
+        applied(&pool).await.get("g").is_some_and(|v| v.len() == 2)
+            && waiting(&pool).await == 2
+            && all_settled(&q).await
+    })
+    .await;
+    q.publish(&entry("g", 1)).await;
+    wait_until(SETTLE, "the copy of 1 acked as a duplicate", || async {
+        worker.log_contains("outcome=\"duplicate_completed\"") && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(waiting(&pool).await, 2, "the copy of 1 did not wait");
+    assert_eq!(applied(&pool).await["g"], vec![1, 2]);
+
+    wait_until(SETTLE, "the gap reported", || async {
+        worker.log_contains("entities stalled")
+    })
+    .await;
+    let listed = idem_cli(
+        &url,
+        &[
+            "ops",
+            "ordering",
+            "list",
+            "--stalled-for",
+            "300ms",
+            "--json",
+        ],
+    )
+    .await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed[0]["blocked_by"], "gap", "{listed}");
+    assert_eq!(listed[0]["next_seq"], 3);
+    assert_eq!(listed[0]["first_waiting"], 4);
+
+    let (code, _) = run_idem(
+        &url,
+        &[
+            "ops",
+            "ordering",
+            "skip",
+            "--scope",
+            "nobody",
+            "--key",
+            "account-g",
+            "--note",
+            "x",
+        ],
+    )
+    .await;
+    assert_ne!(code, 0, "an unknown entity is not skipped");
+    let said = idem_cli(
+        &url,
+        &[
+            "ops",
+            "ordering",
+            "skip",
+            "--scope",
+            "acme",
+            "--key",
+            "account-g",
+            "--note",
+            "3 was lost upstream",
+        ],
+    )
+    .await;
+    assert!(said.contains("sequence 3"), "{said}");
+    wait_until(SETTLE, "4 and 5 applied", || async {
+        applied(&pool).await.get("g").is_some_and(|v| v.len() == 4) && waiting(&pool).await == 0
+    })
+    .await;
+    assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
+
+    q.publish(&entry("g", 3)).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    let letters = q.drain(&q.dlq()).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].reason.as_deref(), Some("sequence_passed"));
+    assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
+}
+
+/// Without a sequence, one account's entries run one at a time (each starts after the
+/// one before committed) on two processes, each once.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn order_of_arrival_runs_one_entry_of_an_account_at_a_time(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-arrival").await;
+    prepare(&pool, &url, &q).await;
+    let args = ["--order", "arrival", "--work-ms", "20"];
+    let _a = spawn_accounts_worker(&url, &q.name, &args);
+    let _b = spawn_accounts_worker(&url, &q.name, &args);
+    wait_for_consumers(&q, 2).await;
+    for v in 1..=20 {
+        q.publish(&entry("r", v)).await;
+    }
+    wait_until(SETTLE, "20 applied", || async {
+        applied_count(&pool).await == 20 && all_settled(&q).await && waiting(&pool).await == 0
+    })
+    .await;
+    let mut versions = applied(&pool).await["r"].clone();
+    versions.sort_unstable();
+    assert_eq!(versions, (1..=20).collect::<Vec<_>>(), "each once");
+    // No two at once: every entry's 20 ms of work came after the one before it was
+    // written (its write is the last thing before its commit).
+    let gaps: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM at - lag(at) OVER (ORDER BY applied))::float8
+           FROM account_entries ORDER BY applied OFFSET 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(
+        gaps.iter().all(|&g| g >= 0.019),
+        "two entries of one account overlapped: {gaps:?}"
+    );
+}
