@@ -119,8 +119,13 @@ impl Handler for Accounts {
     }
 }
 
-/// The example's tables: the entries applied, and the entries made to fail.
+/// The example's tables: the entries applied, and the entries made to fail. Under an
+/// advisory lock: workers starting together would race on the catalog.
 pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('accounts_worker tables'))")
+        .execute(&mut *tx)
+        .await?;
     for statement in [
         "CREATE TABLE IF NOT EXISTS account_entries (
             applied  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -136,9 +141,9 @@ pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Erro
             kind     text NOT NULL DEFAULT 'permanent',
             PRIMARY KEY (account, event_id))",
     ] {
-        sqlx::query(statement).execute(pool).await?;
+        sqlx::query(statement).execute(&mut *tx).await?;
     }
-    Ok(())
+    tx.commit().await
 }
 
 #[derive(Parser, Debug)]
@@ -162,6 +167,10 @@ struct Args {
     /// Delayed retry tiers, in milliseconds.
     #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
     retry_delays_ms: Vec<u64>,
+    /// Seconds a claim is owned without a heartbeat: a killed worker's operations are
+    /// taken over after this.
+    #[arg(long, default_value_t = 30)]
+    lease_secs: u64,
     /// An entity not moved for this long with deliveries waiting is stalled.
     #[arg(long, default_value_t = 60_000)]
     stall_after_ms: u64,
@@ -214,6 +223,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         pool,
         StoreConfig {
             owner: name.clone(),
+            lease: Duration::from_secs(args.lease_secs),
             ..StoreConfig::default()
         },
     );

@@ -63,7 +63,7 @@ pub(crate) struct Released {
 
 /// How long a released delivery may take to come back and take its turn before a
 /// sweep publishes it again (its publish may have been lost with a connection).
-pub(crate) const RELEASE_STALE: Duration = Duration::from_secs(30);
+pub(crate) const RELEASE_STALE: Duration = Duration::from_secs(5);
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

@@ -1,0 +1,393 @@
+//! The ordering bench: 1,000 accounts × 20 entries, each account's entries shuffled,
+//! applied by three `accounts_worker` processes in version order, one of them
+//! SIGKILLed mid-run; the same load without ordering, for the ratio; and a single hot
+//! account of 10,000 entries in order, against one handler at concurrency 1.
+//!
+//! ```sh
+//! cargo build --release --example accounts_worker --example ordering_bench
+//! ./target/release/examples/ordering_bench --mode leased
+//! ```
+//!
+//! It creates its own database (`idem_ordering_<id>` on the server of `DATABASE_URL`,
+//! dropped at the end) and queues, checks every run (each entry applied once, every
+//! account in version order) and prints one line per run and a summary; it exits 1
+//! when a check failed.
+
+use std::path::PathBuf;
+use std::process::{ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use futures_util::future::try_join_all;
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use rand::seq::SliceRandom;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, PgPool};
+use tokio::process::{Child, Command};
+
+#[derive(Parser, Debug)]
+#[command(about = "idem ordering bench: in order per account, against no order")]
+struct Args {
+    /// Accounts (entities).
+    #[arg(long, default_value_t = 1000)]
+    accounts: usize,
+    /// Entries per account, shuffled.
+    #[arg(long, default_value_t = 20)]
+    versions: i64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Entries of the hot account (0: no hot run).
+    #[arg(long, default_value_t = 10_000)]
+    hot: i64,
+    /// leased or transactional.
+    #[arg(long, default_value = "leased")]
+    mode: String,
+    /// The workers' lease, in seconds: what a SIGKILLed worker's operations wait before
+    /// another takes them over (and, ordered, what their accounts wait).
+    #[arg(long, default_value_t = 5)]
+    lease_secs: u64,
+    /// Postgres server (the bench's database is created beside the one named).
+    #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL)]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL)]
+    amqp_url: String,
+}
+
+/// The workers' retry tiers (as `accounts_worker` declares them by default).
+const RETRY_DELAYS_MS: [u64; 2] = [1000, 5000];
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run(Args::parse()).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(error) => {
+            eprintln!(
+                "ordering_bench: error: {}",
+                idem::text::error_line(error.as_ref())
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Bench {
+    args: Args,
+    pool: PgPool,
+    url: String,
+    connection: lapin::Connection,
+    worker: PathBuf,
+}
+
+/// One run's figures.
+struct Ran {
+    entries: i64,
+    elapsed: Duration,
+    in_order: bool,
+    once: bool,
+}
+
+impl Ran {
+    fn rate(&self) -> f64 {
+        self.entries as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<bool> {
+    let server: PgConnectOptions = args.database_url.parse().context("DATABASE_URL")?;
+    let name = format!(
+        "idem_ordering_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let admin = PgPool::connect_with(server.clone())
+        .await
+        .context("connect")?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await?;
+    let options = server.clone().database(&name);
+    let url = options.to_url_lossy().to_string();
+    let outcome = async {
+        let pool = idem::db::connect_and_migrate(&url, 8).await?;
+        let connection = idem::topology::connect(&args.amqp_url, "ordering_bench").await?;
+        let exe = std::env::current_exe()?;
+        let worker = exe.with_file_name("accounts_worker");
+        if !worker.exists() {
+            bail!(
+                "{} missing: cargo build --release --example accounts_worker",
+                worker.display()
+            );
+        }
+        let bench = Bench {
+            args,
+            pool,
+            url: url.clone(),
+            connection,
+            worker,
+        };
+        bench.all().await
+    }
+    .await;
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await;
+    outcome
+}
+
+impl Bench {
+    async fn all(&self) -> anyhow::Result<bool> {
+        let a = &self.args;
+        let ordered = self.shuffled("ordered", "version", true).await?;
+        let unordered = self.shuffled("unordered", "none", true).await?;
+        let mut ok = ordered.in_order && ordered.once && unordered.once;
+        let ratio = ordered.rate() / unordered.rate();
+        let mut line = format!(
+            "ordering_bench: mode={} accounts={} versions={} workers={} ordered_msgs_per_s={:.0} \
+             unordered_msgs_per_s={:.0} ratio={ratio:.2} in_order={} once={}",
+            a.mode,
+            a.accounts,
+            a.versions,
+            a.workers,
+            ordered.rate(),
+            unordered.rate(),
+            ordered.in_order,
+            ordered.once && unordered.once,
+        );
+        if a.hot > 0 {
+            let hot = self.hot("hot", "version", a.workers, 0).await?;
+            let one = self.hot("one", "none", 1, 1).await?;
+            ok &= hot.in_order && hot.once && one.once;
+            line += &format!(
+                " hot_msgs_per_s={:.0} one_handler_msgs_per_s={:.0} hot_ratio={:.2} hot_in_order={}",
+                hot.rate(),
+                one.rate(),
+                hot.rate() / one.rate(),
+                hot.in_order
+            );
+        }
+        println!("{line}");
+        Ok(ok)
+    }
+
+    /// Every account's entries shuffled, published round-robin before the workers
+    /// start; one worker SIGKILLed once a third is applied.
+    async fn shuffled(&self, run: &str, order: &str, kill: bool) -> anyhow::Result<Ran> {
+        let a = &self.args;
+        let mut rng = rand::rng();
+        let mut bodies = Vec::new();
+        let mut per_account: Vec<Vec<i64>> = (0..a.accounts)
+            .map(|_| {
+                let mut v: Vec<i64> = (1..=a.versions).collect();
+                v.shuffle(&mut rng);
+                v
+            })
+            .collect();
+        for round in 0..a.versions as usize {
+            for (account, versions) in per_account.iter_mut().enumerate() {
+                bodies.push(entry(run, &format!("{run}-{account}"), versions[round]));
+            }
+        }
+        self.measure(run, order, a.workers, 0, bodies, kill).await
+    }
+
+    /// One account's entries, in order.
+    async fn hot(
+        &self,
+        run: &str,
+        order: &str,
+        workers: usize,
+        concurrency: usize,
+    ) -> anyhow::Result<Ran> {
+        let bodies = (1..=self.args.hot)
+            .map(|v| entry(run, &format!("{run}-hot"), v))
+            .collect();
+        self.measure(run, order, workers, concurrency, bodies, false)
+            .await
+    }
+
+    async fn measure(
+        &self,
+        run: &str,
+        order: &str,
+        workers: usize,
+        concurrency: usize,
+        bodies: Vec<Vec<u8>>,
+        kill: bool,
+    ) -> anyhow::Result<Ran> {
+        let queue = format!(
+            "ordering_bench.{run}.{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        idem::Topology {
+            queue: queue.clone(),
+            queue_type: idem::QueueType::Classic,
+            retry_delays: RETRY_DELAYS_MS
+                .iter()
+                .map(|&ms| Duration::from_millis(ms))
+                .collect(),
+            subscriptions: Vec::new(),
+        }
+        .declare(&self.connection)
+        .await?;
+        let total = i64::try_from(bodies.len())?;
+        publish(&self.connection, &queue, &bodies).await?;
+        let concurrency = concurrency.to_string();
+        let lease = self.args.lease_secs.to_string();
+        let args = [
+            "--queue",
+            &queue,
+            "--mode",
+            &self.args.mode,
+            "--order",
+            order,
+            "--concurrency",
+            &concurrency,
+            "--lease-secs",
+            &lease,
+        ];
+        let started = Instant::now();
+        let mut children: Vec<Child> = (0..workers)
+            .map(|_| self.spawn(&args))
+            .collect::<Result<_, _>>()?;
+        let applied = |pool: PgPool, run: String| async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM account_entries WHERE account LIKE $1 || '-%'",
+            )
+            .bind(run)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+        };
+        let mut killed = !kill;
+        loop {
+            let done = applied(self.pool.clone(), run.into()).await;
+            if !killed && done >= total / 3 {
+                if let Some(id) = children[0].id() {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-KILL", &id.to_string()])
+                        .status();
+                }
+                killed = true;
+            }
+            if done >= total && self.waiting().await? == 0 {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(1200) {
+                bail!("{run}: {done} of {total} applied after 20 minutes");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let elapsed = started.elapsed();
+        for child in &mut children {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+        let channel = self.connection.create_channel().await?;
+        for name in [
+            queue.clone(),
+            format!("{queue}.dlq"),
+            format!("{queue}.retry.1s"),
+            format!("{queue}.retry.5s"),
+        ] {
+            let _ = channel
+                .queue_delete(name.as_str().into(), Default::default())
+                .await;
+        }
+        let (in_order, once) = self.check(run, total).await?;
+        let ran = Ran {
+            entries: total,
+            elapsed,
+            in_order,
+            once,
+        };
+        println!(
+            "ordering_bench run={run} order={order} workers={workers} entries={total} elapsed_s={:.2} msgs_per_s={:.0} in_order={in_order} once={once}",
+            elapsed.as_secs_f64(),
+            ran.rate()
+        );
+        Ok(ran)
+    }
+
+    fn spawn(&self, args: &[&str]) -> std::io::Result<Child> {
+        Command::new(&self.worker)
+            .args(args)
+            .env("DATABASE_URL", &self.url)
+            .env("AMQP_URL", &self.args.amqp_url)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+    }
+
+    async fn waiting(&self) -> anyhow::Result<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM ordering_waiting")
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// Whether every account's entries were applied in version order, and each once.
+    async fn check(&self, run: &str, total: i64) -> anyhow::Result<(bool, bool)> {
+        let (rows, distinct, out_of_order): (i64, i64, i64) = sqlx::query_as(
+            "WITH e AS (SELECT account, event_id, version,
+                               lag(version) OVER (PARTITION BY account ORDER BY applied) AS before
+                          FROM account_entries WHERE account LIKE $1 || '-%')
+             SELECT count(*), count(DISTINCT event_id),
+                    count(*) FILTER (WHERE version <> coalesce(before, 0) + 1)
+               FROM e",
+        )
+        .bind(run)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((out_of_order == 0, rows == total && distinct == total))
+    }
+}
+
+fn entry(run: &str, account: &str, version: i64) -> Vec<u8> {
+    serde_json::json!({
+        "event_id": format!("{run}:{account}:{version}"),
+        "tenant": "bench",
+        "account": account,
+        "version": version,
+        "amount": 1,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Publishes `bodies` to `queue` in order, persistent, a thousand confirms awaited at a
+/// time.
+async fn publish(
+    connection: &lapin::Connection,
+    queue: &str,
+    bodies: &[Vec<u8>],
+) -> anyhow::Result<()> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    for chunk in bodies.chunks(1000) {
+        let mut confirms = Vec::with_capacity(chunk.len());
+        for body in chunk {
+            let properties = BasicProperties::default().with_delivery_mode(2);
+            confirms.push(
+                channel
+                    .basic_publish(
+                        "".into(),
+                        queue.into(),
+                        BasicPublishOptions::default(),
+                        body,
+                        properties,
+                    )
+                    .await?,
+            );
+        }
+        try_join_all(confirms.into_iter().map(|c| async move { c.await })).await?;
+    }
+    Ok(())
+}
