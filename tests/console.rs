@@ -4,7 +4,8 @@
 //! browser (headless Chromium through WebDriver): the dead-letter page shows an
 //! outage's group with the replay preview; replaying the group from the page books each
 //! order once; discarding a conflict from the page removes it; a stuck operation left
-//! by a SIGKILLed worker is listed and released. Screenshots of each page are saved
+//! by a SIGKILLed worker is listed and released. The ordering page lists the entities
+//! stalled behind a gap or a dead-lettered holder. Screenshots of each page are saved
 //! under `target/tmp/console-screenshots/`.
 
 mod common;
@@ -148,6 +149,7 @@ async fn without_the_token_nothing_answers_and_without_csrf_nothing_changes(
         format!("/ops/show{key}"),
         "/outbox".into(),
         "/flow".into(),
+        "/ordering".into(),
         "/charts".into(),
     ] {
         let (status, _) = console.get(&path, false).await;
@@ -929,4 +931,144 @@ async fn the_flow_page_shows_circuits_and_limits_and_closes_a_circuit(pool: PgPo
     );
     let theirs = rows.iter().find(|r| r.0 == "someone.elses").unwrap();
     assert_eq!(theirs.1, "open", "untouched");
+}
+
+/// The `<tr>` of `page` that contains `needle`.
+fn row_of<'a>(page: &'a str, needle: &str) -> &'a str {
+    let at = page
+        .find(needle)
+        .unwrap_or_else(|| panic!("{needle} in {page}"));
+    let start = page[..at].rfind("<tr>").unwrap();
+    &page[start..at + page[at..].find("</tr>").unwrap()]
+}
+
+/// The ordering page lists the entities whose deliveries wait behind a turn that does
+/// not come, the longest unmoved first: a gap (the number whose turn it is never came),
+/// with the command that skips it, the key quoted for the shell and escaped for the
+/// page; a dead-lettered holder, linked to its record. An entity that moved a moment
+/// ago shows only when every entity with deliveries waiting is asked for.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn the_ordering_page_shows_the_entities_stalled_behind_their_turn(pool: PgPool) {
+    let url = database_url(&pool.connect_options());
+    let q = TestQueue::new("console-ordering").await;
+    let dead = RecordFixture {
+        key: "evt-dead",
+        status: "failed",
+        retryable: true,
+        error: Some(serde_json::json!("the ledger refused it")),
+        ..RecordFixture::default()
+    };
+    insert_record(&pool, &dead).await;
+    sqlx::query(
+        "UPDATE processed_operations SET dead_lettered_at = now(), dead_letters = 1
+          WHERE idempotency_key = 'evt-dead'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq,
+                 holder_operation, holder_key, held_since, moved_at, skipped, skip_note)
+         VALUES ('acme', 'account-<7>''s', 3, 5, NULL, NULL, NULL,
+                 now() - interval '10 minutes', 1, 'seq 2 lost (INC-4)'),
+                ('acme', 'order-42', 2, 3, 'orders.create', 'evt-dead',
+                 now() - interval '20 minutes', now() - interval '20 minutes', 0, NULL),
+                ('acme', 'order-fresh', 1, 2, NULL, NULL, NULL, now(), 0, NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for (key, seq) in [
+        ("account-<7>'s", 4_i64),
+        ("account-<7>'s", 5),
+        ("order-42", 3),
+        ("order-fresh", 2),
+    ] {
+        sqlx::query(
+            "INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
+                     idempotency_key, payload_sha256, queue, body, properties)
+             VALUES ('acme', $1, $2, 'orders.create', $3, $4, $5, $6, $7)",
+        )
+        .bind(key)
+        .bind(seq)
+        .bind(format!("evt-{key}-{seq}"))
+        .bind("a".repeat(64))
+        .bind(&q.name)
+        .bind(b"{\"order\":1}".to_vec())
+        .bind(b"{}".to_vec())
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let console = start_console(&url, &q.name).await;
+
+    // By default, those not moved for the workers' stall time (60 s).
+    let (status, shown) = console.get("/ordering", true).await;
+    assert_eq!(status, StatusCode::OK, "{shown}");
+    assert!(
+        shown.contains("href=\"/ordering\">Ordering</a>"),
+        "in the navigation"
+    );
+    assert_eq!(row_number(&shown, "entities with deliveries waiting"), 3);
+    assert_eq!(row_number(&shown, "deliveries waiting"), 4);
+    assert!(
+        shown.contains("2 entities with deliveries waiting, not moved for 60s or longer"),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("order-fresh"),
+        "moved a moment ago: {shown}"
+    );
+    assert!(!shown.contains("account-<7>"), "escaped: {shown}");
+    let key = "<code>account-&lt;7&gt;&#39;s</code>";
+    let blocked = "<code>order-42</code>";
+    assert!(
+        shown.find(blocked).unwrap() < shown.find(key).unwrap(),
+        "the longest unmoved first"
+    );
+    let gap = row_of(&shown, key);
+    for needle in [
+        "<td>acme</td>",
+        "<td class=\"n\">3</td>",
+        "<span class=\"bad\">gap</span>",
+        "<td>-</td>",
+        "<td class=\"n\">2</td><td class=\"n\">4</td>",
+        "1 (last: seq 2 lost (INC-4))",
+        "<code>idem ops ordering skip --scope acme --key \
+         &#39;account-&lt;7&gt;&#39;\\&#39;&#39;s&#39; --note &quot;...&quot;</code>",
+    ] {
+        assert!(gap.contains(needle), "{needle} in {gap}");
+    }
+    let holder = row_of(&shown, blocked);
+    for needle in [
+        "<td class=\"n\">2</td>",
+        "<span class=\"bad\">dead-lettered</span>",
+        "href=\"/ops/show?scope=acme&amp;operation=orders.create&amp;key=evt-dead\"",
+        "<code>orders.create</code> / <code>evt-dead</code></a> (failed)",
+        "<td class=\"n\">1</td><td class=\"n\">3</td>",
+        "(20m ",
+        "idem ops ordering skip --scope acme --key order-42 --note",
+    ] {
+        assert!(holder.contains(needle), "{needle} in {holder}");
+    }
+
+    // Every entity with deliveries waiting; only the longest stalled; a bad duration.
+    let (status, all) = console.get("/ordering?stalled_for=0s", true).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        all.contains("3 entities with deliveries waiting, all"),
+        "{all}"
+    );
+    let fresh = row_of(&all, "<code>order-fresh</code>");
+    assert!(fresh.contains("gap") && fresh.contains("s ago)"), "{fresh}");
+    let (status, longest) = console.get("/ordering?stalled_for=15m", true).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        longest.contains("1 entity with deliveries waiting, not moved for 15m or longer")
+            && longest.contains(blocked)
+            && !longest.contains(key),
+        "{longest}"
+    );
+    let (status, _) = console.get("/ordering?stalled_for=soon", true).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
 }

@@ -60,7 +60,7 @@ pub(super) fn page(title: &str, body: &str) -> Html<String> {
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <title>{title} · idem console</title><style>{STYLE}</style></head><body>\
          <nav><a href=\"/dlq\">Dead letters</a><a href=\"/ops\">Operations</a>\
-         <a href=\"/outbox\">Outbox</a><a href=\"/flow\">Flow</a><a href=\"/charts\">Charts</a></nav><main><h1>{title}</h1>{body}</main></body></html>",
+         <a href=\"/outbox\">Outbox</a><a href=\"/flow\">Flow</a><a href=\"/ordering\">Ordering</a><a href=\"/charts\">Charts</a></nav><main><h1>{title}</h1>{body}</main></body></html>",
         title = escape(title),
     ))
 }

@@ -1,5 +1,6 @@
-//! `idem console`: dead letters, stuck operations and the outbox on one page, with
-//! replay, discard and release behind a confirmation (feature `console`).
+//! `idem console`: dead letters, stuck operations, the outbox and the entities waiting
+//! for their turn (order per entity) on one page, with replay, discard and release
+//! behind a confirmation (feature `console`).
 //!
 //! Server-rendered (axum), no script and no asset from elsewhere. Nothing answers
 //! without the token (`IDEM_CONSOLE_TOKEN`, or one generated at start and written to a
@@ -39,6 +40,7 @@ mod dead_letters;
 mod flow;
 mod html;
 mod operations;
+mod ordering;
 mod pages;
 
 /// `idem console` flags.
@@ -223,6 +225,7 @@ fn router(console: Arc<Console>) -> Router {
         .route("/outbox", get(pages::outbox))
         .route("/flow", get(flow::page_of))
         .route("/flow/close", post(flow::close))
+        .route("/ordering", get(ordering::page_of))
         .route("/charts", get(charts::page))
         .route_layer(middleware::from_fn_with_state(console.clone(), authorized));
     Router::new()
