@@ -10,7 +10,7 @@
 //! the key is `event_id`, the ordering key the account and the sequence its `version`
 //! (1, 2, 3, …). Each applied entry is one row of `account_entries`, written in the
 //! handler's transaction; its `applied` column (an identity) shows the order the
-//! entries ran in. An entry listed in `account_failures` fails (for good, or
+//! entries ran in, `started` and `at` when each began and wrote. An entry listed in `account_failures` fails (for good, or
 //! transiently with `kind = 'transient'`) while it is listed: a predecessor that blocks
 //! its account, and only it.
 //!
@@ -87,6 +87,7 @@ impl Handler for Accounts {
     }
 
     async fn handle(&self, entry: Entry, ctx: &mut Context) -> Result<Value, HandlerError> {
+        let started = chrono::Utc::now();
         if !self.work.is_zero() {
             tokio::time::sleep(self.work).await;
         }
@@ -105,14 +106,15 @@ impl Handler for Accounts {
             None => {}
         }
         sqlx::query(
-            "INSERT INTO account_entries (account, event_id, version, amount, pid)
-             VALUES ($1, $2, $3, $4, $5)",
+            "INSERT INTO account_entries (account, event_id, version, amount, pid, started)
+             VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .bind(&entry.account)
         .bind(&entry.event_id)
         .bind(entry.version)
         .bind(entry.amount)
         .bind(pid)
+        .bind(started)
         .execute(&mut *tx)
         .await?;
         Ok(json!({"applied": entry.event_id}))
@@ -134,6 +136,9 @@ pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Erro
             version  bigint,
             amount   bigint NOT NULL,
             pid      integer NOT NULL,
+            -- When the handler started, and when it wrote (its commit comes after): the
+            -- next entry of the account must start after this one wrote.
+            started  timestamptz NOT NULL,
             at       timestamptz NOT NULL DEFAULT clock_timestamp())",
         "CREATE TABLE IF NOT EXISTS account_failures (
             account  text NOT NULL,

@@ -387,7 +387,7 @@ async fn publish(
                     .await?,
             );
         }
-        try_join_all(confirms.into_iter().map(|c| async move { c.await })).await?;
+        try_join_all(confirms).await?;
     }
     Ok(())
 }

@@ -47,8 +47,11 @@ CREATE TABLE IF NOT EXISTS ordering_waiting (
     body             bytea       NOT NULL,
     properties       bytea       NOT NULL,
     waiting_since    timestamptz NOT NULL DEFAULT now(),
-    -- When it was last published to its queue for its turn (NULL: not yet).
+    -- When it was last published to its queue for its turn (NULL: not yet), and how
+    -- often: a release that does not come back is published again after 5 s, doubling,
+    -- at most 8 times (then the entity shows as stalled, `released`).
     released_at      timestamptz,
+    releases         integer     NOT NULL DEFAULT 0,
     PRIMARY KEY (scope, ordering_key, seq),
     CONSTRAINT ordering_waiting_key UNIQUE (scope, operation, idempotency_key)
 );
@@ -106,6 +109,7 @@ DECLARE
     pos ordering_positions%ROWTYPE;
     w ordering_waiting%ROWTYPE;
     n bigint;
+    parked boolean := false;
 BEGIN
     FOR i IN SELECT t.i FROM unnest(p_scope, p_key) WITH ORDINALITY AS t(s, k, i)
               ORDER BY t.s, t.k, t.i
@@ -113,10 +117,13 @@ BEGIN
         item := i;
         seq := NULL;
         pos := idem_ordering_lock(p_scope[i], p_key[i], p_first[i]);
+        -- Its turn, or a record that decides without a turn: completed (a duplicate) or
+        -- failed for good (acked as such; a replay makes it retryable first).
         IF (pos.holder_operation = p_operation[i] AND pos.holder_key = p_idem[i])
            OR EXISTS (SELECT 1 FROM processed_operations r
                        WHERE r.scope = p_scope[i] AND r.operation = p_operation[i]
-                         AND r.idempotency_key = p_idem[i] AND r.status = 'completed')
+                         AND r.idempotency_key = p_idem[i]
+                         AND (r.status = 'completed' OR (r.status = 'failed' AND NOT r.retryable)))
         THEN
             verdict := 'run';
             RETURN NEXT;
@@ -126,8 +133,15 @@ BEGIN
          WHERE scope = p_scope[i] AND operation = p_operation[i] AND idempotency_key = p_idem[i];
         IF FOUND THEN
             seq := w.seq;
-            IF w.payload_sha256 <> p_fp[i] AND w.payload_sha256 IS DISTINCT FROM p_also[i] THEN
+            IF NOT (w.payload_sha256 = p_fp[i]
+                    OR COALESCE(w.payload_sha256 = ANY(string_to_array(p_also[i], ',')), false)) THEN
                 verdict := 'conflict';
+            ELSIF w.scope = pos.scope AND w.ordering_key = pos.ordering_key
+                  AND w.seq < pos.next_seq THEN
+                -- Its turn was skipped while it waited (or was on its way).
+                DELETE FROM ordering_waiting
+                 WHERE scope = w.scope AND ordering_key = w.ordering_key AND ordering_waiting.seq = w.seq;
+                verdict := 'passed';
             ELSIF w.scope = pos.scope AND w.ordering_key = pos.ordering_key
                   AND w.seq = pos.next_seq AND pos.holder_key IS NULL THEN
                 DELETE FROM ordering_waiting
@@ -155,7 +169,12 @@ BEGIN
                 INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
                     idempotency_key, payload_sha256, queue, body, properties)
                 VALUES (p_scope[i], p_key[i], n, p_operation[i], p_idem[i], p_fp[i],
-                        p_queue[i], p_body[i], p_props[i]);
+                        p_queue[i], p_body[i], p_props[i])
+                ON CONFLICT DO NOTHING;
+                IF NOT FOUND THEN
+                    RAISE EXCEPTION 'ordering: entity % / % has a waiting row past its last number %',
+                        p_scope[i], p_key[i], n;
+                END IF;
                 UPDATE ordering_positions SET last_seq = n
                  WHERE scope = pos.scope AND ordering_key = pos.ordering_key;
                 seq := n;
@@ -194,8 +213,18 @@ BEGIN
                 END IF;
             END IF;
         END IF;
+        IF verdict = 'wait' THEN
+            parked := true;
+        END IF;
         RETURN NEXT;
     END LOOP;
+    -- Nothing parked: what this transaction wrote is rebuilt by a redelivery (the
+    -- delivery is acked only after its outcome commits, which flushes this too), so its
+    -- commit need not wait for the WAL flush. A parked delivery is acked once this
+    -- commits, so then it must.
+    IF NOT parked THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
 END
 $$;
 
@@ -216,14 +245,19 @@ BEGIN
          WHERE scope = k.s AND ordering_key = k.k;
         CONTINUE WHEN NOT FOUND;
         pos := idem_ordering_lock(k.s, k.k, pos.next_seq);
-        CONTINUE WHEN pos.holder_key IS NOT NULL;
+        -- The row whose turn it is, and rows whose turn passed while they waited (an
+        -- operator skipped it): their copies come back and are dead-lettered
+        -- `sequence_passed`, so none is lost in the table.
         RETURN QUERY
-            UPDATE ordering_waiting w SET released_at = now()
+            UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
              WHERE w.scope = pos.scope AND w.ordering_key = pos.ordering_key
-               AND w.seq = pos.next_seq
+               AND (w.seq < pos.next_seq OR (w.seq = pos.next_seq AND pos.holder_key IS NULL))
                AND (w.released_at IS NULL
-                    OR w.released_at < now() - p_stale_ms * interval '1 millisecond')
+                    OR (w.releases < 8 AND w.released_at < now()
+                        - p_stale_ms * (1 << least(w.releases - 1, 6)) * interval '1 millisecond'))
             RETURNING w.*;
     END LOOP;
+    -- A lost release is published again by the sweep; a lost move by the next entry.
+    PERFORM set_config('synchronous_commit', 'off', true);
 END
 $$;

@@ -53,6 +53,20 @@ async fn applied_count(pool: &PgPool) -> i64 {
         .unwrap_or(0)
 }
 
+/// Entries that started before the entry applied before them in their account wrote:
+/// two of one account at once.
+async fn overlaps(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT started, lag(at) OVER (PARTITION BY account ORDER BY applied) AS before
+               FROM account_entries) e
+          WHERE started < before",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 async fn waiting(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM ordering_waiting")
         .fetch_one(pool)
@@ -143,6 +157,11 @@ async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, 
         );
     }
     assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    assert_eq!(
+        overlaps(&pool).await,
+        0,
+        "two entries of one account ran at once"
+    );
     // More than one process applied entries: the order held across them.
     let pids: i64 = sqlx::query_scalar("SELECT count(DISTINCT pid) FROM account_entries")
         .fetch_one(&pool)
@@ -230,16 +249,13 @@ async fn a_failing_predecessor_blocks_only_its_account_until_it_is_replayed(
 /// entity is listed as stalled by a gap and the worker warns; skipped with a note, 4
 /// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.
 /// A copy of the completed 1 is acked at once while the gap holds (not parked).
-#[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_once(
-    o: PgPoolOptions,
-    c: PgConnectOptions,
-) {
+async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);
-    let q = TestQueue::new("ordering-gap").await;
+    let q = TestQueue::new(&format!("ordering-gap-{mode}")).await;
     prepare(&pool, &url, &q).await;
-    let worker = spawn_accounts_worker(&url, &q.name, &["--stall-after-ms", "300"]);
+    let args = ["--stall-after-ms", "300", "--mode", mode];
+    let worker = spawn_accounts_worker(&url, &q.name, &args);
     for v in [2, 5, 1, 4] {
         q.publish(&entry("g", v)).await;
     }
@@ -256,6 +272,13 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
     .await;
     assert_eq!(waiting(&pool).await, 2, "the copy of 1 did not wait");
     assert_eq!(applied(&pool).await["g"], vec![1, 2]);
+    // Another event with the number 4 (which waits already): a producer's bug.
+    let mut other = serde_json::from_slice::<serde_json::Value>(&entry("g", 4)).unwrap();
+    other["event_id"] = "g-other-4".into();
+    q.publish(other.to_string().as_bytes()).await;
+    q.wait_for_messages(&q.dlq(), 1, SETTLE).await;
+    let letters = q.drain(&q.dlq()).await;
+    assert_eq!(letters[0].reason.as_deref(), Some("sequence_conflict"));
 
     wait_until(SETTLE, "the gap reported", || async {
         worker.log_contains("entities stalled")
@@ -310,6 +333,24 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
     )
     .await;
     assert!(said.contains("sequence 3"), "{said}");
+    let (code, _) = run_idem(
+        &url,
+        &[
+            "ops",
+            "ordering",
+            "skip",
+            "--scope",
+            "acme",
+            "--key",
+            "account-g",
+            "--seq",
+            "3",
+            "--note",
+            "again",
+        ],
+    )
+    .await;
+    assert_ne!(code, 0, "a turn listed before it moved is not skipped");
     wait_until(SETTLE, "4 and 5 applied", || async {
         applied(&pool).await.get("g").is_some_and(|v| v.len() == 4) && waiting(&pool).await == 0
     })
@@ -322,6 +363,28 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].reason.as_deref(), Some("sequence_passed"));
     assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
+}
+
+/// Account `g` gets 1, 2, 4, 5: 4 and 5 wait behind the gap; after the stall time the
+/// entity is listed as stalled by a gap and the worker warns; skipped with a note, 4
+/// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.
+/// A copy of the completed 1 is acked at once while the gap holds (not parked); another
+/// event numbered 4 is dead-lettered as `sequence_conflict`. Leased mode.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_once_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    gap_skipped(o, c, "leased").await;
+}
+
+/// The same in transactional mode.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_once_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    gap_skipped(o, c, "transactional").await;
 }
 
 /// Without a sequence, one account's entries run one at a time (each starts after the
@@ -362,4 +425,126 @@ async fn order_of_arrival_runs_one_entry_of_an_account_at_a_time(
         gaps.iter().all(|&g| g >= 0.019),
         "two entries of one account overlapped: {gaps:?}"
     );
+}
+
+/// `order.created` and `order.cancelled` of one order, handled by two handlers of one
+/// service (routed by a body field) that name the same ordering key: published cancel
+/// first, the create still runs first, for every order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn two_handlers_of_a_service_share_an_entitys_order(pool: PgPool) {
+    sqlx::query(
+        "CREATE TABLE order_steps (applied bigint GENERATED ALWAYS AS IDENTITY,
+                                   order_id text NOT NULL, kind text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let q = TestQueue::new("ordering-service").await;
+    let store = idem::Store::new(pool.clone(), idem::StoreConfig::default());
+    let config = idem::WorkerConfig {
+        amqp_url: amqp_url(),
+        queue: q.name.clone(),
+        route_by: idem::RouteBy::Field("kind".into()),
+        retry: idem::RetryPolicy {
+            delays: RETRY_DELAYS_MS[..2]
+                .iter()
+                .map(|&ms| Duration::from_millis(ms))
+                .collect(),
+            ..idem::RetryPolicy::default()
+        },
+        ..idem::WorkerConfig::default()
+    };
+    let service_config = idem::ServiceConfig {
+        amqp_url: amqp_url(),
+        tally_every: None,
+        ..idem::ServiceConfig::default()
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let service = idem::Service::new(store, service_config)
+        .handler_for("order.created", Step::<true>, config.clone())
+        .handler_for("order.cancelled", Step::<false>, config);
+    let running = tokio::spawn(service.run(shutdown.clone()));
+    wait_for_consumers(&q, 1).await;
+    const ORDERS: usize = 10;
+    for i in 0..ORDERS {
+        for (kind, version) in [("order.cancelled", 2), ("order.created", 1)] {
+            let body = json!({"event_id": format!("{kind}-{i}"), "order_id": format!("o{i}"),
+                              "kind": kind, "version": version});
+            q.publish(body.to_string().as_bytes()).await;
+        }
+    }
+    wait_until(SETTLE, "every step applied", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM order_steps")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 2 * ORDERS as i64
+            && all_settled(&q).await
+    })
+    .await;
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT order_id, kind FROM order_steps ORDER BY applied")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let mut by_order: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (order, kind) in rows {
+        by_order.entry(order).or_default().push(kind);
+    }
+    assert_eq!(by_order.len(), ORDERS);
+    for (order, kinds) in &by_order {
+        assert_eq!(
+            kinds,
+            &["order.created", "order.cancelled"],
+            "order {order}"
+        );
+    }
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+}
+
+#[derive(serde::Deserialize)]
+struct OrderStep {
+    event_id: String,
+    order_id: String,
+    kind: String,
+    version: i64,
+}
+
+/// `order.created` (`CREATED`) or `order.cancelled`: one row per step.
+struct Step<const CREATED: bool>;
+
+impl<const CREATED: bool> idem::Handler for Step<CREATED> {
+    type Message = OrderStep;
+    type Output = ();
+    const OPERATION: &'static str = if CREATED {
+        "order.created"
+    } else {
+        "order.cancelled"
+    };
+
+    fn scope(&self, _: &OrderStep) -> String {
+        "acme".into()
+    }
+
+    fn idempotency_key(&self, m: &OrderStep) -> String {
+        m.event_id.clone()
+    }
+
+    fn ordering(&self, m: &OrderStep) -> Option<idem::Ordered> {
+        Some(idem::Ordered::by(format!("order-{}", m.order_id)).sequence(m.version))
+    }
+
+    async fn handle(
+        &self,
+        m: OrderStep,
+        ctx: &mut idem::Context,
+    ) -> Result<(), idem::HandlerError> {
+        sqlx::query("INSERT INTO order_steps (order_id, kind) VALUES ($1, $2)")
+            .bind(&m.order_id)
+            .bind(&m.kind)
+            .execute(ctx.tx().await?)
+            .await?;
+        Ok(())
+    }
 }

@@ -27,6 +27,9 @@ pub(crate) use table::{Entered, Entry, Gate, Released};
 
 /// Longest accepted ordering key, in bytes.
 const MAX_KEY_LEN: usize = 500;
+/// Sequence numbers lie within ±2^62: the position counts on past them without
+/// overflowing.
+const MAX_SEQUENCE: u64 = 1 << 62;
 
 /// Where a message stands in its entity's order: the entity (an order id, an account),
 /// and optionally its sequence number (a version, a per-entity counter from the
@@ -93,6 +96,10 @@ impl Ordered {
         if self.key.chars().any(char::is_control) {
             return Some("the ordering key contains a control character".into());
         }
+        let bounded = |n: i64| n.unsigned_abs() < MAX_SEQUENCE;
+        if !bounded(self.first) || self.sequence.is_some_and(|n| !bounded(n)) {
+            return Some(format!("sequence numbers must lie within ±{MAX_SEQUENCE}"));
+        }
         None
     }
 }
@@ -156,28 +163,37 @@ pub async fn list(
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Skipped {
-    /// The entity moved from `from` to `from + 1`; the delivery waiting for that number,
-    /// if any, is released by the next sweep (within a second or so).
-    Moved {
+    /// The entity moved past `seq`; the delivery waiting for `seq + 1`, if any, is
+    /// released by the next sweep (within a second or so).
+    Skipped {
         /// The skipped sequence number.
-        from: i64,
+        seq: i64,
+    },
+    /// Nothing skipped: the entity's turn is `next_seq`, not the one given (it moved
+    /// since it was listed).
+    Moved {
+        /// The sequence number whose turn it is.
+        next_seq: i64,
     },
     /// No such entity.
     Unknown,
-    /// The holder runs now (its lease is alive): skipping it would run its successor
-    /// beside it. Wait for it, or release its lease first.
+    /// The holder runs now (a live lease, or a turn taken within the last minute that
+    /// has no record yet): skipping it would run its successor beside it. Wait for
+    /// it, or release its lease first.
     Running,
 }
 
 /// Skips the sequence number whose turn it is for one entity (a gap that will never be
-/// filled, or a dead letter that will never be replayed), noting why. A skipped
-/// message that arrives later is dead-lettered as `sequence_passed` (with a sequence)
-/// or runs in its new place of arrival (without one).
+/// filled, or a dead letter that will never be replayed), noting why; with `expected`,
+/// only if that is still the turn (an operator acting on a listing a minute old must
+/// not skip the turn after it). A skipped message that arrives later, or waited, is
+/// dead-lettered as `sequence_passed`.
 pub async fn skip(
     pool: &PgPool,
     scope: &str,
     ordering_key: &str,
     note: &str,
+    expected: Option<i64>,
 ) -> Result<Skipped, StoreError> {
-    table::skip(pool, scope, ordering_key, note).await
+    table::skip(pool, scope, ordering_key, note, expected).await
 }

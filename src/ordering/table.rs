@@ -22,7 +22,8 @@ pub(crate) struct Entry {
     pub(crate) also: Option<String>,
     pub(crate) queue: String,
     pub(crate) body: Vec<u8>,
-    pub(crate) properties: BasicProperties,
+    /// Its AMQP properties, as [`stored_properties`] keeps them.
+    pub(crate) properties: Vec<u8>,
 }
 
 /// Where a delivery stands, as `idem_ordering_enter` decided.
@@ -140,8 +141,6 @@ struct Columns {
 
 impl Columns {
     fn push(&mut self, e: &Entry, keys: Option<&Keys>) -> Result<(), StoreError> {
-        let properties = serde_json::to_vec(&e.properties)
-            .map_err(|error| StoreError::UnknownClaimRow(format!("properties: {error}")))?;
         self.scope.push(e.key.scope().to_owned());
         self.ordering_key.push(e.ordered.key.clone());
         self.seq.push(e.ordered.sequence);
@@ -153,8 +152,22 @@ impl Columns {
         self.also.push(e.also.clone());
         self.queue.push(e.queue.clone());
         self.body.push(protect::seal_body(keys, &e.body));
-        self.properties.push(properties);
+        self.properties.push(e.properties.clone());
         Ok(())
+    }
+}
+
+/// `properties` as kept in `ordering_waiting`: JSON that must read back as the same
+/// properties (a header float that is not a number would not), or the message is
+/// refused as malformed before it is acked.
+pub(crate) fn stored_properties(properties: &BasicProperties) -> Result<Vec<u8>, String> {
+    let refused =
+        |why: String| format!("the message's properties cannot be kept while it waits: {why}");
+    let bytes = serde_json::to_vec(properties).map_err(|e| refused(e.to_string()))?;
+    match serde_json::from_slice::<BasicProperties>(&bytes) {
+        Ok(back) if &back == properties => Ok(bytes),
+        Ok(_) => Err(refused("they do not read back the same".into())),
+        Err(e) => Err(refused(e.to_string())),
     }
 }
 
@@ -180,7 +193,24 @@ pub(crate) async fn release(
     .bind(millis(RELEASE_STALE))
     .fetch_all(pool)
     .await?;
-    rows.into_iter().map(|row| released(row, keys)).collect()
+    // Each row on its own: one that cannot be opened (a body sealed under a key no
+    // longer configured) must not hold back the others. It stays released; the entity
+    // shows as stalled.
+    Ok(rows
+        .into_iter()
+        .filter_map(|row| {
+            let (scope, key, seq) = (row.0.clone(), row.1.clone(), row.2);
+            released(row, keys)
+                .map_err(|error| {
+                    tracing::warn!(
+                        error = %crate::text::error_line(&error),
+                        scope = %scope, ordering_key = %key, seq,
+                        "a waiting delivery cannot be read back; its entity stays stalled"
+                    )
+                })
+                .ok()
+        })
+        .collect())
 }
 
 fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
@@ -212,11 +242,10 @@ pub(crate) async fn unmoved(
            LIMIT $1)
          UNION
          (SELECT p.scope, p.ordering_key FROM ordering_waiting w
-            JOIN ordering_positions p ON p.scope = w.scope
-             AND p.ordering_key = w.ordering_key AND p.next_seq = w.seq
-           WHERE p.holder_key IS NULL
+            JOIN ordering_positions p ON p.scope = w.scope AND p.ordering_key = w.ordering_key
+           WHERE (w.seq < p.next_seq OR (w.seq = p.next_seq AND p.holder_key IS NULL))
              AND (w.released_at IS NULL
-                  OR w.released_at < now() - $2 * interval '1 millisecond')
+                  OR (w.releases < 8 AND w.released_at < now() - $2 * interval '1 millisecond'))
            LIMIT $1)",
     )
     .bind(limit)
@@ -230,12 +259,14 @@ pub(crate) async fn unmoved(
 /// deliveries waiting in all: the gauges `idem_ordering_stalled` and
 /// `idem_ordering_waiting`.
 pub(crate) async fn stats(pool: &PgPool, stall_after: Duration) -> Result<(i64, i64), StoreError> {
+    // From the waiting rows (few), not the positions (one per entity seen within the
+    // retention).
     let row = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM ordering_positions p
-                  WHERE p.moved_at < now() - $1 * interval '1 millisecond'
-                    AND EXISTS (SELECT 1 FROM ordering_waiting w
-                                 WHERE w.scope = p.scope AND w.ordering_key = p.ordering_key)),
-                (SELECT count(*) FROM ordering_waiting)",
+        "SELECT count(DISTINCT (w.scope, w.ordering_key))
+                    FILTER (WHERE p.moved_at < now() - $1 * interval '1 millisecond'),
+                count(*)
+           FROM ordering_waiting w
+           JOIN ordering_positions p ON p.scope = w.scope AND p.ordering_key = w.ordering_key",
     )
     .bind(millis(stall_after))
     .fetch_one(pool)
@@ -266,7 +297,8 @@ pub(super) async fn list(
 ) -> Result<Vec<Position>, StoreError> {
     let rows: Vec<PositionRow> = sqlx::query_as(
         "SELECT p.scope, p.ordering_key, p.next_seq, p.holder_operation, p.holder_key,
-                r.status AS holder_status, r.dead_lettered_at IS NOT NULL AS holder_dead_lettered,
+                r.status AS holder_status,
+                (r.dead_lettered_at IS NOT NULL OR r.discarded_at IS NOT NULL) AS holder_dead_lettered,
                 w.waiting, w.first_waiting, p.moved_at, p.skipped, p.skip_note
            FROM ordering_positions p
            JOIN LATERAL (SELECT count(*) AS waiting, min(seq) AS first_waiting
@@ -306,6 +338,7 @@ pub(super) async fn skip(
     scope: &str,
     ordering_key: &str,
     note: &str,
+    expected: Option<i64>,
 ) -> Result<Skipped, StoreError> {
     let mut tx = pool.begin().await?;
     let locked: Option<(i64,)> = sqlx::query_as(
@@ -319,12 +352,20 @@ pub(super) async fn skip(
     let Some((from,)) = locked else {
         return Ok(Skipped::Unknown);
     };
+    if expected.is_some_and(|seq| seq != from) {
+        return Ok(Skipped::Moved { next_seq: from });
+    }
+    // The holder runs: its record's lease is alive (running, or reconciling), or it has
+    // no record yet and took its turn within the last minute (a transactional batch not
+    // committed yet, or a claim on its way).
     let running: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM ordering_positions p JOIN processed_operations r
+        "SELECT EXISTS (SELECT 1 FROM ordering_positions p
+                   LEFT JOIN processed_operations r
                           ON r.scope = p.scope AND r.operation = p.holder_operation
                          AND r.idempotency_key = p.holder_key
-                       WHERE p.scope = $1 AND p.ordering_key = $2 AND r.status = 'processing'
-                         AND r.lease_expires_at > now())",
+                       WHERE p.scope = $1 AND p.ordering_key = $2 AND p.holder_key IS NOT NULL
+                         AND ((r.status IN ('processing', 'pending') AND r.lease_expires_at > now())
+                              OR (r.id IS NULL AND p.held_since > now() - interval '1 minute')))",
     )
     .bind(scope)
     .bind(ordering_key)
@@ -346,11 +387,12 @@ pub(super) async fn skip(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(Skipped::Moved { from })
+    Ok(Skipped::Skipped { seq: from })
 }
 
 /// Deletes up to `limit` positions idle for longer than `retention`: no holder, nothing
-/// waiting. A later message of such an entity starts it again at its first number, so
+/// waiting (`last_seq < next_seq`, which a parking entry changes on the row gc locks,
+/// so a row parked meanwhile keeps its position). A later message of such an entity starts it again at its first number, so
 /// the retention must exceed the entity's quiet time as the records' does their
 /// redeliveries'.
 pub(crate) async fn collect(
@@ -362,7 +404,7 @@ pub(crate) async fn collect(
         "DELETE FROM ordering_positions p
           WHERE (p.scope, p.ordering_key) IN (
                 SELECT scope, ordering_key FROM ordering_positions q
-                 WHERE q.holder_key IS NULL
+                 WHERE q.holder_key IS NULL AND q.last_seq < q.next_seq
                    AND q.moved_at < now() - $1 * interval '1 millisecond'
                    AND NOT EXISTS (SELECT 1 FROM ordering_waiting w
                                     WHERE w.scope = q.scope AND w.ordering_key = q.ordering_key)

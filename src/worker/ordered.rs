@@ -88,6 +88,10 @@ pub(super) async fn enter<H: Handler>(
         return Ok(Some(super::decision::malformed(why)));
     }
     let entity = ordered.key.clone();
+    let properties = match table::stored_properties(incoming.properties()) {
+        Ok(properties) => properties,
+        Err(why) => return Ok(Some(super::decision::malformed(why))),
+    };
     let entry = Entry {
         key: parsed.key.clone(),
         ordered,
@@ -95,7 +99,7 @@ pub(super) async fn enter<H: Handler>(
         also: parsed.fingerprint.also(),
         queue: runtime.config.queue.clone(),
         body: incoming.data.to_vec(),
-        properties: incoming.properties().clone(),
+        properties,
     };
     let entered = match runtime.orderings.entries.call(entry).await? {
         Ok(entered) => entered,
@@ -230,7 +234,7 @@ pub(super) async fn sweep_every(
             Ok(entities) if entities.is_empty() => continue,
             Ok(entities) => entities,
             Err(error) => {
-                debug!(error = %crate::text::error_line(&error), "ordering sweep");
+                warn!(error = %crate::text::error_line(&error), "ordering sweep");
                 continue;
             }
         };
@@ -256,7 +260,7 @@ pub(super) async fn sweep_every(
                     publish(channel, r).await;
                 }
             }
-            Err(error) => debug!(error = %crate::text::error_line(&error), "ordering sweep"),
+            Err(error) => warn!(error = %crate::text::error_line(&error), "ordering sweep"),
         }
     }
 }

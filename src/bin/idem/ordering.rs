@@ -39,6 +39,10 @@ pub(crate) enum Ordering {
         /// Why (a ticket, what was lost), kept on the entity.
         #[arg(long)]
         note: String,
+        /// The sequence number to skip, as the listing showed it (`next`): nothing is
+        /// skipped if the entity moved since.
+        #[arg(long)]
+        seq: Option<i64>,
     },
 }
 
@@ -49,7 +53,12 @@ pub(crate) async fn run(store: &Store, command: &Ordering) -> anyhow::Result<()>
             limit,
             json,
         } => list(store, *stalled_for, *limit, *json).await,
-        Ordering::Skip { scope, key, note } => skip(store, scope, key, note).await,
+        Ordering::Skip {
+            scope,
+            key,
+            note,
+            seq,
+        } => skip(store, scope, key, note, *seq).await,
     }
 }
 
@@ -106,18 +115,27 @@ fn as_json(p: &Position) -> serde_json::Value {
     })
 }
 
-async fn skip(store: &Store, scope: &str, key: &str, note: &str) -> anyhow::Result<()> {
-    match ordering::skip(store.pool(), scope, key, note).await? {
-        Skipped::Moved { from } => {
+async fn skip(
+    store: &Store,
+    scope: &str,
+    key: &str,
+    note: &str,
+    seq: Option<i64>,
+) -> anyhow::Result<()> {
+    match ordering::skip(store.pool(), scope, key, note, seq).await? {
+        Skipped::Skipped { seq } => {
             say!(
-                "skipped {scope} / {key} sequence {from}: {} runs next",
-                from + 1
+                "skipped {scope} / {key} sequence {seq}: {} runs next",
+                seq + 1
             );
             Ok(())
         }
+        Skipped::Moved { next_seq } => bail!(
+            "{scope} / {key} moved on: its turn is {next_seq} now; nothing skipped (list it again)"
+        ),
         Skipped::Unknown => bail!("no entity {scope} / {key}"),
         Skipped::Running => bail!(
-            "the holder of {scope} / {key} runs now (its lease is alive): skipping would run its successor beside it; wait, or `idem ops release` it first"
+            "the holder of {scope} / {key} runs now (a live lease, or a turn taken within the last minute): skipping would run its successor beside it; wait, or `idem ops release` it first"
         ),
         _ => bail!("not skipped"),
     }

@@ -162,9 +162,10 @@ fn position_row(p: &Position, now: chrono::DateTime<chrono::Utc>) -> Vec<String>
         format!(
             "<code>{}</code>",
             escape(&format!(
-                "idem ops ordering skip --scope {} --key {} --note \"...\"",
+                "idem ops ordering skip --scope {} --key {} --seq {} --note \"...\"",
                 shell_word(&p.scope),
-                shell_word(&p.ordering_key)
+                shell_word(&p.ordering_key),
+                p.next_seq
             ))
         )
     } else {
