@@ -82,6 +82,11 @@ BEGIN
          WHERE scope = pos.scope AND operation = pos.holder_operation
            AND idempotency_key = pos.holder_key AND status = 'completed')
     THEN
+        -- The holder's waiting row, if its turn was handed to it from there (kept until
+        -- it completed, in case its worker died), is done with.
+        DELETE FROM ordering_waiting
+         WHERE scope = pos.scope AND operation = pos.holder_operation
+           AND idempotency_key = pos.holder_key;
         UPDATE ordering_positions
            SET next_seq = next_seq + 1, holder_operation = NULL, holder_key = NULL,
                held_since = NULL, moved_at = now()
@@ -125,6 +130,13 @@ BEGIN
                          AND r.idempotency_key = p_idem[i]
                          AND (r.status = 'completed' OR (r.status = 'failed' AND NOT r.retryable)))
         THEN
+            IF pos.holder_key IS DISTINCT FROM p_idem[i]
+               OR pos.holder_operation IS DISTINCT FROM p_operation[i] THEN
+                -- Decided by its record: a copy of it that waited is done with.
+                DELETE FROM ordering_waiting
+                 WHERE scope = p_scope[i] AND operation = p_operation[i]
+                   AND idempotency_key = p_idem[i];
+            END IF;
             verdict := 'run';
             RETURN NEXT;
             CONTINUE;
@@ -245,13 +257,28 @@ BEGIN
          WHERE scope = k.s AND ordering_key = k.k;
         CONTINUE WHEN NOT FOUND;
         pos := idem_ordering_lock(k.s, k.k, pos.next_seq);
-        -- The row whose turn it is, and rows whose turn passed while they waited (an
-        -- operator skipped it): their copies come back and are dead-lettered
-        -- `sequence_passed`, so none is lost in the table.
+        -- The turn is handed to the delivery waiting for it: it holds the turn now, and
+        -- its row stays until it completes (the worker that runs it may die).
+        IF pos.holder_key IS NULL THEN
+            UPDATE ordering_positions p
+               SET holder_operation = w.operation, holder_key = w.idempotency_key,
+                   held_since = now()
+              FROM ordering_waiting w
+             WHERE p.scope = pos.scope AND p.ordering_key = pos.ordering_key
+               AND w.scope = pos.scope AND w.ordering_key = pos.ordering_key
+               AND w.seq = pos.next_seq;
+            SELECT * INTO pos FROM ordering_positions
+             WHERE scope = pos.scope AND ordering_key = pos.ordering_key;
+        END IF;
+        -- The row whose turn it is (again, when it did not come back), and rows whose
+        -- turn passed while they waited (an operator skipped it): their copies come back
+        -- and are dead-lettered `sequence_passed`, so none is lost in the table.
         RETURN QUERY
             UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
              WHERE w.scope = pos.scope AND w.ordering_key = pos.ordering_key
-               AND (w.seq < pos.next_seq OR (w.seq = pos.next_seq AND pos.holder_key IS NULL))
+               AND (w.seq < pos.next_seq
+                    OR (w.seq = pos.next_seq AND pos.holder_operation = w.operation
+                        AND pos.holder_key = w.idempotency_key))
                AND (w.released_at IS NULL
                     OR (w.releases < 8 AND w.released_at < now()
                         - p_stale_ms * (1 << least(w.releases - 1, 6)) * interval '1 millisecond'))

@@ -51,12 +51,14 @@ pub(crate) struct Entered {
     pub(crate) seq: Option<i64>,
 }
 
-/// A delivery whose turn came: to be published to its queue again.
+/// A delivery whose turn came (it holds the turn now): run in the process that released
+/// it, or published to its queue again.
 #[derive(Debug, Clone)]
 pub(crate) struct Released {
     pub(crate) scope: String,
     pub(crate) ordering_key: String,
     pub(crate) seq: i64,
+    pub(crate) operation: String,
     pub(crate) queue: String,
     pub(crate) body: Vec<u8>,
     pub(crate) properties: BasicProperties,
@@ -171,7 +173,7 @@ pub(crate) fn stored_properties(properties: &BasicProperties) -> Result<Vec<u8>,
     }
 }
 
-type WaitingRow = (String, String, i64, String, Vec<u8>, Vec<u8>);
+type WaitingRow = (String, String, i64, String, String, Vec<u8>, Vec<u8>);
 
 /// Moves the positions of `entities` on past completed holders and releases the
 /// deliveries whose turn came.
@@ -185,7 +187,7 @@ pub(crate) async fn release(
         .map(|(s, k)| (s.as_str(), k.as_str()))
         .unzip();
     let rows: Vec<WaitingRow> = sqlx::query_as(
-        "SELECT scope, ordering_key, seq, queue, body, properties
+        "SELECT scope, ordering_key, seq, operation, queue, body, properties
            FROM idem_ordering_release($1::text[], $2::text[], $3)",
     )
     .bind(scopes)
@@ -214,17 +216,45 @@ pub(crate) async fn release(
 }
 
 fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
-    let (scope, ordering_key, seq, queue, body, properties) = row;
+    let (scope, ordering_key, seq, operation, queue, body, properties) = row;
     let properties = serde_json::from_slice(&properties)
         .map_err(|error| StoreError::UnknownClaimRow(format!("waiting properties: {error}")))?;
     Ok(Released {
         scope,
         ordering_key,
         seq,
+        operation,
         queue,
         body: protect::open_body(keys, body)?,
         properties,
     })
+}
+
+/// A released delivery run in its releasing process was settled (its outcome, retry copy
+/// or dead letter is safe): its waiting row is done with.
+pub(crate) async fn finish(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
+    sqlx::query("DELETE FROM ordering_waiting WHERE scope = $1 AND ordering_key = $2 AND seq = $3")
+        .bind(&released.scope)
+        .bind(&released.ordering_key)
+        .bind(released.seq)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// A released delivery run in its releasing process went back unsettled (an outage, an
+/// open circuit): the sweep publishes it to its queue within a second or so.
+pub(crate) async fn give_back(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE ordering_waiting SET released_at = NULL
+          WHERE scope = $1 AND ordering_key = $2 AND seq = $3",
+    )
+    .bind(&released.scope)
+    .bind(&released.ordering_key)
+    .bind(released.seq)
+    .execute(pool)
+    .await?;
+    Ok(())
 }
 
 /// Entities that may move on without a delivery of theirs coming: a holder whose record
@@ -243,7 +273,9 @@ pub(crate) async fn unmoved(
          UNION
          (SELECT p.scope, p.ordering_key FROM ordering_waiting w
             JOIN ordering_positions p ON p.scope = w.scope AND p.ordering_key = w.ordering_key
-           WHERE (w.seq < p.next_seq OR (w.seq = p.next_seq AND p.holder_key IS NULL))
+           WHERE (w.seq < p.next_seq
+                  OR (w.seq = p.next_seq AND (p.holder_key IS NULL
+                      OR (p.holder_operation = w.operation AND p.holder_key = w.idempotency_key))))
              AND (w.released_at IS NULL
                   OR (w.releases < 8 AND w.released_at < now() - $2 * interval '1 millisecond'))
            LIMIT $1)",

@@ -15,7 +15,7 @@ use super::batch::Batcher;
 use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
 use super::ordered::{self, Entity};
-use super::settle::{Incoming, Links, Settler};
+use super::settle::{Incoming, Links, Settler, Source};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Failure, Runtime};
 use crate::failpoint;
@@ -24,11 +24,19 @@ use crate::fingerprint::Fingerprint;
 use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
 use crate::key::Key;
+use crate::ordering::Released;
 use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, storable};
 use crate::trace;
 
+/// Most turns one delivery's task hands on in this process, one after the other, before
+/// it publishes the next to its queue (where it waits its turn among the others, under
+/// the queue's concurrency and the shutdown's drain).
+const MAX_HANDED_ON: usize = 64;
+
 /// Decides one delivery inside its span and carries the verdict out on the broker; one
-/// that could not be decided goes to [`undecided`].
+/// that could not be decided goes to [`undecided`]. When it completed and released its
+/// entity's next turn, that delivery runs next in this task (it holds the turn), and so
+/// on (docs/DESIGN.md, "Order per entity").
 pub(super) async fn process<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
@@ -52,20 +60,66 @@ pub(super) async fn process<H: Handler>(
     ) {
         trace::consumer_attributes(&span, &runtime.config.queue, H::OPERATION, &delivery);
     }
+    let from = Source::Broker(delivery.delivery_tag);
+    let mut next = decide(runtime, links, &incoming, from, span).await;
+    let mut handed_on = 0;
+    while let Some(released) = next.take() {
+        if released.operation != H::OPERATION || handed_on == MAX_HANDED_ON {
+            ordered::publish(&links.publish, &released).await;
+            break;
+        }
+        handed_on += 1;
+        next = hand_on(runtime, links, &released).await;
+    }
+}
+
+/// Runs the delivery whose turn this process released, from its waiting row: as if the
+/// broker had brought it, its ack deleting the row.
+async fn hand_on<H: Handler>(
+    runtime: &Runtime<H>,
+    links: &Links,
+    released: &Released,
+) -> Option<Released> {
+    let span = delivery_span(runtime, false);
+    let envelope = Envelope {
+        exchange: String::new(),
+        routing_key: released.queue.clone(),
+        redelivered: false,
+        properties: released.properties.clone(),
+    };
+    let incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
+    trace::continue_trace(
+        &span,
+        incoming.trace.as_ref(),
+        &runtime.process_span,
+        "consumer",
+    );
+    decide(runtime, links, &incoming, Source::Waiting(released), span).await
+}
+
+/// Walks the decision table for `incoming` and settles it; the entity's next turn, when
+/// it completed and released one.
+async fn decide<H: Handler>(
+    runtime: &Runtime<H>,
+    links: &Links,
+    incoming: &Incoming<'_>,
+    from: Source<'_>,
+    span: Span,
+) -> Option<Released> {
     let received = Instant::now();
     let settler = Settler {
-        incoming: &incoming,
+        incoming,
         dead_lettered: AtomicBool::new(false),
         links,
         operation: H::OPERATION,
         store: &runtime.store,
-        delivery: &delivery,
+        from,
         queue: &runtime.config.queue,
         tally: runtime.tally.as_deref(),
     };
     async {
         let mut entity = None;
-        let settled = match walk(runtime, &incoming).await {
+        let settled = match walk(runtime, incoming).await {
             Ok(mut decided) => {
                 entity = decided.entity.take();
                 settle(&settler, decided).await
@@ -79,11 +133,10 @@ pub(super) async fn process<H: Handler>(
             }
             Err(error) => undecided(runtime, &settler, error).await,
         };
-        if let Some(entity) = entity
-            && ordered::moves_on(outcome)
-        {
-            ordered::leave(runtime, links, entity).await;
-        }
+        let next = match entity {
+            Some(entity) if ordered::moves_on(outcome) => ordered::leave(runtime, entity).await,
+            _ => None,
+        };
         settler.count(outcome.as_str());
         let span = Span::current();
         trace::attribute(&span, "idem.outcome", outcome.as_str());
@@ -95,6 +148,7 @@ pub(super) async fn process<H: Handler>(
             elapsed_ms = rounded_ms(received.elapsed()),
             "delivery decided"
         );
+        next
     }
     .instrument(span)
     .await

@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 use super::batch::Batcher;
 use super::decision::{CONFLICT, DeadLetterOrder, Outcome, Settle, Verdict};
 use super::execute::{Parsed, message_fault};
-use super::settle::{Incoming, Links};
+use super::settle::Incoming;
 use super::{Failure, Runtime, WorkerConfig};
 use crate::connector::Connector;
 use crate::dead_letter::Reason;
@@ -162,28 +162,26 @@ pub(super) fn moves_on(outcome: Outcome) -> bool {
     )
 }
 
-/// Moves `entity` on past the delivery that completed and publishes the next turn's
-/// delivery, if one waits. A failure here only delays the next turn until the sweep.
-pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, links: &Links, entity: Entity) {
-    let released = match runtime.orderings.releases.call(entity).await {
+/// Moves `entity` on past the delivery that completed and hands the next turn to the
+/// delivery that waits for it, if one does: returned, to run in this process. A failure
+/// here only delays the next turn until the sweep.
+pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Option<Released> {
+    match runtime.orderings.releases.call(entity).await {
         Ok(Ok(released)) => released,
         Ok(Err(error)) => {
             warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
-            return;
+            None
         }
         Err(error) => {
             warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
-            return;
+            None
         }
-    };
-    if let Some(released) = released {
-        publish(&links.publish, &released).await;
     }
 }
 
 /// Publishes a delivery whose turn came to its queue (confirmed). Not published, it is
 /// released again by a sweep after [`table::RELEASE_STALE`].
-async fn publish(channel: &Channel, released: &Released) {
+pub(super) async fn publish(channel: &Channel, released: &Released) {
     let properties: BasicProperties = released.properties.clone();
     match topology::publish_confirmed(channel, &released.queue, &released.body, properties).await {
         Ok(()) => metrics::ordering_released(1),

@@ -13,7 +13,7 @@ use serde_json::Value;
 use tracing::{Instrument, info_span, warn};
 
 use super::decision::{DeadLetterOrder, Outcome, Settle};
-use super::settle::{Incoming, Links, Settler};
+use super::settle::{Incoming, Links, Settler, Source};
 use super::{Runtime, execute};
 use crate::dead_letter::Reason;
 use crate::flow::circuit::Admission;
@@ -170,7 +170,7 @@ impl Unrouted {
             links,
             operation: UNROUTED,
             store: &self.store,
-            delivery: &delivery,
+            from: Source::Broker(delivery.delivery_tag),
             queue: &self.queue,
             tally: self.tally.as_deref(),
         };

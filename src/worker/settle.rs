@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use lapin::message::Delivery;
+use lapin::types::DeliveryTag;
 use lapin::{BasicProperties, Channel};
-use tracing::{Span, warn};
+use tracing::{Span, debug, warn};
 
 use super::Failure;
 use super::acks::Acks;
@@ -20,6 +20,7 @@ use crate::handler::Envelope;
 use crate::headers;
 use crate::key::Key;
 use crate::metrics;
+use crate::ordering::{Released, table};
 use crate::retry::retry_queue_name;
 use crate::store::Store;
 use crate::tally::Tally;
@@ -93,6 +94,17 @@ impl<'a> Incoming<'a> {
     }
 }
 
+/// Where a delivery came from, for its ack.
+#[derive(Clone, Copy)]
+pub(super) enum Source<'a> {
+    /// The broker, with this delivery tag.
+    Broker(DeliveryTag),
+    /// Its waiting row, whose turn this process released: acked, the row is deleted
+    /// (the outcome, retry copy or dead letter is safe); given back, the sweep publishes
+    /// it to its queue.
+    Waiting(&'a Released),
+}
+
 /// The broker side of one delivery.
 pub(super) struct Settler<'a> {
     /// The delivery as idem read it.
@@ -103,7 +115,9 @@ pub(super) struct Settler<'a> {
     pub(super) links: &'a Links,
     pub(super) operation: &'static str,
     pub(super) store: &'a Store,
-    pub(super) delivery: &'a Delivery,
+    /// Who hears the ack: the broker (the delivery's tag), or, for a delivery whose
+    /// turn was handed to it in this process, its waiting row.
+    pub(super) from: Source<'a>,
     pub(super) queue: &'a str,
     /// Where the outcome is counted for the console, if anywhere.
     pub(super) tally: Option<&'a Tally>,
@@ -127,7 +141,7 @@ impl Settler<'_> {
         match action {
             Settle::Ack => self.ack(),
             Settle::Retry { delay, retries } => {
-                let copy = dead_letter::retry(&self.delivery.properties, retries);
+                let copy = dead_letter::retry(self.incoming.properties(), retries);
                 self.publish(&retry_queue_name(self.queue, delay), &copy, false)
                     .await?;
                 failpoint::hit("after-publish");
@@ -145,12 +159,32 @@ impl Settler<'_> {
     /// Acks the delivery (coalesced with its neighbours). If the channel is gone by
     /// then, the broker redelivers and the store decides again.
     fn ack(&self) {
-        self.links.acks.ack(self.delivery.delivery_tag);
+        match self.from {
+            Source::Broker(tag) => self.links.acks.ack(tag),
+            Source::Waiting(released) => {
+                let (pool, released) = (self.store.pool().clone(), released.clone());
+                tokio::spawn(async move {
+                    if let Err(error) = table::finish(&pool, &released).await {
+                        debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
+                    }
+                });
+            }
+        }
     }
 
     /// Gives the delivery back to its queue, to be decided again.
     pub(super) fn requeue(&self) {
-        self.links.acks.nack(self.delivery.delivery_tag, true);
+        match self.from {
+            Source::Broker(tag) => self.links.acks.nack(tag, true),
+            Source::Waiting(released) => {
+                let (pool, released) = (self.store.pool().clone(), released.clone());
+                tokio::spawn(async move {
+                    if let Err(error) = table::give_back(&pool, &released).await {
+                        debug!(error = %crate::text::error_line(&error), "a handed-over turn goes back after the release time");
+                    }
+                });
+            }
+        }
     }
 
     /// Publishes `copy` to `queue`, confirmed, with the producer's headers unless
@@ -162,7 +196,7 @@ impl Settler<'_> {
         without_carried: bool,
     ) -> Result<(), Failure> {
         let properties = self.fitted(copy, without_carried);
-        topology::publish_confirmed(&self.links.publish, queue, &self.delivery.data, properties)
+        topology::publish_confirmed(&self.links.publish, queue, self.incoming.data, properties)
             .await?;
         Ok(())
     }
@@ -206,7 +240,7 @@ impl Settler<'_> {
     /// letter with its pin, and never loses one.
     async fn dead_letter(&self, order: &DeadLetterOrder, key: Option<&Key>) -> Result<(), Failure> {
         let copy = dead_letter::dead_letter(
-            &self.delivery.properties,
+            self.incoming.properties(),
             &DeadLetter {
                 reason: order.reason,
                 error: &order.error,
