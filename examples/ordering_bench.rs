@@ -39,6 +39,9 @@ struct Args {
     /// Worker processes.
     #[arg(long, default_value_t = 3)]
     workers: usize,
+    /// Only the hot runs (the hot account and one handler), not the shuffled ones.
+    #[arg(long)]
+    hot_only: bool,
     /// Entries of the hot account (0: no hot run).
     #[arg(long, default_value_t = 10_000)]
     hot: i64,
@@ -143,6 +146,18 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 impl Bench {
     async fn all(&self) -> anyhow::Result<bool> {
         let a = &self.args;
+        if a.hot_only {
+            let hot = self.hot("hot", "version", a.workers, 0).await?;
+            let one = self.hot("one", "none", 1, 1).await?;
+            println!(
+                "ordering_bench: mode={} hot_msgs_per_s={:.0} one_handler_msgs_per_s={:.0} hot_ratio={:.2}",
+                a.mode,
+                hot.rate(),
+                one.rate(),
+                hot.rate() / one.rate()
+            );
+            return Ok(hot.in_order && hot.once && one.once);
+        }
         let ordered = self.shuffled("ordered", "version", true).await?;
         let unordered = self.shuffled("unordered", "none", true).await?;
         let mut ok = ordered.in_order && ordered.once && unordered.once;
@@ -300,6 +315,24 @@ impl Bench {
                 .await;
         }
         let (in_order, once) = self.check(run, total).await?;
+        let (between_ms, claimed_ms): (Option<f64>, Option<f64>) = sqlx::query_as(
+            "WITH r AS (SELECT created_at, completed_at,
+                               lag(completed_at) OVER (ORDER BY completed_at) AS before
+                          FROM processed_operations WHERE idempotency_key LIKE $1 || ':%')
+             SELECT percentile_cont(0.5) WITHIN GROUP
+                        (ORDER BY extract(epoch FROM created_at - before) * 1000),
+                    percentile_cont(0.5) WITHIN GROUP
+                        (ORDER BY extract(epoch FROM completed_at - created_at) * 1000)
+               FROM r",
+        )
+        .bind(run)
+        .fetch_one(&self.pool)
+        .await?;
+        println!(
+            "ordering_bench run={run} median_ms: previous_completed_to_claim={:.2} claim_to_completed={:.2}",
+            between_ms.unwrap_or(0.0),
+            claimed_ms.unwrap_or(0.0)
+        );
         let ran = Ran {
             entries: total,
             elapsed,

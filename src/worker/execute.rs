@@ -87,7 +87,8 @@ async fn hand_on<H: Handler>(
         redelivered: false,
         properties: released.properties.clone(),
     };
-    let incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
+    let mut incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
+    incoming.holds_turn = true;
     trace::continue_trace(
         &span,
         incoming.trace.as_ref(),
@@ -323,7 +324,9 @@ pub(crate) async fn walk<H: Handler>(
     let mut entity = None;
     if let Some(ordering) = runtime.handler.ordering(&message) {
         let taken = (parsed.key.scope().to_owned(), ordering.key.clone());
-        if let Some(verdict) = ordered::enter(runtime, incoming, &parsed, ordering).await? {
+        if !incoming.holds_turn
+            && let Some(verdict) = ordered::enter(runtime, incoming, &parsed, ordering).await?
+        {
             return Ok(Decided::with_key(verdict, parsed.key, None));
         }
         entity = Some(taken);
@@ -341,7 +344,7 @@ pub(crate) async fn walk<H: Handler>(
     }
     let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
-    let mut step = claim(runtime, &request, retries).await?;
+    let mut step = claim(runtime, &request, retries, incoming.holds_turn).await?;
     loop {
         step = match step {
             Step::Run(lease) => {
@@ -377,7 +380,7 @@ pub(crate) async fn walk<H: Handler>(
                 if keeps_out(circuit, admission) {
                     return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
                 }
-                claim(runtime, &request, retries).await?
+                claim(runtime, &request, retries, incoming.holds_turn).await?
             }
             Step::Settle(verdict) => return Ok(Decided::with_key(verdict, parsed.key, entity)),
         };
@@ -485,13 +488,21 @@ async fn in_transaction<H: Handler>(
 
 /// Claims the key and decides by what the claim found. A claim the database refuses
 /// for the message's own data (a property Postgres cannot store) ends as malformed.
+///
+/// A delivery that holds its entity's turn (handed over by the release before it) claims
+/// without the batch's linger (see `ordered::Orderings`).
 async fn claim<H: Handler>(
     runtime: &Runtime<H>,
     request: &ClaimRequest,
     retries: Retries<'_>,
+    holds_turn: bool,
 ) -> Result<Step, Failure> {
-    let claimed = runtime
-        .claims
+    let claims = if holds_turn {
+        &runtime.orderings.claims
+    } else {
+        &runtime.claims
+    };
+    let claimed = claims
         .call(request.clone())
         .instrument(info_span!("claim"))
         .await?;

@@ -1,9 +1,10 @@
 //! Order per entity in the worker (docs/DESIGN.md, "Order per entity"). A delivery of a
 //! handler that answers [`Handler::ordering`] enters its entity's order before its
 //! claim: its turn goes on to the claim; one that came early is acked and waits in
-//! Postgres. Once a delivery's record completed, its entity moves on and the delivery
-//! whose turn it is now is published to its queue again; a sweep in every process does
-//! the same for what a crash or a skip left behind, and keeps the gauges.
+//! Postgres. Once a delivery's record completed, its entity moves on and the turn is
+//! handed to the delivery that waits for it, which `execute` runs next in the same task;
+//! a sweep in every process publishes to their queues what a crash or a skip left
+//! behind, and keeps the gauges.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,17 +25,21 @@ use crate::fault::Fault;
 use crate::handler::Handler;
 use crate::metrics;
 use crate::ordering::{Entered, Entry, Gate, Ordered, Released, table};
-use crate::store::{Store, StoreError};
+use crate::store::{Claim, ClaimRequest, Store, StoreError};
 use crate::topology;
 
 /// An entity: its scope and ordering key.
 pub(super) type Entity = (String, String);
 
-/// The batching loops of a worker's ordering calls: entries and releases of the
-/// deliveries that arrive together share one round trip.
+/// The batching loops of a worker's ordering calls. Entries share one round trip with
+/// the deliveries that arrive together. A turn's release, and the claim of the delivery
+/// it hands the turn to, batch without a linger: the entity's next turn waits on them (a
+/// linger would be paid at every turn of a hot entity), and what queued up while the
+/// batches in flight ran still goes together (many entities at once).
 pub(super) struct Orderings {
     entries: Batcher<Entry, Entered>,
     releases: Batcher<Entity, Option<Released>>,
+    pub(super) claims: Batcher<ClaimRequest, Claim>,
 }
 
 impl Orderings {
@@ -50,11 +55,30 @@ impl Orderings {
             async move { table::enter(store.pool(), store.keys(), &entries).await }
         });
         let releasing = store.clone();
-        let releases = Batcher::spawn(size, linger, in_flight, move |entities: Arc<[Entity]>| {
-            let store = releasing.clone();
-            async move { released_for(&store, &entities).await }
-        });
-        Self { entries, releases }
+        let releases = Batcher::spawn(
+            size,
+            Duration::ZERO,
+            in_flight,
+            move |entities: Arc<[Entity]>| {
+                let store = releasing.clone();
+                async move { released_for(&store, &entities).await }
+            },
+        );
+        let claiming = store.clone();
+        let claims = Batcher::spawn(
+            size,
+            Duration::ZERO,
+            in_flight,
+            move |requests: Arc<[ClaimRequest]>| {
+                let store = claiming.clone();
+                async move { store.claim_many(&requests).await }
+            },
+        );
+        Self {
+            entries,
+            releases,
+            claims,
+        }
     }
 }
 

@@ -59,6 +59,9 @@ pub(crate) struct Incoming<'a> {
     pub(crate) follow_ups: Option<&'a FollowUpChannel>,
     /// How the queue's circuit let it in (closed, or as its probe).
     pub(crate) admission: Admission,
+    /// It holds its entity's turn already: the release handed it over (it does not
+    /// enter its entity's order again).
+    pub(crate) holds_turn: bool,
 }
 
 impl<'a> Incoming<'a> {
@@ -74,6 +77,7 @@ impl<'a> Incoming<'a> {
             envelope: Arc::new(envelope),
             follow_ups,
             admission: Admission::UNBROKEN,
+            holds_turn: false,
         }
     }
 
