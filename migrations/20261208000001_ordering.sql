@@ -47,9 +47,9 @@ CREATE TABLE IF NOT EXISTS ordering_waiting (
     body             bytea       NOT NULL,
     properties       bytea       NOT NULL,
     waiting_since    timestamptz NOT NULL DEFAULT now(),
-    -- When it was last published to its queue for its turn (NULL: not yet), and how
-    -- often: a release that does not come back is published again after 5 s, doubling,
-    -- at most 8 times (then the entity shows as stalled, `released`).
+    -- When its turn was last released (NULL: not yet), and how often: a released turn
+    -- that did not complete is published again after 5 s, doubling up to 320 s, never
+    -- while its run holds a live lease.
     released_at      timestamptz,
     releases         integer     NOT NULL DEFAULT 0,
     PRIMARY KEY (scope, ordering_key, seq),
@@ -130,13 +130,12 @@ BEGIN
                          AND r.idempotency_key = p_idem[i]
                          AND (r.status = 'completed' OR (r.status = 'failed' AND NOT r.retryable)))
         THEN
-            IF pos.holder_key IS DISTINCT FROM p_idem[i]
-               OR pos.holder_operation IS DISTINCT FROM p_operation[i] THEN
-                -- Decided by its record: a copy of it that waited is done with.
-                DELETE FROM ordering_waiting
-                 WHERE scope = p_scope[i] AND operation = p_operation[i]
-                   AND idempotency_key = p_idem[i];
-            END IF;
+            -- A copy of it that waited is done with: this delivery, from the broker, is
+            -- acked only once its outcome, retry copy or dead letter is safe (a delivery
+            -- handed over in its releasing process does not enter, and keeps its row).
+            DELETE FROM ordering_waiting
+             WHERE scope = p_scope[i] AND operation = p_operation[i]
+               AND idempotency_key = p_idem[i];
             verdict := 'run';
             RETURN NEXT;
             CONTINUE;
@@ -245,7 +244,9 @@ $$;
 -- returned, to be published to its queue. Entities in (scope, key) order.
 CREATE OR REPLACE FUNCTION idem_ordering_release(
     p_scope text[], p_key text[], p_stale_ms bigint)
-    RETURNS SETOF ordering_waiting
+    RETURNS TABLE (scope text, ordering_key text, seq bigint, operation text,
+                   idempotency_key text, queue text, body bytea, properties bytea,
+                   turn boolean)
     LANGUAGE plpgsql AS $$
 DECLARE
     k record;
@@ -253,8 +254,8 @@ DECLARE
 BEGIN
     FOR k IN SELECT DISTINCT t.s, t.k FROM unnest(p_scope, p_key) AS t(s, k) ORDER BY t.s, t.k
     LOOP
-        SELECT * INTO pos FROM ordering_positions
-         WHERE scope = k.s AND ordering_key = k.k;
+        SELECT * INTO pos FROM ordering_positions p
+         WHERE p.scope = k.s AND p.ordering_key = k.k;
         CONTINUE WHEN NOT FOUND;
         pos := idem_ordering_lock(k.s, k.k, pos.next_seq);
         -- The turn is handed to the delivery waiting for it: it holds the turn now, and
@@ -267,10 +268,11 @@ BEGIN
              WHERE p.scope = pos.scope AND p.ordering_key = pos.ordering_key
                AND w.scope = pos.scope AND w.ordering_key = pos.ordering_key
                AND w.seq = pos.next_seq;
-            SELECT * INTO pos FROM ordering_positions
-             WHERE scope = pos.scope AND ordering_key = pos.ordering_key;
+            SELECT * INTO pos FROM ordering_positions p
+             WHERE p.scope = k.s AND p.ordering_key = k.k;
         END IF;
-        -- The row whose turn it is (again, when it did not come back), and rows whose
+        -- The row whose turn it is (again, when it did not complete: 5 s, doubling up to
+        -- 320 s, never while its run holds a live lease), flagged `turn`, and rows whose
         -- turn passed while they waited (an operator skipped it): their copies come back
         -- and are dead-lettered `sequence_passed`, so none is lost in the table.
         RETURN QUERY
@@ -280,9 +282,16 @@ BEGIN
                     OR (w.seq = pos.next_seq AND pos.holder_operation = w.operation
                         AND pos.holder_key = w.idempotency_key))
                AND (w.released_at IS NULL
-                    OR (w.releases < 8 AND w.released_at < now()
-                        - p_stale_ms * (1 << least(w.releases - 1, 6)) * interval '1 millisecond'))
-            RETURNING w.*;
+                    OR (w.released_at < now()
+                        - p_stale_ms * (1 << least(w.releases - 1, 6)) * interval '1 millisecond'
+                        AND NOT EXISTS (
+                            SELECT 1 FROM processed_operations r
+                             WHERE r.scope = w.scope AND r.operation = w.operation
+                               AND r.idempotency_key = w.idempotency_key
+                               AND r.status IN ('processing', 'pending')
+                               AND r.lease_expires_at > now())))
+            RETURNING w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
+                      w.queue, w.body, w.properties, w.seq = pos.next_seq;
     END LOOP;
     -- A lost release is published again by the sweep; a lost move by the next entry.
     PERFORM set_config('synchronous_commit', 'off', true);

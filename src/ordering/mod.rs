@@ -116,6 +116,8 @@ pub struct Position {
     pub next_seq: i64,
     /// The operation and idempotency key holding the turn, if one does.
     pub holder: Option<(String, String)>,
+    /// Since when the holder holds the turn.
+    pub held_since: Option<DateTime<Utc>>,
     /// The holder's record status (`processing`, `failed`, `pending`), when it has one.
     pub holder_status: Option<String>,
     /// Whether the holder's record waits in a dead-letter queue.
@@ -135,12 +137,17 @@ pub struct Position {
 impl Position {
     /// What blocks the entity, in a word: `running`, `retrying`, `pending`,
     /// `dead-lettered`, `gap` (the number whose turn it is never arrived), `released`
-    /// (it is on its way) or `idle`.
+    /// (its turn was handed over over a minute ago and has no record yet: on its way
+    /// back through the queue, or its run died before its claim) or `idle`.
     pub fn blocked_by(&self) -> &'static str {
+        let old = |since: &Option<DateTime<Utc>>| {
+            since.is_some_and(|t| Utc::now() - t > chrono::TimeDelta::minutes(1))
+        };
         match (&self.holder, self.holder_status.as_deref()) {
             (Some(_), _) if self.holder_dead_lettered => "dead-lettered",
             (Some(_), Some("failed")) => "retrying",
             (Some(_), Some("pending")) => "pending",
+            (Some(_), None) if old(&self.held_since) => "released",
             (Some(_), _) => "running",
             (None, _) if self.first_waiting == Some(self.next_seq) => "released",
             (None, _) if self.waiting > 0 => "gap",

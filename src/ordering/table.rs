@@ -59,6 +59,10 @@ pub(crate) struct Released {
     pub(crate) ordering_key: String,
     pub(crate) seq: i64,
     pub(crate) operation: String,
+    pub(crate) idempotency_key: String,
+    /// Whether it holds the turn (else its turn passed while it waited: its copy is
+    /// dead-lettered `sequence_passed`).
+    pub(crate) turn: bool,
     pub(crate) queue: String,
     pub(crate) body: Vec<u8>,
     pub(crate) properties: BasicProperties,
@@ -173,7 +177,17 @@ pub(crate) fn stored_properties(properties: &BasicProperties) -> Result<Vec<u8>,
     }
 }
 
-type WaitingRow = (String, String, i64, String, String, Vec<u8>, Vec<u8>);
+type WaitingRow = (
+    String,
+    String,
+    i64,
+    String,
+    String,
+    String,
+    Vec<u8>,
+    Vec<u8>,
+    bool,
+);
 
 /// Moves the positions of `entities` on past completed holders and releases the
 /// deliveries whose turn came.
@@ -187,7 +201,8 @@ pub(crate) async fn release(
         .map(|(s, k)| (s.as_str(), k.as_str()))
         .unzip();
     let rows: Vec<WaitingRow> = sqlx::query_as(
-        "SELECT scope, ordering_key, seq, operation, queue, body, properties
+        "SELECT scope, ordering_key, seq, operation, idempotency_key, queue, body, properties,
+                turn
            FROM idem_ordering_release($1::text[], $2::text[], $3)",
     )
     .bind(scopes)
@@ -216,7 +231,7 @@ pub(crate) async fn release(
 }
 
 fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
-    let (scope, ordering_key, seq, operation, queue, body, properties) = row;
+    let (scope, ordering_key, seq, operation, idempotency_key, queue, body, properties, turn) = row;
     let properties = serde_json::from_slice(&properties)
         .map_err(|error| StoreError::UnknownClaimRow(format!("waiting properties: {error}")))?;
     Ok(Released {
@@ -224,6 +239,8 @@ fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError
         ordering_key,
         seq,
         operation,
+        idempotency_key,
+        turn,
         queue,
         body: protect::open_body(keys, body)?,
         properties,
@@ -233,12 +250,15 @@ fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError
 /// A released delivery run in its releasing process was settled (its outcome, retry copy
 /// or dead letter is safe): its waiting row is done with.
 pub(crate) async fn finish(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
-    sqlx::query("DELETE FROM ordering_waiting WHERE scope = $1 AND ordering_key = $2 AND seq = $3")
-        .bind(&released.scope)
-        .bind(&released.ordering_key)
-        .bind(released.seq)
-        .execute(pool)
-        .await?;
+    sqlx::query(
+        "DELETE FROM ordering_waiting
+          WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
+    )
+    .bind(&released.scope)
+    .bind(&released.operation)
+    .bind(&released.idempotency_key)
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
@@ -246,12 +266,12 @@ pub(crate) async fn finish(pool: &PgPool, released: &Released) -> Result<(), Sto
 /// open circuit): the sweep publishes it to its queue within a second or so.
 pub(crate) async fn give_back(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
     sqlx::query(
-        "UPDATE ordering_waiting SET released_at = NULL
-          WHERE scope = $1 AND ordering_key = $2 AND seq = $3",
+        "UPDATE ordering_waiting SET released_at = NULL, releases = 0
+          WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
     )
     .bind(&released.scope)
-    .bind(&released.ordering_key)
-    .bind(released.seq)
+    .bind(&released.operation)
+    .bind(&released.idempotency_key)
     .execute(pool)
     .await?;
     Ok(())
@@ -277,7 +297,7 @@ pub(crate) async fn unmoved(
                   OR (w.seq = p.next_seq AND (p.holder_key IS NULL
                       OR (p.holder_operation = w.operation AND p.holder_key = w.idempotency_key))))
              AND (w.released_at IS NULL
-                  OR (w.releases < 8 AND w.released_at < now() - $2 * interval '1 millisecond'))
+                  OR w.released_at < now() - $2 * interval '1 millisecond')
            LIMIT $1)",
     )
     .bind(limit)
@@ -313,6 +333,7 @@ struct PositionRow {
     next_seq: i64,
     holder_operation: Option<String>,
     holder_key: Option<String>,
+    held_since: Option<DateTime<Utc>>,
     holder_status: Option<String>,
     holder_dead_lettered: Option<bool>,
     waiting: i64,
@@ -329,6 +350,7 @@ pub(super) async fn list(
 ) -> Result<Vec<Position>, StoreError> {
     let rows: Vec<PositionRow> = sqlx::query_as(
         "SELECT p.scope, p.ordering_key, p.next_seq, p.holder_operation, p.holder_key,
+                p.held_since,
                 r.status AS holder_status,
                 (r.dead_lettered_at IS NOT NULL OR r.discarded_at IS NOT NULL) AS holder_dead_lettered,
                 w.waiting, w.first_waiting, p.moved_at, p.skipped, p.skip_note
@@ -354,6 +376,7 @@ pub(super) async fn list(
             ordering_key: r.ordering_key,
             next_seq: r.next_seq,
             holder: r.holder_operation.zip(r.holder_key),
+            held_since: r.held_since,
             holder_status: r.holder_status,
             holder_dead_lettered: r.holder_dead_lettered.unwrap_or(false),
             waiting: r.waiting,

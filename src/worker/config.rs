@@ -114,7 +114,7 @@ pub struct WorkerConfig {
     /// Sweep the entities' orders this often (docs/DESIGN.md, "Order per entity"):
     /// move on an entity whose holder completed without moving it (a crash after its
     /// commit), publish a turn nobody published (after a skip) or one that did not come
-    /// back within 5 s, and set the gauges `idem_ordering_stalled` and
+    /// back within 5 s (doubling up to 320 s), and set the gauges `idem_ordering_stalled` and
     /// `idem_ordering_waiting`. `None`: no sweep in this process (one is enough).
     pub ordering_sweep_every: Option<Duration>,
     /// An entity with deliveries waiting that has not moved for this long is stalled

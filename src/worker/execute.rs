@@ -61,15 +61,24 @@ pub(super) async fn process<H: Handler>(
         trace::consumer_attributes(&span, &runtime.config.queue, H::OPERATION, &delivery);
     }
     let from = Source::Broker(delivery.delivery_tag);
-    let mut next = decide(runtime, links, &incoming, from, span).await;
+    let mut released = decide(runtime, links, &incoming, from, span).await;
     let mut handed_on = 0;
-    while let Some(released) = next.take() {
-        if released.operation != H::OPERATION || handed_on == MAX_HANDED_ON {
-            ordered::publish(&links.publish, &released).await;
-            break;
+    loop {
+        // The turn runs here when it is this handler's, from this queue; everything else
+        // released goes to its queue (rows whose turn passed come back dead-lettered).
+        let mine = released.iter().position(|r| {
+            r.turn
+                && r.operation == H::OPERATION
+                && r.queue == runtime.config.queue
+                && handed_on < MAX_HANDED_ON
+        });
+        let turn = mine.map(|i| released.swap_remove(i));
+        for other in &released {
+            ordered::publish(&links.publish, other).await;
         }
+        let Some(turn) = turn else { return };
         handed_on += 1;
-        next = hand_on(runtime, links, &released).await;
+        released = hand_on(runtime, links, &turn).await;
     }
 }
 
@@ -79,7 +88,7 @@ async fn hand_on<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
     released: &Released,
-) -> Option<Released> {
+) -> Vec<Released> {
     let span = delivery_span(runtime, false);
     let envelope = Envelope {
         exchange: String::new(),
@@ -98,15 +107,15 @@ async fn hand_on<H: Handler>(
     decide(runtime, links, &incoming, Source::Waiting(released), span).await
 }
 
-/// Walks the decision table for `incoming` and settles it; the entity's next turn, when
-/// it completed and released one.
+/// Walks the decision table for `incoming` and settles it; what its entity released when
+/// it completed (its next turn, handed over).
 async fn decide<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
     incoming: &Incoming<'_>,
     from: Source<'_>,
     span: Span,
-) -> Option<Released> {
+) -> Vec<Released> {
     let received = Instant::now();
     let settler = Settler {
         incoming,
@@ -136,7 +145,7 @@ async fn decide<H: Handler>(
         };
         let next = match entity {
             Some(entity) if ordered::moves_on(outcome) => ordered::leave(runtime, entity).await,
-            _ => None,
+            _ => Vec::new(),
         };
         settler.count(outcome.as_str());
         let span = Span::current();
@@ -231,7 +240,7 @@ async fn undecided<H: Handler>(
     }
     error!(error = %line, %fault, "delivery not decided; requeueing it");
     tokio::time::sleep(runtime.undecided.pause()).await;
-    settler.requeue();
+    settler.requeue().await;
     Outcome::Requeued
 }
 

@@ -38,7 +38,7 @@ pub(super) type Entity = (String, String);
 /// batches in flight ran still goes together (many entities at once).
 pub(super) struct Orderings {
     entries: Batcher<Entry, Entered>,
-    releases: Batcher<Entity, Option<Released>>,
+    releases: Batcher<Entity, Vec<Released>>,
     pub(super) claims: Batcher<ClaimRequest, Claim>,
 }
 
@@ -82,19 +82,21 @@ impl Orderings {
     }
 }
 
-/// What [`table::release`] released, one answer per entity asked about.
+/// What [`table::release`] released, one answer per entity asked about (an entity asked
+/// about twice in one batch gets its rows the first time).
 async fn released_for(
     store: &Store,
     entities: &[Entity],
-) -> Result<Vec<Option<Released>>, StoreError> {
+) -> Result<Vec<Vec<Released>>, StoreError> {
     let mut released = table::release(store.pool(), store.keys(), entities).await?;
     Ok(entities
         .iter()
         .map(|(scope, key)| {
-            let i = released
-                .iter()
-                .position(|r| &r.scope == scope && &r.ordering_key == key)?;
-            Some(released.swap_remove(i))
+            let (mine, rest) = released
+                .drain(..)
+                .partition(|r| &r.scope == scope && &r.ordering_key == key);
+            released = rest;
+            mine
         })
         .collect())
 }
@@ -187,18 +189,19 @@ pub(super) fn moves_on(outcome: Outcome) -> bool {
 }
 
 /// Moves `entity` on past the delivery that completed and hands the next turn to the
-/// delivery that waits for it, if one does: returned, to run in this process. A failure
-/// here only delays the next turn until the sweep.
-pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Option<Released> {
+/// delivery that waits for it, if one does: returned (flagged [`Released::turn`]) to run
+/// in this process, with rows whose turn passed while they waited (to publish, for their
+/// dead letter). A failure here only delays the next turn until the sweep.
+pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Vec<Released> {
     match runtime.orderings.releases.call(entity).await {
         Ok(Ok(released)) => released,
         Ok(Err(error)) => {
             warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
-            None
+            Vec::new()
         }
         Err(error) => {
             warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
-            None
+            Vec::new()
         }
     }
 }

@@ -193,7 +193,7 @@ impl Unrouted {
                     // fail the same way at once, so it waits before it goes back.
                     warn!(error = %crate::text::error_line(&error), pause_ms = UNROUTED_PAUSE.as_millis() as u64, "the message no handler takes was not dead-lettered; requeued");
                     tokio::time::sleep(UNROUTED_PAUSE).await;
-                    settler.requeue();
+                    settler.requeue().await;
                     Outcome::Requeued
                 }
             }

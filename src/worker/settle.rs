@@ -143,17 +143,17 @@ impl Settler<'_> {
     /// Does what the decision said. `key` is the message's key, if it had a valid one.
     pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), Failure> {
         match action {
-            Settle::Ack => self.ack(),
+            Settle::Ack => self.ack().await,
             Settle::Retry { delay, retries } => {
                 let copy = dead_letter::retry(self.incoming.properties(), retries);
                 self.publish(&retry_queue_name(self.queue, delay), &copy, false)
                     .await?;
                 failpoint::hit("after-publish");
-                self.ack();
+                self.ack().await;
             }
             Settle::Requeue { after } => {
                 tokio::time::sleep(after).await;
-                self.requeue();
+                self.requeue().await;
             }
             Settle::DeadLetter(order) => self.dead_letter(&order, key).await?,
         }
@@ -162,31 +162,25 @@ impl Settler<'_> {
 
     /// Acks the delivery (coalesced with its neighbours). If the channel is gone by
     /// then, the broker redelivers and the store decides again.
-    fn ack(&self) {
+    async fn ack(&self) {
         match self.from {
             Source::Broker(tag) => self.links.acks.ack(tag),
             Source::Waiting(released) => {
-                let (pool, released) = (self.store.pool().clone(), released.clone());
-                tokio::spawn(async move {
-                    if let Err(error) = table::finish(&pool, &released).await {
-                        debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
-                    }
-                });
+                if let Err(error) = table::finish(self.store.pool(), released).await {
+                    debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
+                }
             }
         }
     }
 
     /// Gives the delivery back to its queue, to be decided again.
-    pub(super) fn requeue(&self) {
+    pub(super) async fn requeue(&self) {
         match self.from {
             Source::Broker(tag) => self.links.acks.nack(tag, true),
             Source::Waiting(released) => {
-                let (pool, released) = (self.store.pool().clone(), released.clone());
-                tokio::spawn(async move {
-                    if let Err(error) = table::give_back(&pool, &released).await {
-                        debug!(error = %crate::text::error_line(&error), "a handed-over turn goes back after the release time");
-                    }
-                });
+                if let Err(error) = table::give_back(self.store.pool(), released).await {
+                    debug!(error = %crate::text::error_line(&error), "a handed-over turn goes back after the release time");
+                }
             }
         }
     }
@@ -284,7 +278,7 @@ impl Settler<'_> {
         }
         self.count("dead_lettered");
         self.dead_lettered.store(true, Ordering::Relaxed);
-        self.ack();
+        self.ack().await;
         Ok(())
     }
 }
