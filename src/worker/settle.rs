@@ -143,7 +143,13 @@ impl Settler<'_> {
     /// Does what the decision said. `key` is the message's key, if it had a valid one.
     pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), Failure> {
         match action {
-            Settle::Ack => self.ack().await,
+            // A handed-over delivery acked here completed, or its record decides without
+            // a turn: the release's move past it deletes its row, or the next copy's
+            // entry does; no round trip of its own at every turn of a hot entity.
+            Settle::Ack => match self.from {
+                Source::Broker(tag) => self.links.acks.ack(tag),
+                Source::Waiting(_) => {}
+            },
             Settle::Retry { delay, retries } => {
                 let copy = dead_letter::retry(self.incoming.properties(), retries);
                 self.publish(&retry_queue_name(self.queue, delay), &copy, false)
