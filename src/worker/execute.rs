@@ -82,8 +82,10 @@ pub(super) async fn process<H: Handler>(
     }
 }
 
-/// Runs the delivery whose turn this process released, from its waiting row: as if the
-/// broker had brought it, its ack deleting the row.
+/// Runs the delivery whose turn this process released, from its waiting row, as if the
+/// broker had brought it: its row goes with the release's move past it once it
+/// completed, or once its retry copy or dead letter is published; a requeue gives it
+/// back to the sweep.
 async fn hand_on<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
