@@ -264,3 +264,9 @@ pub fn describe(url: &str) -> String {
         Err(_) => "an invalid database URL".into(),
     }
 }
+
+/// A duration as whole milliseconds, saturating: how idem's statements take intervals
+/// (`$n * interval '1 millisecond'`).
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

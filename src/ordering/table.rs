@@ -8,6 +8,7 @@ use lapin::BasicProperties;
 use sqlx::PgPool;
 
 use super::{Ordered, Position, Skipped};
+use crate::db::millis;
 use crate::key::Key;
 use crate::protect::{self, Keys};
 use crate::store::StoreError;
@@ -71,10 +72,6 @@ pub(crate) struct Released {
 /// How long a released delivery may take to come back and take its turn before a
 /// sweep publishes it again (its publish may have been lost with a connection).
 pub(crate) const RELEASE_STALE: Duration = Duration::from_secs(5);
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
 
 /// Enters the deliveries that arrived together, one round trip; answers in the order of
 /// `entries`.
@@ -279,16 +276,20 @@ pub(crate) async fn give_back(pool: &PgPool, released: &Released) -> Result<(), 
 
 /// Entities that may move on without a delivery of theirs coming: a holder whose record
 /// completed, or a turn nobody released (after a skip), or released longer than
-/// [`RELEASE_STALE`] ago without coming back. At most `limit`.
+/// [`RELEASE_STALE`] ago without coming back. At most `limit`. Only what has stood so
+/// for `grace`: a holder that completed a moment ago is being moved on by its own
+/// worker, which hands the next turn on in process (the sweep would publish it).
 pub(crate) async fn unmoved(
     pool: &PgPool,
     limit: i64,
+    grace: Duration,
 ) -> Result<Vec<(String, String)>, StoreError> {
     let rows = sqlx::query_as(
         "(SELECT p.scope, p.ordering_key FROM ordering_positions p
             JOIN processed_operations r ON r.scope = p.scope
              AND r.operation = p.holder_operation AND r.idempotency_key = p.holder_key
            WHERE p.holder_key IS NOT NULL AND r.status = 'completed'
+             AND r.completed_at < now() - $3 * interval '1 millisecond'
            LIMIT $1)
          UNION
          (SELECT p.scope, p.ordering_key FROM ordering_waiting w
@@ -296,12 +297,13 @@ pub(crate) async fn unmoved(
            WHERE (w.seq < p.next_seq
                   OR (w.seq = p.next_seq AND (p.holder_key IS NULL
                       OR (p.holder_operation = w.operation AND p.holder_key = w.idempotency_key))))
-             AND (w.released_at IS NULL
+             AND ((w.released_at IS NULL AND p.moved_at < now() - $3 * interval '1 millisecond')
                   OR w.released_at < now() - $2 * interval '1 millisecond')
            LIMIT $1)",
     )
     .bind(limit)
     .bind(millis(RELEASE_STALE))
+    .bind(millis(grace))
     .fetch_all(pool)
     .await?;
     Ok(rows)
@@ -443,32 +445,4 @@ pub(super) async fn skip(
     .await?;
     tx.commit().await?;
     Ok(Skipped::Skipped { seq: from })
-}
-
-/// Deletes up to `limit` positions idle for longer than `retention`: no holder, nothing
-/// waiting (`last_seq < next_seq`, which a parking entry changes on the row gc locks,
-/// so a row parked meanwhile keeps its position). A later message of such an entity starts it again at its first number, so
-/// the retention must exceed the entity's quiet time as the records' does their
-/// redeliveries'.
-pub(crate) async fn collect(
-    pool: &PgPool,
-    retention: Duration,
-    limit: i64,
-) -> Result<u64, StoreError> {
-    let done = sqlx::query(
-        "DELETE FROM ordering_positions p
-          WHERE (p.scope, p.ordering_key) IN (
-                SELECT scope, ordering_key FROM ordering_positions q
-                 WHERE q.holder_key IS NULL AND q.last_seq < q.next_seq
-                   AND q.moved_at < now() - $1 * interval '1 millisecond'
-                   AND NOT EXISTS (SELECT 1 FROM ordering_waiting w
-                                    WHERE w.scope = q.scope AND w.ordering_key = q.ordering_key)
-                 ORDER BY q.moved_at LIMIT $2
-                 FOR UPDATE SKIP LOCKED)",
-    )
-    .bind(millis(retention))
-    .bind(limit)
-    .execute(pool)
-    .await?;
-    Ok(done.rows_affected())
 }

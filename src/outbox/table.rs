@@ -8,6 +8,7 @@ use sqlx::AssertSqlSafe;
 use sqlx::{PgConnection, PgPool};
 
 use super::{FollowUp, NotBefore, Properties, backoff};
+use crate::db::millis;
 use crate::protect::{self, Keys};
 use crate::store::{StoreError, storable};
 
@@ -376,10 +377,5 @@ const ENTRY: &str = "id, message_id, source, operation, position, exchange, rout
                      staged_at, attempts, last_error, dispatched_at, not_before, \
                      octet_length(body) AS body_bytes";
 
-/// A duration as whole milliseconds for SQL intervals, saturating.
 /// The longest delay a follow-up is staged with.
 const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}

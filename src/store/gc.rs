@@ -26,11 +26,11 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use sqlx::AssertSqlSafe;
-use sqlx::{ConnectOptions, Connection, PgConnection};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::{Store, StoreError};
+use super::{Store, StoreError, millis};
 use crate::metrics;
 
 /// What gc deletes.
@@ -432,9 +432,7 @@ pub async fn collect(
         }
     }
     if !stop.is_cancelled() {
-        let idle =
-            crate::ordering::table::collect(store.pool(), store.config().retention, pace.batch)
-                .await?;
+        let idle = collect_positions(store.pool(), store.config().retention, pace.batch).await?;
         metrics::gc_deleted("positions", idle);
     }
     leader.release().await?;
@@ -483,4 +481,33 @@ pub(crate) async fn collect_every(
             }
         }
     }
+}
+
+/// Deletes up to `limit` ordering positions (docs/DESIGN.md, "Order per entity") idle
+/// for longer than `retention`: no holder, nothing waiting (`last_seq < next_seq`,
+/// which a parking entry changes on the row gc locks, so a row parked meanwhile keeps
+/// its position). A later message of such an entity starts it again at its first
+/// number, so the retention must exceed the entity's quiet time as the records' does
+/// their redeliveries'.
+async fn collect_positions(
+    pool: &PgPool,
+    retention: Duration,
+    limit: i64,
+) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM ordering_positions p
+          WHERE (p.scope, p.ordering_key) IN (
+                SELECT scope, ordering_key FROM ordering_positions q
+                 WHERE q.holder_key IS NULL AND q.last_seq < q.next_seq
+                   AND q.moved_at < now() - $1 * interval '1 millisecond'
+                   AND NOT EXISTS (SELECT 1 FROM ordering_waiting w
+                                    WHERE w.scope = q.scope AND w.ordering_key = q.ordering_key)
+                 ORDER BY q.moved_at LIMIT $2
+                 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(millis(retention))
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
 }

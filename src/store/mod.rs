@@ -21,6 +21,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 
+use crate::db::millis;
 use crate::fault::{self, Fault};
 use crate::fingerprint::Fingerprint;
 use crate::protect::{self, Keys, SealError};
@@ -255,9 +256,4 @@ impl Store {
             None => (*self.pool.connect_options()).clone(),
         }
     }
-}
-
-/// A duration as whole milliseconds for SQL intervals, saturating.
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -193,17 +193,13 @@ pub(super) fn moves_on(outcome: Outcome) -> bool {
 /// in this process, with rows whose turn passed while they waited (to publish, for their
 /// dead letter). A failure here only delays the next turn until the sweep.
 pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Vec<Released> {
-    match runtime.orderings.releases.call(entity).await {
-        Ok(Ok(released)) => released,
-        Ok(Err(error)) => {
+    let released = runtime.orderings.releases.call(entity).await;
+    released
+        .and_then(|answer| answer.map_err(Failure::from))
+        .unwrap_or_else(|error| {
             warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
             Vec::new()
-        }
-        Err(error) => {
-            warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
-            Vec::new()
-        }
-    }
+        })
 }
 
 /// Publishes a delivery whose turn came to its queue (confirmed). Not published, it is
@@ -224,10 +220,17 @@ pub(super) async fn publish(channel: &Channel, released: &Released) {
 /// Most entities one sweep moves on.
 const SWEEP_BATCH: i64 = 500;
 
-/// Until shutdown, every `every`: moves on the entities whose holder completed without
-/// moving them (a crash between the commit and the release), releases the turns nobody
-/// released (after a skip) or whose release did not come back, and sets the gauges
-/// `idem_ordering_stalled` (not moved for `stall_after`) and `idem_ordering_waiting`.
+/// Most times `every` an idle sweep waits: a sweep that found nothing to move on waits
+/// twice as long before the next, up to this (a busy worker's hand-offs leave it
+/// nothing, and every look costs a scan of the waiting rows).
+const IDLE_SWEEP_BACKOFF: u32 = 8;
+
+/// Until shutdown, every `every` (backing off to [`IDLE_SWEEP_BACKOFF`] times that while
+/// it finds nothing): moves on the entities whose holder completed without moving them
+/// (a crash between the commit and the release), releases the turns nobody released
+/// (after a skip) or whose release did not come back, and sets the gauges
+/// `idem_ordering_stalled` (not moved for `stall_after`) and `idem_ordering_waiting`,
+/// every quarter of `stall_after` (at most every sweep).
 pub(super) async fn sweep_every(
     store: Store,
     publishing: Arc<Connector>,
@@ -236,13 +239,26 @@ pub(super) async fn sweep_every(
     shutdown: CancellationToken,
 ) {
     let mut channel: Option<Channel> = None;
+    let counted_every = (stall_after / 4).max(every);
+    let mut counted: Option<tokio::time::Instant> = None;
+    let mut idle = 1;
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(every) => {}
+            _ = tokio::time::sleep(every * idle) => {}
             _ = shutdown.cancelled() => return,
         }
-        match table::stats(store.pool(), stall_after).await {
-            Ok((stalled, waiting)) => {
+        let due = counted.is_none_or(|at| at.elapsed() + every >= counted_every);
+        let stats = async {
+            if due {
+                counted = Some(tokio::time::Instant::now());
+                table::stats(store.pool(), stall_after).await.map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        match stats.await {
+            Ok(None) => {}
+            Ok(Some((stalled, waiting))) => {
                 metrics::ordering_backlog(stalled, waiting);
                 if stalled > 0 {
                     warn!(
@@ -255,9 +271,15 @@ pub(super) async fn sweep_every(
             }
             Err(error) => debug!(error = %crate::text::error_line(&error), "ordering stats"),
         }
-        let entities = match table::unmoved(store.pool(), SWEEP_BATCH).await {
-            Ok(entities) if entities.is_empty() => continue,
-            Ok(entities) => entities,
+        let entities = match table::unmoved(store.pool(), SWEEP_BATCH, every).await {
+            Ok(entities) if entities.is_empty() => {
+                idle = (idle * 2).min(IDLE_SWEEP_BACKOFF);
+                continue;
+            }
+            Ok(entities) => {
+                idle = 1;
+                entities
+            }
             Err(error) => {
                 warn!(error = %crate::text::error_line(&error), "ordering sweep");
                 continue;
