@@ -229,6 +229,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         StoreConfig {
             owner: name.clone(),
             lease: Duration::from_secs(args.lease_secs),
+            keys: idem::protect::Keys::from_env()?,
             ..StoreConfig::default()
         },
     );

@@ -2,7 +2,8 @@
 //! real broker and database, with `examples/accounts_worker.rs` processes: shuffled
 //! sequences applied in order across processes and a SIGKILL, in both modes; a failing
 //! predecessor blocks only its own account until it is replayed; a gap is reported and
-//! skipped; a duplicate of a completed sequence is acked at once; order of arrival.
+//! skipped; a duplicate of a completed sequence is acked at once; order of arrival; the
+//! waiting deliveries under data protection (sealed, rotated, counted by an erasure).
 
 mod common;
 
@@ -547,4 +548,112 @@ impl<const CREATED: bool> idem::Handler for Step<CREATED> {
             .await?;
         Ok(())
     }
+}
+
+const K1: &str = "k1:1111111111111111111111111111111111111111111111111111111111111111";
+const K2: &str = "k2:2222222222222222222222222222222222222222222222222222222222222222";
+
+/// Data protection covers the deliveries that wait for their turn: their bodies are
+/// sealed, a key that seals one is not retired, `idem keys rotate` moves them to the new
+/// key, `idem ops erase` counts them as skipped (they have not run), and after the old
+/// key is retired and gone they still run, in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn waiting_deliveries_are_sealed_rotated_and_counted_by_an_erasure(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-keys").await;
+    prepare(&pool, &url, &q).await;
+    let key_use = |url: String| async move {
+        let out = idem_cli(&url, &["keys", "status", "--json"]).await;
+        let uses: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+        uses.into_iter()
+            .map(|u| {
+                (
+                    u["key"].as_str().unwrap_or("-").to_owned(),
+                    u["waiting"].clone(),
+                )
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+
+    let under_k1 = spawn_accounts_worker_with_env(&url, &q.name, &[], &[("IDEM_KEYS", K1)]);
+    wait_for_consumers(&q, 1).await;
+    q.publish(&entry("p", 2)).await;
+    q.publish(&entry("p", 3)).await;
+    wait_until(SETTLE, "2 and 3 wait", || async {
+        waiting(&pool).await == 2 && all_settled(&q).await
+    })
+    .await;
+    let plain: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ordering_waiting WHERE position('\"tenant\"'::bytea IN body) > 0",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(plain, 0, "a waiting body is kept in plaintext");
+    assert_eq!(key_use(url.clone()).await["k1"], 2);
+    drop(under_k1);
+
+    // k2 rolled out (new writes under it), k1 still given for what it sealed.
+    let both = format!("{K2},{K1}");
+    let _rolled = spawn_accounts_worker_with_env(&url, &q.name, &[], &[("IDEM_KEYS", &both)]);
+    wait_until(SETTLE, "k2 registered", || async {
+        sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM idem_keys WHERE id = 'k2')")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false)
+    })
+    .await;
+    let refused = idem_command(&url, &["keys", "retire", "--id", "k1"])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("2 waiting deliver(ies)"),
+        "{said}"
+    );
+    let rotated = idem_command(&url, &["keys", "rotate"])
+        .env("IDEM_KEYS", &both)
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&rotated.stdout);
+    assert!(
+        rotated.status.success() && said.contains("2 waiting deliver(ies)"),
+        "{said} {}",
+        String::from_utf8_lossy(&rotated.stderr)
+    );
+    let uses = key_use(url.clone()).await;
+    assert_eq!(
+        (uses["k1"].clone(), uses["k2"].clone()),
+        (json!(0), json!(2))
+    );
+
+    let erased = idem_cli(
+        &url,
+        &[
+            "ops", "erase", "--scope", "acme", "--note", "GDPR-1", "--by", "dpo", "--json",
+        ],
+    )
+    .await;
+    let erased: serde_json::Value = serde_json::from_str(&erased).unwrap();
+    assert_eq!(
+        (erased["records"].clone(), erased["skipped"].clone()),
+        (json!(0), json!(2))
+    );
+
+    drop(_rolled);
+    idem_cli(&url, &["keys", "retire", "--id", "k1"]).await;
+    let _under_k2 = spawn_accounts_worker_with_env(&url, &q.name, &[], &[("IDEM_KEYS", K2)]);
+    wait_for_consumers(&q, 1).await;
+    q.publish(&entry("p", 1)).await;
+    wait_until(SETTLE, "p applied", || async {
+        applied_count(&pool).await == 3 && waiting(&pool).await == 0 && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["p"], vec![1, 2, 3]);
 }

@@ -285,11 +285,16 @@ pub(crate) async fn unmoved(
     grace: Duration,
 ) -> Result<Vec<(String, String)>, StoreError> {
     let rows = sqlx::query_as(
+        // Each held position's record through the key's index (a lateral join): a hash
+        // join would scan the whole records table at every sweep.
         "(SELECT p.scope, p.ordering_key FROM ordering_positions p
-            JOIN processed_operations r ON r.scope = p.scope
-             AND r.operation = p.holder_operation AND r.idempotency_key = p.holder_key
-           WHERE p.holder_key IS NOT NULL AND r.status = 'completed'
-             AND r.completed_at < now() - $3 * interval '1 millisecond'
+           CROSS JOIN LATERAL (
+                 SELECT 1 FROM processed_operations r
+                  WHERE r.scope = p.scope AND r.operation = p.holder_operation
+                    AND r.idempotency_key = p.holder_key AND r.status = 'completed'
+                    AND r.completed_at < now() - $3 * interval '1 millisecond'
+                  LIMIT 1) r
+           WHERE p.holder_key IS NOT NULL
            LIMIT $1)
          UNION
          (SELECT p.scope, p.ordering_key FROM ordering_waiting w

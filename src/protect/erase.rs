@@ -31,8 +31,10 @@ pub struct Erasure {
     pub records: i64,
     /// Follow-up messages (published ones) deleted from the outbox.
     pub follow_ups: i64,
-    /// Records left alone because they are in flight, pending or to be retried, and
-    /// follow-ups not yet published: erase again once they are settled.
+    /// Records left alone because they are in flight, pending or to be retried,
+    /// follow-ups not yet published, and deliveries waiting for their entity's turn
+    /// (not run yet: docs/DESIGN.md, "Order per entity"): erase again once they are
+    /// settled.
     pub skipped: i64,
 }
 
@@ -110,10 +112,15 @@ impl Store {
              waiting AS (
                  SELECT count(*) AS n FROM outbox_messages o JOIN erased e ON o.source = e.digest
                  WHERE o.dispatched_at IS NULL
+             ),
+             not_run AS (
+                 SELECT count(*) AS n FROM ordering_waiting w
+                 WHERE w.scope = $1 AND ($2::text IS NULL OR w.idempotency_key = $2)
              )
              SELECT (SELECT count(*) FROM erased),
                     (SELECT count(*) FROM follow_ups),
-                    (SELECT count(*) FROM target WHERE NOT finished) + (SELECT n FROM waiting)"
+                    (SELECT count(*) FROM target WHERE NOT finished) + (SELECT n FROM waiting)
+                        + (SELECT n FROM not_run)"
             )))
             .bind(scope)
             .bind(idempotency_key)

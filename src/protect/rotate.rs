@@ -30,6 +30,8 @@ pub struct Rotation {
     pub references: u64,
     /// Follow-up bodies in the outbox.
     pub bodies: u64,
+    /// Bodies of deliveries waiting for their entity's turn (`ordering_waiting`).
+    pub waiting: u64,
     /// Rows changed by a worker between the read and the write, in the last pass:
     /// none when the rotation finished.
     pub raced: u64,
@@ -48,6 +50,7 @@ pub async fn rotate(
         done.raced = 0;
         rotate_records(pool, keys, batch, pause, &mut done).await?;
         rotate_bodies(pool, keys, batch, pause, &mut done).await?;
+        rotate_waiting(pool, keys, batch, pause, &mut done).await?;
         if done.raced == 0 {
             break;
         }
@@ -183,6 +186,67 @@ async fn rotate_bodies(
     }
 }
 
+type WaitingKey = (String, String, i64);
+
+/// The bodies of deliveries waiting for their turn, as [`rotate_bodies`] does the
+/// outbox's, by their primary key.
+async fn rotate_waiting(
+    pool: &PgPool,
+    keys: &Keys,
+    batch: i64,
+    pause: Duration,
+    done: &mut Rotation,
+) -> Result<(), StoreError> {
+    let prefix = body_prefix(keys.current_id());
+    let mut after: WaitingKey = (String::new(), String::new(), i64::MIN);
+    loop {
+        let rows: Vec<(String, String, i64, Vec<u8>)> = sqlx::query_as(
+            "SELECT scope, ordering_key, seq, body FROM ordering_waiting
+             WHERE (scope, ordering_key, seq) > ($1, $2, $3)
+               AND substring(body FROM 1 FOR $4) IS DISTINCT FROM $5
+             ORDER BY scope, ordering_key, seq LIMIT $6",
+        )
+        .bind(&after.0)
+        .bind(&after.1)
+        .bind(after.2)
+        .bind(prefix.len() as i32)
+        .bind(&prefix)
+        .bind(batch)
+        .fetch_all(pool)
+        .await?;
+        let Some((scope, key, seq, _)) = rows.last() else {
+            return Ok(());
+        };
+        after = (scope.clone(), key.clone(), *seq);
+        let mut update = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (scope, key, seq, body) in rows {
+            let opened = seal::open_body(Some(keys), body.clone())?;
+            update.0.push(scope);
+            update.1.push(key);
+            update.2.push(seq);
+            update.3.push(body);
+            update.4.push(seal::seal_body(Some(keys), &opened));
+        }
+        let written = sqlx::query(
+            "UPDATE ordering_waiting w SET body = u.new_body
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bytea[], $5::bytea[])
+                  AS u(scope, ordering_key, seq, old_body, new_body)
+             WHERE w.scope = u.scope AND w.ordering_key = u.ordering_key AND w.seq = u.seq
+               AND w.body = u.old_body",
+        )
+        .bind(&update.0)
+        .bind(&update.1)
+        .bind(&update.2)
+        .bind(&update.3)
+        .bind(&update.4)
+        .execute(pool)
+        .await?;
+        done.waiting += written.rows_affected();
+        done.raced += update.0.len() as u64 - written.rows_affected();
+        tokio::time::sleep(pause).await;
+    }
+}
+
 /// What one key (or, for `key: None`, no key) holds now.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct KeyUse {
@@ -200,6 +264,8 @@ pub struct KeyUse {
     pub references: i64,
     /// Follow-up bodies sealed with it.
     pub bodies: i64,
+    /// Bodies of deliveries waiting for their turn sealed with it.
+    pub waiting: i64,
     /// Records whose fingerprint it made (they keep it until gc deletes them).
     pub fingerprints: i64,
 }
@@ -221,6 +287,11 @@ pub async fn key_use(pool: &PgPool) -> Result<Vec<KeyUse>, StoreError> {
                          THEN convert_from(substring(body FROM 15 FOR get_byte(body, 13)), 'UTF8')
                     END, 'body'
                FROM outbox_messages
+             UNION ALL
+             SELECT CASE WHEN substring(body FROM 1 FOR 13) = '\\x006964656d2d7365616c656400'::bytea
+                         THEN convert_from(substring(body FROM 15 FOR get_byte(body, 13)), 'UTF8')
+                    END, 'waiting'
+               FROM ordering_waiting
          ) t GROUP BY k, what",
     )
     .fetch_all(pool)
@@ -259,6 +330,7 @@ pub async fn key_use(pool: &PgPool) -> Result<Vec<KeyUse>, StoreError> {
             "result" => entry.results = n,
             "reference" => entry.references = n,
             "fingerprint" => entry.fingerprints = n,
+            "waiting" => entry.waiting = n,
             _ => entry.bodies = n,
         }
     }
@@ -272,8 +344,9 @@ pub enum RetireError {
     /// Something is still under the key.
     #[error(
         "key {id:?} still holds {results} result(s), {references} reference(s), {bodies} \
-         follow-up bod(ies) and {fingerprints} fingerprint(s): run `idem keys rotate` (values) \
-         and wait for gc (fingerprints expire with their records)"
+         follow-up bod(ies), {waiting} waiting deliver(ies) and {fingerprints} fingerprint(s): \
+         run `idem keys rotate` (values) and wait for gc (fingerprints expire with their \
+         records)"
     )]
     InUse {
         /// The key.
@@ -284,6 +357,8 @@ pub enum RetireError {
         references: i64,
         /// As in [`KeyUse`].
         bodies: i64,
+        /// As in [`KeyUse`].
+        waiting: i64,
         /// As in [`KeyUse`].
         fingerprints: i64,
     },
@@ -302,12 +377,13 @@ pub async fn retire(pool: &PgPool, id: &str) -> Result<(), RetireError> {
     let Some(found) = uses.into_iter().find(|u| u.key.as_deref() == Some(id)) else {
         return Err(RetireError::Unknown(id.to_owned()));
     };
-    if found.results + found.references + found.bodies + found.fingerprints > 0 {
+    if found.results + found.references + found.bodies + found.waiting + found.fingerprints > 0 {
         return Err(RetireError::InUse {
             id: id.to_owned(),
             results: found.results,
             references: found.references,
             bodies: found.bodies,
+            waiting: found.waiting,
             fingerprints: found.fingerprints,
         });
     }

@@ -461,10 +461,20 @@ pub fn spawn_orders_worker_with_env(
 /// An `accounts_worker` process on `queue` (order per entity), with the tests' retry
 /// tiers.
 pub fn spawn_accounts_worker(database_url: &str, queue: &str, extra: &[&str]) -> WorkerProcess {
+    spawn_accounts_worker_with_env(database_url, queue, extra, &[])
+}
+
+/// [`spawn_accounts_worker`] with extra environment variables (`IDEM_KEYS`).
+pub fn spawn_accounts_worker_with_env(
+    database_url: &str,
+    queue: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> WorkerProcess {
     let delays = retry_delays_arg();
     let mut args = vec!["--queue", queue, "--retry-delays-ms", &delays];
     args.extend_from_slice(extra);
-    spawn_example("accounts_worker", database_url, queue, &args, &[])
+    spawn_example("accounts_worker", database_url, queue, &args, env)
 }
 
 /// A `notifications_worker` process on `queue` (the follow-ups of `orders_worker

@@ -74,7 +74,7 @@ pub(crate) async fn erase(store: &Store, args: &EraseArgs) -> anyhow::Result<()>
         say!("{}", serde_json::to_string(&done)?);
     } else {
         say!(
-            "erasure {}: {} record(s) erased (tombstones kept), {} follow-up(s) deleted, {} skipped (in flight, pending, to be retried, or follow-ups not yet published: erase again once settled)",
+            "erasure {}: {} record(s) erased (tombstones kept), {} follow-up(s) deleted, {} skipped (in flight, pending, to be retried, follow-ups not yet published, or deliveries waiting for their turn: erase again once settled)",
             done.id,
             done.records,
             done.follow_ups,
@@ -137,16 +137,19 @@ pub(crate) async fn run(cli: &Cli, command: &Keys) -> anyhow::Result<()> {
                 say!("{}", serde_json::to_string_pretty(&uses)?);
                 return Ok(());
             }
-            say!("KEY\tRESULTS\tREFERENCES\tBODIES\tFINGERPRINTS\tSUPERSEDED_AT\tRETIRED_AT");
+            say!(
+                "KEY\tRESULTS\tREFERENCES\tBODIES\tWAITING\tFINGERPRINTS\tSUPERSEDED_AT\tRETIRED_AT"
+            );
             let t =
                 |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.to_rfc3339());
             for u in uses {
                 say!(
-                    "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                    "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                     u.key.as_deref().unwrap_or("-"),
                     u.results,
                     u.references,
                     u.bodies,
+                    u.waiting,
                     u.fingerprints,
                     t(u.superseded_at),
                     t(u.retired_at)
@@ -175,11 +178,12 @@ pub(crate) async fn run(cli: &Cli, command: &Keys) -> anyhow::Result<()> {
                 .await
                 .context("rotate")?;
             say!(
-                "moved to key {}: {} result(s), {} reference(s), {} follow-up bod(ies); {} row(s) changed under the rotation{}",
+                "moved to key {}: {} result(s), {} reference(s), {} follow-up bod(ies), {} waiting deliver(ies); {} row(s) changed under the rotation{}",
                 keys.current_id(),
                 done.results,
                 done.references,
                 done.bodies,
+                done.waiting,
                 done.raced,
                 if done.raced > 0 {
                     " (run it again)"
