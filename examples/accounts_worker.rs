@@ -62,6 +62,9 @@ pub struct Accounts {
     pub order: Order,
     /// Time each entry takes before its write (a slower handler).
     pub work: Duration,
+    /// Write the entry through the pool, not `ctx.tx()` (leased mode): the record then
+    /// completes on its own, and the entity moves on after that commit, not in it.
+    pub outside_tx: bool,
 }
 
 impl Handler for Accounts {
@@ -92,7 +95,14 @@ impl Handler for Accounts {
             tokio::time::sleep(self.work).await;
         }
         let pid = i32::try_from(std::process::id()).unwrap_or(0);
-        let tx = ctx.tx().await?;
+        let mut own = match self.outside_tx {
+            true => Some(ctx.pool().acquire().await?),
+            false => None,
+        };
+        let tx: &mut sqlx::PgConnection = match own.as_mut() {
+            Some(conn) => conn,
+            None => ctx.tx().await?,
+        };
         let failing: Option<String> = sqlx::query_scalar(
             "SELECT kind FROM account_failures WHERE account = $1 AND event_id = $2",
         )
@@ -166,6 +176,10 @@ struct Args {
     /// Milliseconds each entry takes before its write.
     #[arg(long, default_value_t = 0)]
     work_ms: u64,
+    /// Write each entry through the pool instead of the handler's transaction (leased
+    /// mode; the entry and the record then commit apart).
+    #[arg(long)]
+    outside_tx: bool,
     /// Deliveries in flight (0: chosen from the mode and the pool).
     #[arg(long, default_value_t = 0)]
     concurrency: usize,
@@ -253,6 +267,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let handler = Accounts {
         order: args.order,
         work: Duration::from_millis(args.work_ms),
+        outside_tx: args.outside_tx,
     };
     let worker = Worker::new(handler, store, config);
     worker

@@ -399,7 +399,9 @@ async fn order_of_arrival_runs_one_entry_of_an_account_at_a_time(
     let url = database_url(&c);
     let q = TestQueue::new("ordering-arrival").await;
     prepare(&pool, &url, &q).await;
-    let args = ["--order", "arrival", "--work-ms", "20"];
+    // Written outside the handler's transaction: the record completes on its own and
+    // the account moves on after that commit (the release of its own).
+    let args = ["--order", "arrival", "--work-ms", "20", "--outside-tx"];
     let _a = spawn_accounts_worker(&url, &q.name, &args);
     let _b = spawn_accounts_worker(&url, &q.name, &args);
     wait_for_consumers(&q, 2).await;

@@ -54,7 +54,7 @@ pub(crate) struct Entered {
 
 /// A delivery whose turn came (it holds the turn now): run in the process that released
 /// it, or published to its queue again.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Released {
     pub(crate) scope: String,
     pub(crate) ordering_key: String,
@@ -187,11 +187,14 @@ type WaitingRow = (
 );
 
 /// Moves the positions of `entities` on past completed holders and releases the
-/// deliveries whose turn came.
-pub(crate) async fn release(
-    pool: &PgPool,
+/// deliveries whose turn came. `in_commit`: on the transaction that completes the
+/// holder (its commit makes the move and the hand-off true with the completion);
+/// otherwise a statement of its own, committed without waiting for the WAL flush.
+pub(crate) async fn release<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
     keys: Option<&Keys>,
     entities: &[(String, String)],
+    in_commit: bool,
 ) -> Result<Vec<Released>, StoreError> {
     let (scopes, ordering_keys): (Vec<&str>, Vec<&str>) = entities
         .iter()
@@ -200,12 +203,13 @@ pub(crate) async fn release(
     let rows: Vec<WaitingRow> = sqlx::query_as(
         "SELECT scope, ordering_key, seq, operation, idempotency_key, queue, body, properties,
                 turn
-           FROM idem_ordering_release($1::text[], $2::text[], $3)",
+           FROM idem_ordering_release($1::text[], $2::text[], $3, $4)",
     )
     .bind(scopes)
     .bind(ordering_keys)
     .bind(millis(RELEASE_STALE))
-    .fetch_all(pool)
+    .bind(!in_commit)
+    .fetch_all(executor)
     .await?;
     // Each row on its own: one that cannot be opened (a body sealed under a key no
     // longer configured) must not hold back the others. It stays released; the entity

@@ -72,7 +72,12 @@ pub(crate) struct DeadLetterOrder {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Ran {
     /// `completed` committed; `reconciled` when `reconcile` found the effect applied.
-    Completed { reconciled: bool },
+    /// `handed`: what the same commit released of its entity's order (its next turn,
+    /// handed over), when the release ran in it; `None` leaves the release to be made.
+    Completed {
+        reconciled: bool,
+        handed: Option<Vec<crate::ordering::Released>>,
+    },
     /// Another worker took the operation over; nothing of this run was written.
     LeaseLost,
     /// Recorded as `failed`, retryable.
@@ -325,8 +330,12 @@ pub(crate) fn on_claim(claim: Claim, retries: Retries<'_>) -> Step {
 /// in-process retry, `None` once those are used up.
 pub(crate) fn after_run(ran: Ran, immediate: Option<Duration>, retries: Retries<'_>) -> Step {
     match ran {
-        Ran::Completed { reconciled: false } => finish(Settle::Ack, Outcome::Executed),
-        Ran::Completed { reconciled: true } => finish(Settle::Ack, Outcome::Reconciled),
+        Ran::Completed {
+            reconciled: false, ..
+        } => finish(Settle::Ack, Outcome::Executed),
+        Ran::Completed {
+            reconciled: true, ..
+        } => finish(Settle::Ack, Outcome::Reconciled),
         Ran::LeaseLost => finish(retries.later(), Outcome::LeaseLost),
         Ran::Transient { lease, error } => match (immediate, retries.next()) {
             (Some(after), _) => Step::ClaimAgain { after },

@@ -191,12 +191,18 @@ fn decision_malformed_is_dead_lettered_without_key_or_pin() {
 #[test]
 fn decision_completed_run_is_acked() {
     let p = policy();
-    let ran = Ran::Completed { reconciled: false };
+    let ran = Ran::Completed {
+        reconciled: false,
+        handed: None,
+    };
     assert_eq!(
         after_run(ran, None, retries(&p, 0)),
         finish(Settle::Ack, Outcome::Executed)
     );
-    let reconciled = Ran::Completed { reconciled: true };
+    let reconciled = Ran::Completed {
+        reconciled: true,
+        handed: None,
+    };
     assert_eq!(
         after_run(reconciled, None, retries(&p, 0)),
         finish(Settle::Ack, Outcome::Reconciled)

@@ -130,10 +130,11 @@ async fn decide<H: Handler>(
         tally: runtime.tally.as_deref(),
     };
     async {
-        let mut entity = None;
+        let (mut entity, mut handed) = (None, None);
         let settled = match walk(runtime, incoming).await {
             Ok(mut decided) => {
                 entity = decided.entity.take();
+                handed = decided.handed.take();
                 settle(&settler, decided).await
             }
             Err(error) => Err(error),
@@ -145,8 +146,13 @@ async fn decide<H: Handler>(
             }
             Err(error) => undecided(runtime, &settler, error).await,
         };
-        let next = match entity {
-            Some(entity) if ordered::moves_on(outcome) => ordered::leave(runtime, entity).await,
+        // The commit that completed it released its next turn already, or the release is
+        // made now. A turn handed over in that commit is run whatever became of the ack.
+        let next = match (handed, entity) {
+            (Some(handed), _) => handed,
+            (None, Some(entity)) if ordered::moves_on(outcome) => {
+                ordered::leave(runtime, entity).await
+            }
             _ => Vec::new(),
         };
         settler.count(outcome.as_str());
@@ -188,6 +194,8 @@ pub(crate) struct Decided {
     pub(crate) key: Option<Key>,
     /// The entity whose order the delivery entered and took its turn in, if it did.
     pub(crate) entity: Option<Entity>,
+    /// What the commit that completed it released of that order (see [`Ran::Completed`]).
+    pub(crate) handed: Option<Vec<Released>>,
 }
 
 impl Decided {
@@ -196,6 +204,7 @@ impl Decided {
             verdict,
             key: None,
             entity: None,
+            handed: None,
         }
     }
 
@@ -204,6 +213,7 @@ impl Decided {
             verdict,
             key: Some(key),
             entity,
+            handed: None,
         }
     }
 
@@ -277,6 +287,8 @@ pub(super) struct Parsed {
     pub(super) fingerprint: Fingerprint,
     /// The message's correlation id, carried on to its follow-up messages.
     pub(super) correlation_id: Option<String>,
+    /// The entity whose turn it holds (scope and ordering key), if its handler orders it.
+    pub(super) entity: Option<Entity>,
 }
 
 fn parse<H: Handler>(
@@ -303,6 +315,7 @@ fn parse<H: Handler>(
         key,
         fingerprint,
         correlation_id: None,
+        entity: None,
     };
     Ok((parsed, message))
 }
@@ -340,6 +353,7 @@ pub(crate) async fn walk<H: Handler>(
         {
             return Ok(Decided::with_key(verdict, parsed.key, None));
         }
+        parsed.entity = Some(taken.clone());
         entity = Some(taken);
     }
     if let Some(transactions) = &runtime.transactions {
@@ -349,19 +363,26 @@ pub(crate) async fn walk<H: Handler>(
             value: parsed.value.clone(),
             trace: trace::outgoing(&span, incoming.trace.as_ref()),
             envelope: incoming.envelope.clone(),
+            entity: parsed.entity.clone(),
         };
-        let verdict = in_transaction(runtime, transactions, incoming, request, retries).await?;
-        return Ok(Decided::with_key(verdict, parsed.key, entity));
+        let (verdict, handed) =
+            in_transaction(runtime, transactions, incoming, request, retries).await?;
+        let mut decided = Decided::with_key(verdict, parsed.key, entity);
+        decided.handed = handed;
+        return Ok(decided);
     }
     let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
     let mut step = claim(runtime, &request, retries, incoming.holds_turn).await?;
+    let mut handed = None;
     loop {
         step = match step {
             Step::Run(lease) => {
                 attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
-                let ran = handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
+                let mut ran =
+                    handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
+                handed = handed_over(&mut ran);
                 if counted(circuit, admission, &ran).await {
                     return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
                 }
@@ -374,9 +395,10 @@ pub(crate) async fn walk<H: Handler>(
                 attempt_on(&span, &lease);
                 let external_ref = external_ref.as_deref();
                 let message = message.take();
-                let ran =
+                let mut ran =
                     handle::reconcile(runtime, incoming, &parsed, message, &lease, external_ref)
                         .await?;
+                handed = handed_over(&mut ran);
                 if counted(circuit, admission, &ran).await {
                     return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
                 }
@@ -393,8 +415,21 @@ pub(crate) async fn walk<H: Handler>(
                 }
                 claim(runtime, &request, retries, incoming.holds_turn).await?
             }
-            Step::Settle(verdict) => return Ok(Decided::with_key(verdict, parsed.key, entity)),
+            Step::Settle(verdict) => {
+                let mut decided = Decided::with_key(verdict, parsed.key, entity);
+                decided.handed = handed;
+                return Ok(decided);
+            }
         };
+    }
+}
+
+/// What the commit that completed a run released of its entity's order, taken out of
+/// `ran`.
+fn handed_over(ran: &mut Ran) -> Option<Vec<Released>> {
+    match ran {
+        Ran::Completed { handed, .. } => handed.take(),
+        _ => None,
     }
 }
 
@@ -448,14 +483,16 @@ fn attempt_on(span: &Span, lease: &Lease) {
 }
 
 /// Transactional mode: the delivery goes into its batch's transaction, which claims,
-/// runs and records it; what it answers decides, as in leased mode.
+/// runs and records it; what it answers decides, as in leased mode. With the verdict,
+/// what the batch's commit released of the delivery's entity (see [`Ran::Completed`]).
 async fn in_transaction<H: Handler>(
     runtime: &Runtime<H>,
     transactions: &Batcher<TxRequest, TxAnswer>,
     incoming: &Incoming<'_>,
     request: TxRequest,
     retries: Retries<'_>,
-) -> Result<Verdict, Failure> {
+) -> Result<(Verdict, Option<Vec<Released>>), Failure> {
+    let mut handed = None;
     let mut immediate = runtime.config.retry.immediate_backoff();
     let circuit = runtime.circuit.as_deref();
     loop {
@@ -465,13 +502,14 @@ async fn in_transaction<H: Handler>(
             .await?;
         let step = match answer {
             Ok(TxAnswer::Found(claim)) => decision::on_claim(claim, retries),
-            Ok(TxAnswer::Ran(ran, follow_ups)) => {
+            Ok(TxAnswer::Ran(mut ran, follow_ups)) => {
                 runtime
                     .follow_ups
                     .send(incoming.follow_ups, follow_ups)
                     .await;
+                handed = handed_over(&mut ran);
                 if counted(circuit, incoming.admission, &ran).await {
-                    return Ok(decision::paused());
+                    return Ok((decision::paused(), handed));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -480,11 +518,11 @@ async fn in_transaction<H: Handler>(
             Err(error) => return Err(error.into()),
         };
         match step {
-            Step::Settle(verdict) => return Ok(verdict),
+            Step::Settle(verdict) => return Ok((verdict, handed)),
             Step::ClaimAgain { after } => {
                 tokio::time::sleep(after).await;
                 if keeps_out(circuit, incoming.admission) {
-                    return Ok(decision::paused());
+                    return Ok((decision::paused(), handed));
                 }
             }
             // The batch runs and reconciles what it takes; it never hands a lease out.

@@ -10,12 +10,14 @@ use tracing::{Instrument, Span, info, info_span, warn};
 use super::decision::{self, Ran, Reconciled};
 use super::execute::Parsed;
 use super::guard::guarded;
+use super::ordered::Entity;
 use super::settle::Incoming;
 use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::metrics;
+use crate::ordering::table;
 use crate::store::{Lease, Store, StoreError, StoredError};
 use crate::trace;
 
@@ -70,7 +72,8 @@ pub(super) async fn run<H: Handler>(
         .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
-    record(runtime, incoming, &mut ctx, lease, result, false)
+    let entity = parsed.entity.as_ref();
+    record(runtime, incoming, &mut ctx, lease, result, false, entity)
         .instrument(info_span!("completion"))
         .await
 }
@@ -99,14 +102,16 @@ pub(super) async fn reconcile<H: Handler>(
         }
         Reconciled::Failed(error) => Err(error),
     };
-    record(runtime, incoming, &mut ctx, lease, answer, true)
+    let entity = parsed.entity.as_ref();
+    record(runtime, incoming, &mut ctx, lease, answer, true, entity)
         .instrument(info_span!("completion"))
         .await
 }
 
 /// Writes the outcome, fenced by the lease; a success commits the handler's transaction
 /// together with the `completed` record, then publishes the follow-up messages it
-/// staged.
+/// staged. On the handler's transaction, the delivery's `entity` (if it has one) moves
+/// on in the same commit, and the turn it hands over comes back in the answer.
 async fn record<H: Handler>(
     runtime: &Runtime<H>,
     incoming: &Incoming<'_>,
@@ -114,6 +119,7 @@ async fn record<H: Handler>(
     lease: &Lease,
     result: Result<H::Output, HandlerError>,
     reconciled: bool,
+    entity: Option<&Entity>,
 ) -> Result<Ran, Failure> {
     let store = &runtime.store;
     let tx = ctx.take_tx();
@@ -132,13 +138,31 @@ async fn record<H: Handler>(
             return unstorable(store, lease, why).await;
         }
     };
-    let done = Ran::Completed { reconciled };
+    let mut handed = None;
     let completed: Result<bool, StoreError> = match tx {
         None => runtime.completions.call((lease.clone(), output)).await?,
         Some(mut tx) => match store.complete_in(&mut *tx, lease, &output).await {
             Ok(()) => {
-                failpoint::hit("before-commit");
-                tx.commit().await.map(|()| true).map_err(StoreError::from)
+                // A failed release leaves the transaction aborted: it rolls back when
+                // dropped, as a failed completion does.
+                let released = match entity {
+                    Some(entity) => {
+                        let entities = std::slice::from_ref(entity);
+                        table::release(&mut *tx, store.keys(), entities, true)
+                            .await
+                            .map(Some)
+                    }
+                    None => Ok(None),
+                };
+                match released {
+                    Ok(released) => {
+                        failpoint::hit("before-commit");
+                        let committed = tx.commit().await;
+                        handed = released;
+                        committed.map(|()| true).map_err(StoreError::from)
+                    }
+                    Err(e) => Err(e),
+                }
             }
             Err(StoreError::LeaseLost { .. }) => {
                 // A zombie: another worker owns the operation; undo our writes.
@@ -149,7 +173,7 @@ async fn record<H: Handler>(
         },
     };
     let ran = match completed {
-        Ok(true) => done,
+        Ok(true) => Ran::Completed { reconciled, handed },
         Ok(false) => Ran::LeaseLost,
         Err(error) if error.fault() == Fault::Message => {
             let why = format!("the result could not be stored: {}", error.describe());

@@ -88,7 +88,7 @@ async fn released_for(
     store: &Store,
     entities: &[Entity],
 ) -> Result<Vec<Vec<Released>>, StoreError> {
-    let mut released = table::release(store.pool(), store.keys(), entities).await?;
+    let mut released = table::release(store.pool(), store.keys(), entities, false).await?;
     Ok(entities
         .iter()
         .map(|(scope, key)| {
@@ -295,7 +295,7 @@ pub(super) async fn sweep_every(
             };
         }
         let Some(channel) = &channel else { continue };
-        match table::release(store.pool(), store.keys(), &entities).await {
+        match table::release(store.pool(), store.keys(), &entities, false).await {
             Ok(released) => {
                 if !released.is_empty() {
                     info!(

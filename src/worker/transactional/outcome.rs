@@ -178,7 +178,13 @@ pub(super) fn answer_of(lease: Lease, result: RunResult) -> TxAnswer {
             reconciled,
             follow_ups,
             ..
-        } => TxAnswer::Ran(Ran::Completed { reconciled }, follow_ups),
+        } => TxAnswer::Ran(
+            Ran::Completed {
+                reconciled,
+                handed: None,
+            },
+            follow_ups,
+        ),
         RunResult::Refused(why) => TxAnswer::Refused(why),
         RunResult::Failed(HandlerError::Transient(error)) => {
             TxAnswer::Ran(Ran::Transient { lease, error }, Vec::new())
