@@ -4,8 +4,9 @@
 -- last_seq. The decisions are those of
 -- 20261208000001_ordering.sql.
 
--- Room on each page for the position's new version, so that writes that change no
--- indexed column stay on the page (HOT) for the rows written from now on.
+-- Room on each page for a position's new version, so that a write that changes no
+-- indexed column (a park's last_seq) can stay on the page (HOT), for the pages written
+-- from now on; a move or a hand-off changes indexed columns and cannot.
 ALTER TABLE ordering_positions SET (fillfactor = 70);
 
 CREATE OR REPLACE FUNCTION idem_ordering_enter(
@@ -160,6 +161,9 @@ CREATE FUNCTION idem_ordering_release(
                    idempotency_key text, queue text, body bytea, properties bytea,
                    turn boolean)
     LANGUAGE plpgsql AS $$
+-- Times from the clock, not the transaction's start: in the transaction that completes
+-- a holder, now() is when that transaction began, which would make a turn handed over
+-- at its commit look released (and the position moved) long before.
 DECLARE
     k record;
     pos ordering_positions%ROWTYPE;
@@ -188,8 +192,8 @@ BEGIN
             UPDATE ordering_positions p
                SET next_seq = p.next_seq + 1, holder_operation = next_op,
                    holder_key = next_key,
-                   held_since = CASE WHEN next_key IS NULL THEN NULL ELSE now() END,
-                   moved_at = now()
+                   held_since = CASE WHEN next_key IS NULL THEN NULL ELSE clock_timestamp() END,
+                   moved_at = clock_timestamp()
              WHERE p.scope = pos.scope AND p.ordering_key = pos.ordering_key
             RETURNING * INTO pos;
         ELSIF pos.holder_key IS NULL THEN
@@ -200,7 +204,7 @@ BEGIN
                AND w.seq = pos.next_seq;
             IF FOUND THEN
                 UPDATE ordering_positions p
-                   SET holder_operation = next_op, holder_key = next_key, held_since = now()
+                   SET holder_operation = next_op, holder_key = next_key, held_since = clock_timestamp()
                  WHERE p.scope = pos.scope AND p.ordering_key = pos.ordering_key
                 RETURNING * INTO pos;
             END IF;
@@ -210,20 +214,20 @@ BEGIN
         -- turn passed while they waited (an operator skipped it): their copies come back
         -- and are dead-lettered `sequence_passed`, so none is lost in the table.
         RETURN QUERY
-            UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+            UPDATE ordering_waiting w SET released_at = clock_timestamp(), releases = w.releases + 1
              WHERE w.scope = pos.scope AND w.ordering_key = pos.ordering_key
                AND (w.seq < pos.next_seq
                     OR (w.seq = pos.next_seq AND pos.holder_operation = w.operation
                         AND pos.holder_key = w.idempotency_key))
                AND (w.released_at IS NULL
-                    OR (w.released_at < now()
+                    OR (w.released_at < clock_timestamp()
                         - p_stale_ms * (1 << least(w.releases - 1, 6)) * interval '1 millisecond'
                         AND NOT EXISTS (
                             SELECT 1 FROM processed_operations r
                              WHERE r.scope = w.scope AND r.operation = w.operation
                                AND r.idempotency_key = w.idempotency_key
                                AND r.status IN ('processing', 'pending')
-                               AND r.lease_expires_at > now())))
+                               AND r.lease_expires_at > clock_timestamp())))
             RETURNING w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
                       w.queue, w.body, w.properties, w.seq = pos.next_seq;
     END LOOP;

@@ -557,8 +557,9 @@ const K2: &str = "k2:22222222222222222222222222222222222222222222222222222222222
 
 /// Data protection covers the deliveries that wait for their turn: their bodies are
 /// sealed, a key that seals one is not retired, `idem keys rotate` moves them to the new
-/// key, `idem ops erase` counts them as skipped (they have not run), and after the old
-/// key is retired and gone they still run, in order.
+/// key, `idem ops erase` counts them as skipped (they have not run); the old key, which
+/// made their fingerprints, is retired only once they ran, in order; then a worker
+/// without it runs the account on.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn waiting_deliveries_are_sealed_rotated_and_counted_by_an_erasure(
     o: PgPoolOptions,
@@ -648,14 +649,29 @@ async fn waiting_deliveries_are_sealed_rotated_and_counted_by_an_erasure(
         (json!(0), json!(2))
     );
 
-    drop(_rolled);
-    idem_cli(&url, &["keys", "retire", "--id", "k1"]).await;
-    let _under_k2 = spawn_accounts_worker_with_env(&url, &q.name, &[], &[("IDEM_KEYS", K2)]);
-    wait_for_consumers(&q, 1).await;
+    // Their fingerprints were made with k1: it stays until they ran.
+    let refused = idem_command(&url, &["keys", "retire", "--id", "k1"])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("2 waiting deliver(ies)"),
+        "{said}"
+    );
     q.publish(&entry("p", 1)).await;
     wait_until(SETTLE, "p applied", || async {
         applied_count(&pool).await == 3 && waiting(&pool).await == 0 && all_settled(&q).await
     })
     .await;
     assert_eq!(applied(&pool).await["p"], vec![1, 2, 3]);
+    drop(_rolled);
+    idem_cli(&url, &["keys", "retire", "--id", "k1"]).await;
+    let _under_k2 = spawn_accounts_worker_with_env(&url, &q.name, &[], &[("IDEM_KEYS", K2)]);
+    q.publish(&entry("p", 4)).await;
+    wait_until(SETTLE, "p 4 applied", || async {
+        applied_count(&pool).await == 4 && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["p"], vec![1, 2, 3, 4]);
 }

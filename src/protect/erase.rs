@@ -116,6 +116,10 @@ impl Store {
              not_run AS (
                  SELECT count(*) AS n FROM ordering_waiting w
                  WHERE w.scope = $1 AND ($2::text IS NULL OR w.idempotency_key = $2)
+                   -- A delivery handed its turn and running has a record, counted above.
+                   AND NOT EXISTS (SELECT 1 FROM target t JOIN processed_operations p ON p.id = t.id
+                                    WHERE p.operation = w.operation
+                                      AND p.idempotency_key = w.idempotency_key)
              )
              SELECT (SELECT count(*) FROM erased),
                     (SELECT count(*) FROM follow_ups),

@@ -377,6 +377,21 @@ pub async fn retire(pool: &PgPool, id: &str) -> Result<(), RetireError> {
     let Some(found) = uses.into_iter().find(|u| u.key.as_deref() == Some(id)) else {
         return Err(RetireError::Unknown(id.to_owned()));
     };
+    // A waiting delivery's fingerprint is made with the key that was newest when it
+    // parked, and no rotation can make it again (its payload is only in its sealed body):
+    // one parked before `id` was superseded keeps `id` in use.
+    let parked_before: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ordering_waiting w, idem_keys k
+          WHERE k.id = $1 AND (k.superseded_at IS NULL OR w.waiting_since <= k.superseded_at)",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .map_err(StoreError::from)?;
+    let found = KeyUse {
+        waiting: found.waiting.max(parked_before),
+        ..found
+    };
     if found.results + found.references + found.bodies + found.waiting + found.fingerprints > 0 {
         return Err(RetireError::InUse {
             id: id.to_owned(),

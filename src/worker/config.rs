@@ -117,9 +117,9 @@ pub struct WorkerConfig {
     /// back within 5 s (doubling up to 320 s); what has stood so for this long only (a
     /// holder that completed a moment ago is its own worker's to move on). A sweep that
     /// finds nothing waits twice as long before the next, up to 8 times this. The gauges
-    /// `idem_ordering_stalled` and `idem_ordering_waiting` are set every quarter of
-    /// [`Self::ordering_stall_after`] (at most every sweep). `None`: no sweep in this
-    /// process (one is enough).
+    /// `idem_ordering_stalled` and `idem_ordering_waiting` are set at the first sweep
+    /// after a quarter of [`Self::ordering_stall_after`] passed (with the back-off, up to
+    /// 8 times this apart). `None`: no sweep in this process (one is enough).
     pub ordering_sweep_every: Option<Duration>,
     /// An entity with deliveries waiting that has not moved for this long is stalled
     /// (the gauge, the alert `IdemOrderingStalled`, a warning): a gap, or a predecessor

@@ -250,7 +250,6 @@ pub(super) async fn sweep_every(
         let due = counted.is_none_or(|at| at.elapsed() + every >= counted_every);
         let stats = async {
             if due {
-                counted = Some(tokio::time::Instant::now());
                 table::stats(store.pool(), stall_after).await.map(Some)
             } else {
                 Ok(None)
@@ -259,6 +258,7 @@ pub(super) async fn sweep_every(
         match stats.await {
             Ok(None) => {}
             Ok(Some((stalled, waiting))) => {
+                counted = Some(tokio::time::Instant::now());
                 metrics::ordering_backlog(stalled, waiting);
                 if stalled > 0 {
                     warn!(
