@@ -552,6 +552,19 @@ impl<const CREATED: bool> idem::Handler for Step<CREATED> {
     }
 }
 
+/// `idem keys retire --id k1` fails, naming the 2 waiting deliveries that keep k1.
+async fn retire_refused_for_2_waiting(url: &str) {
+    let refused = idem_command(url, &["keys", "retire", "--id", "k1"])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("2 waiting deliver(ies)"),
+        "{said}"
+    );
+}
+
 const K1: &str = "k1:1111111111111111111111111111111111111111111111111111111111111111";
 const K2: &str = "k2:2222222222222222222222222222222222222222222222222222222222222222";
 
@@ -610,15 +623,7 @@ async fn waiting_deliveries_are_sealed_rotated_and_counted_by_an_erasure(
             .unwrap_or(false)
     })
     .await;
-    let refused = idem_command(&url, &["keys", "retire", "--id", "k1"])
-        .output()
-        .await
-        .unwrap();
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && said.contains("2 waiting deliver(ies)"),
-        "{said}"
-    );
+    retire_refused_for_2_waiting(&url).await;
     let rotated = idem_command(&url, &["keys", "rotate"])
         .env("IDEM_KEYS", &both)
         .output()
@@ -650,15 +655,7 @@ async fn waiting_deliveries_are_sealed_rotated_and_counted_by_an_erasure(
     );
 
     // Their fingerprints were made with k1: it stays until they ran.
-    let refused = idem_command(&url, &["keys", "retire", "--id", "k1"])
-        .output()
-        .await
-        .unwrap();
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && said.contains("2 waiting deliver(ies)"),
-        "{said}"
-    );
+    retire_refused_for_2_waiting(&url).await;
     q.publish(&entry("p", 1)).await;
     wait_until(SETTLE, "p applied", || async {
         applied_count(&pool).await == 3 && waiting(&pool).await == 0 && all_settled(&q).await

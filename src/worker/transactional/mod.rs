@@ -26,7 +26,7 @@ use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Envelope, Handler, HandlerError};
 use crate::key::Key;
-use crate::ordering::{Released, table};
+use crate::ordering::table;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
 use crate::trace::TraceContext;
 pub(super) use batched::Batching;
@@ -270,29 +270,24 @@ async fn release(
     requests: &[TxRequest],
     answers: &mut [Option<TxAnswer>],
 ) -> Result<(), StoreError> {
-    let completed: Vec<(usize, Entity)> = answers
+    let completed: Vec<(usize, &Entity)> = answers
         .iter()
         .enumerate()
         .filter_map(|(i, answer)| match answer {
             Some(TxAnswer::Ran(Ran::Completed { .. }, _)) => {
-                requests[i].entity.clone().map(|entity| (i, entity))
+                requests[i].entity.as_ref().map(|entity| (i, entity))
             }
             _ => None,
         })
         .collect();
-    if completed.len() != 1 {
+    let [(i, entity)] = completed[..] else {
         return Ok(());
-    }
-    let entities: Vec<Entity> = completed.iter().map(|(_, e)| e.clone()).collect();
-    let mut released = table::release(ctx.tx().await?, store.keys(), &entities, true).await?;
-    for (i, (scope, key)) in completed {
-        let (mine, rest): (Vec<Released>, Vec<Released>) = released
-            .into_iter()
-            .partition(|r| r.scope == scope && r.ordering_key == key);
-        released = rest;
-        if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i] {
-            *handed = Some(mine);
-        }
+    };
+    // One entity: everything released is its.
+    let entities = std::slice::from_ref(entity);
+    let released = table::release(ctx.tx().await?, store.keys(), entities, true).await?;
+    if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i] {
+        *handed = Some(released);
     }
     Ok(())
 }
