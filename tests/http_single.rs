@@ -89,26 +89,28 @@ async fn records(pool: &PgPool) -> i64 {
     count(pool, "SELECT count(*) FROM processed_operations").await
 }
 
-/// Sessions of this database waiting for another transaction (a claim at the key's
-/// unique index, or at a locked row).
+/// Sessions of this database waiting for another transaction: a repeat at the key's
+/// lock, or a claim at the key's unique index or a locked row.
 async fn waiting(pool: &PgPool) -> i64 {
     count(
         pool,
         "SELECT count(*) FROM pg_stat_activity
          WHERE datname = current_database() AND wait_event_type = 'Lock'
-           AND wait_event = 'transactionid'",
+           AND wait_event IN ('advisory', 'transactionid')",
     )
     .await
 }
 
-/// Sessions of this database inside a transaction that wrote (a request holding its
-/// record, not committed).
+/// Sessions of this database inside a transaction that holds a key (its lock, or a
+/// record written and not committed) while its route runs.
 async fn writing(pool: &PgPool) -> i64 {
     count(
         pool,
-        "SELECT count(*) FROM pg_stat_activity
-         WHERE datname = current_database() AND backend_xid IS NOT NULL
-           AND state LIKE 'idle in transaction%'",
+        "SELECT count(*) FROM pg_stat_activity a
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
+           AND (backend_xid IS NOT NULL
+                OR EXISTS (SELECT 1 FROM pg_locks l
+                           WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted))",
     )
     .await
 }
@@ -171,8 +173,8 @@ async fn thirty_concurrent_requests_with_one_key_wait_for_the_first_and_get_its_
             send(&url, Some("order-17"), &body).await.unwrap()
         });
     }
-    // The repeats really wait for the first one, at the key's unique index.
-    wait_until(LIMIT, "repeats waiting at the unique index", || async {
+    // The repeats really wait for the first one, at the key's lock.
+    wait_until(LIMIT, "repeats waiting at the key's lock", || async {
         waiting(&pool).await >= 1
     })
     .await;
@@ -195,6 +197,17 @@ async fn thirty_concurrent_requests_with_one_key_wait_for_the_first_and_get_its_
     assert_eq!(
         record_of(&pool, SINGLE).await,
         Some(("completed".into(), 1))
+    );
+    let one_commit: bool = sqlx::query_scalar(
+        "SELECT (SELECT xmin::text FROM example_payments)
+              = (SELECT xmin::text FROM processed_operations)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        one_commit,
+        "the payment and its record were written by one transaction"
     );
     let retry = send(&url, Some("order-17"), &body).await.unwrap();
     assert_eq!((retry.status, retry.replayed()), (201, true));
@@ -591,6 +604,46 @@ async fn records_the_default_mode_left_are_decided_as_documented(pool: PgPool) {
         effects(&pool, "flaky").await,
         1,
         "the failed run's write rolled back"
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_new_key_another_mode_recorded_meanwhile_is_answered_from_its_record(pool: PgPool) {
+    // Two servers on one database, each with its own gate: the single-commit request
+    // holds the key's lock (no record yet) while a default-mode one claims the key,
+    // completes it, and commits first.
+    let (single_state, default_state) = (test_state(), test_state());
+    let single = serve(&pool, single_state.clone(), true).await;
+    let default_mode = serve(&pool, default_state.clone(), false).await;
+    let held = {
+        let url = format!("{single}/mixed");
+        tokio::spawn(async move { send(&url, Some("n"), b"{}").await.unwrap() })
+    };
+    wait_until(LIMIT, "the single-commit request holds the key", || async {
+        writing(&pool).await == 1
+    })
+    .await;
+    assert_eq!(records(&pool).await, 0, "the lock writes no record");
+    let claimed = {
+        let url = format!("{default_mode}/mixed");
+        tokio::spawn(async move { send(&url, Some("n"), b"{}").await.unwrap() })
+    };
+    wait_until(LIMIT, "the default-mode claim", || async {
+        record_of(&pool, "POST /mixed").await == Some(("processing".into(), 1))
+    })
+    .await;
+    default_state.gate.add_permits(1);
+    let first = tokio::time::timeout(LIMIT, claimed).await.unwrap().unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false));
+    single_state.gate.add_permits(1);
+    // Its record insert finds the key taken: rolled back, answered from the record.
+    let late = tokio::time::timeout(LIMIT, held).await.unwrap().unwrap();
+    assert_eq!((late.status, late.replayed()), (201, true));
+    assert_eq!(late.body, first.body);
+    assert_eq!(effects(&pool, "gated").await, 1, "its write rolled back");
+    assert_eq!(
+        record_of(&pool, "POST /mixed").await,
+        Some(("completed".into(), 1))
     );
 }
 

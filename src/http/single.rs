@@ -1,11 +1,18 @@
 //! A request on a single-commit route ([`super::IdempotencyLayer::single_commit`]):
-//! the record is claimed in the request's own transaction, the route writes in it, and
-//! the answer is written and committed with both, once.
+//! the record is written in the request's own transaction with the route's writes and
+//! its answer, and all of it commits once.
 //!
-//! Nobody sees the record before that commit: a concurrent repeat's claim waits at the
-//! key's unique index (or, for a record taken over, at its row) and then finds the
-//! stored answer, or nothing if this one rolled back, and runs itself. So nothing here
-//! heartbeats (no other claim can take the key while the transaction holds it, and a
+//! The request's first statement takes the key's lock (a transaction-scoped advisory
+//! lock: no write) and looks for the key's record. Holding the lock, for a key with no
+//! record (a new key, the common case), the route runs and the record is inserted
+//! once, completed with the answer, just before the commit: nothing is written first
+//! to be updated after. A concurrent repeat waits for the lock and then claims in its
+//! own transaction as the default mode does: it finds the stored answer, or nothing
+//! if the first one rolled back, and runs itself. A key that has a record is claimed
+//! in the transaction the same way (taken over, or answered from the record).
+//!
+//! Nobody sees the record before that commit. So nothing here heartbeats (no other
+//! single-commit request can take the key while the transaction holds it, and a
 //! heartbeat from another connection would wait for the same lock), and a failure
 //! frees the key by rolling back: no `failed` record is written.
 
@@ -33,14 +40,15 @@ use super::tx::{IdempotentRequest, Left, ROLLBACK_TO_SAVEPOINT, TxSlot};
 use super::{Route, Settings};
 use crate::failpoint;
 use crate::store::lease::panic_text;
-use crate::store::{Lease, StoreError, StoredError};
+use crate::store::{ClaimRequest, Lease, NewRecord, Status, StoreError, StoredError};
 
 /// The request's transaction: READ COMMITTED whatever the database's default, so that
 /// a claim that waited for another transaction sees its commit on its next statement.
 const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
-/// Serves a keyed request on a single-commit route: claims the key in the request's
-/// transaction, and runs the route in it, or answers from the record.
+/// Serves a keyed request on a single-commit route: runs the route in the request's
+/// transaction with the key's lock (a new key) or its claimed record, or answers from
+/// the record.
 pub(super) async fn serve<S>(
     shared: Arc<Settings>,
     route: Arc<Route>,
@@ -57,19 +65,88 @@ where
     if let Err(error) = store.prepare().await {
         return store_unavailable(&label, "cannot check the store", &error);
     }
+    let mut tx = match begin(&shared, &route).await {
+        Ok(tx) => tx,
+        Err(error) => {
+            return store_unavailable(&label, "cannot begin the request's transaction", &error);
+        }
+    };
+    let key = &intent.keyed.key;
+    let lock = match store.lock_request_in(&mut tx, key).await {
+        Ok(lock) => lock,
+        Err(error) => {
+            rollback(tx).await;
+            return store_unavailable(&label, "cannot lock the key", &error);
+        }
+    };
+    if lock.held && !lock.recorded {
+        failpoint::hit("http-single-after-claim");
+        let Intent {
+            parts,
+            body,
+            keyed,
+            fingerprint,
+            origin,
+        } = intent;
+        let request = ClaimRequest {
+            key: keyed.key.clone(),
+            fingerprint,
+            origin,
+        };
+        let single = Single {
+            shared: shared.clone(),
+            route,
+            keyed,
+            holds: Holds::Lock(request),
+        };
+        return single.run(inner, tx, parts, body).await;
+    }
     // A repeat waits at the key for the first request's commit no longer than a run
     // may take; then it answers as for a key in progress (409 + Retry-After).
+    if !lock.held
+        && let Err(error) = store.wait_for_request_in(&mut tx, key).await
+    {
+        rollback(tx).await;
+        if waited_too_long(&error) {
+            return from_record(Answer::InProgress, &route, &intent.keyed);
+        }
+        return store_unavailable(&label, "cannot wait for the key", &error);
+    }
+    claim_in(shared, route, inner, intent, tx).await
+}
+
+/// The request's transaction, READ COMMITTED (so that a statement after a wait sees
+/// what the other transaction committed), waiting for a lock no longer than a run.
+async fn begin(
+    shared: &Settings,
+    route: &Route,
+) -> Result<Transaction<'static, Postgres>, StoreError> {
     let begin = format!(
         "{BEGIN}; SET LOCAL lock_timeout = {}",
         route.run_within.as_millis().max(1)
     );
-    let mut tx = match store.pool().begin_with(sqlx::AssertSqlSafe(begin)).await {
-        Ok(tx) => tx,
-        Err(error) => {
-            let error = StoreError::from(error);
-            return store_unavailable(&label, "cannot begin the request's transaction", &error);
-        }
-    };
+    Ok(shared
+        .store
+        .pool()
+        .begin_with(sqlx::AssertSqlSafe(begin))
+        .await?)
+}
+
+/// Claims a key that has a record, or that another request held, in the request's
+/// transaction (which holds the key's lock), and does what the claim decides.
+async fn claim_in<S>(
+    shared: Arc<Settings>,
+    route: Arc<Route>,
+    inner: S,
+    intent: Intent,
+    mut tx: Transaction<'static, Postgres>,
+) -> Response
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let store = &shared.store;
+    let label = &intent.keyed.label;
     let reconciles = route.reconcile.is_some();
     let claim = store
         .claim_request_in(
@@ -88,7 +165,7 @@ where
         }
         Err(error) => {
             rollback(tx).await;
-            return store_unavailable(&label, "cannot claim the key", &error);
+            return store_unavailable(label, "cannot claim the key", &error);
         }
     };
     match decision::on_claim(claim) {
@@ -98,7 +175,7 @@ where
                 shared: shared.clone(),
                 route,
                 keyed: intent.keyed,
-                lease,
+                holds: Holds::Record(lease),
             };
             single.run(inner, tx, intent.parts, intent.body).await
         }
@@ -118,12 +195,21 @@ where
     }
 }
 
-/// A request whose record its transaction holds.
+/// A request whose key its transaction holds.
 struct Single {
     shared: Arc<Settings>,
     route: Arc<Route>,
     keyed: Keyed,
-    lease: Lease,
+    holds: Holds,
+}
+
+/// How a request's transaction holds its key.
+enum Holds {
+    /// The key's lock, and no record: the record is inserted with the answer.
+    Lock(ClaimRequest),
+    /// A record claimed in the transaction (inserted `processing`, or taken over),
+    /// completed under its lease.
+    Record(Lease),
 }
 
 impl Single {
@@ -142,12 +228,21 @@ impl Single {
         S::Future: Send + 'static,
     {
         let mut request = Request::from_parts(parts, Body::from(body));
+        let (attempt, takeover) = match &self.holds {
+            Holds::Lock(_) => (1, false),
+            Holds::Record(lease) => (lease.attempt, lease.takeover),
+        };
         request.extensions_mut().insert(IdempotentRequest {
             key: self.keyed.key.clone(),
-            attempt: self.lease.attempt,
-            takeover: self.lease.takeover,
+            attempt,
+            takeover,
         });
-        let slot = TxSlot::with_transaction(self.shared.store.pool().clone(), tx);
+        // With a record in the transaction, the route writes after a savepoint, so that
+        // an answer stored without its writes keeps the record; with the lock alone,
+        // such an answer rolls back whole and is recorded on its own.
+        let savepoint = matches!(self.holds, Holds::Record(_));
+        let pool = self.shared.store.pool().clone();
+        let slot = TxSlot::with_transaction(pool, tx, savepoint);
         request.extensions_mut().insert(slot.clone());
         let task = async move {
             let within = self.route.run_within;
@@ -176,12 +271,12 @@ impl Single {
     }
 
     /// Records what the route answered, as its verdict says: stored and committed with
-    /// the route's writes (or without them, rolled back to the savepoint), `pending`,
-    /// or rolled back whole, which frees the key.
+    /// the route's writes (or without them), `pending`, or rolled back whole, which
+    /// frees the key.
     async fn record(&self, slot: &TxSlot, response: Response) -> Response {
         let label = &self.keyed.label;
         let savepoint = slot.savepoint();
-        let mut tx = match slot.take() {
+        let tx = match slot.take() {
             Left::Transaction(tx) => tx,
             // The record is in that transaction: never committed, the key stays free.
             Left::Kept => {
@@ -198,7 +293,34 @@ impl Single {
                 return answered(label, "failed", problem);
             }
         };
-        let verdict = verdict_of(&response);
+        match (verdict_of(&response), &self.holds) {
+            (Verdict::Free(error), _) => {
+                debug!(error = %error, "rolled back: the key is free");
+                rollback(tx).await;
+                answered(label, "failed", response)
+            }
+            (verdict, Holds::Record(lease)) => {
+                self.record_claimed(lease, tx, savepoint, verdict, response)
+                    .await
+            }
+            (verdict, Holds::Lock(request)) => {
+                self.record_new(request, tx, verdict, response).await
+            }
+        }
+    }
+
+    /// Records the answer of a request that claimed a record in its transaction:
+    /// completed or `pending` under its lease, the route's writes rolled back to the
+    /// savepoint where the answer goes without them.
+    async fn record_claimed(
+        &self,
+        lease: &Lease,
+        mut tx: Transaction<'static, Postgres>,
+        savepoint: bool,
+        verdict: Verdict,
+        response: Response,
+    ) -> Response {
+        let label = &self.keyed.label;
         if matches!(
             verdict,
             Verdict::StoreWithoutWrites | Verdict::Pending { .. }
@@ -210,22 +332,141 @@ impl Single {
             return store_unavailable(label, "cannot roll the route's writes back", &error);
         }
         match verdict {
-            Verdict::Free(error) => {
-                debug!(error = %error, "rolled back: the key is free");
-                rollback(tx).await;
-                answered(label, "failed", response)
-            }
             Verdict::Pending {
                 external_ref,
                 error,
-            } => self.pending(tx, response, external_ref, &error).await,
-            Verdict::Store | Verdict::StoreWithoutWrites => self.complete(tx, response).await,
+            } => {
+                self.pending(lease, tx, response, external_ref, &error)
+                    .await
+            }
+            _ => self.complete(lease, tx, response).await,
         }
     }
 
-    /// Stores the answer in the request's transaction and commits it.
+    /// Records the answer of a request that holds the key's lock and no record: the
+    /// record is inserted with the answer, in the transaction with the route's writes,
+    /// or on its own once they rolled back (an answer stored without them, `pending`).
+    /// A key recorded meanwhile by another request is answered from its record.
+    async fn record_new(
+        &self,
+        request: &ClaimRequest,
+        mut tx: Transaction<'static, Postgres>,
+        verdict: Verdict,
+        response: Response,
+    ) -> Response {
+        let (shared, label) = (&self.shared, &self.keyed.label);
+        if let Verdict::Pending {
+            external_ref,
+            error,
+        } = verdict
+        {
+            rollback(tx).await;
+            let stored = StoredError {
+                kind: "uncertain",
+                error: &error,
+            };
+            let record = NewRecord {
+                request,
+                status: Status::Pending,
+                retryable: false,
+                result: None,
+                error: Some(stored.to_json()),
+                external_ref,
+            };
+            // The route's answer (502) either way: with nothing stored a retry runs
+            // afresh, and another request's record decides the next one.
+            match self.insert_alone(&record).await {
+                Ok(Some(_)) => {}
+                Ok(None) => debug!("the key was recorded by another request first"),
+                Err(e) => warn!(error = %e.describe(), "cannot record an uncertain outcome"),
+            }
+            return answered(label, "uncertain", response);
+        }
+        let with_writes = verdict == Verdict::Store;
+        let (parts, bytes, stored) = match stored_answer(shared, response).await {
+            Ok(answer) => answer,
+            Err(detail) => {
+                rollback(tx).await;
+                return too_large(label, &detail);
+            }
+        };
+        let record = NewRecord {
+            request,
+            status: Status::Completed,
+            retryable: false,
+            result: Some(stored),
+            error: None,
+            external_ref: None,
+        };
+        if !with_writes {
+            rollback(tx).await;
+            return match self.insert_alone(&record).await {
+                Ok(Some(_)) => answered(
+                    label,
+                    "executed",
+                    Response::from_parts(parts, Body::from(bytes)),
+                ),
+                Ok(None) => self.answer_from_record(request).await,
+                Err(error) => store_unavailable(label, "cannot record the answer", &error),
+            };
+        }
+        match shared.store.insert_one_in(&mut tx, &record).await {
+            Ok(Some(_)) => self.commit(tx, parts, bytes).await,
+            Ok(None) => {
+                rollback(tx).await;
+                self.answer_from_record(request).await
+            }
+            Err(error) => {
+                rollback(tx).await;
+                store_unavailable(label, "cannot record the answer", &error)
+            }
+        }
+    }
+
+    /// Inserts a new key's record on its own (autocommit).
+    async fn insert_alone(&self, record: &NewRecord<'_>) -> Result<Option<(i64, i64)>, StoreError> {
+        let store = &self.shared.store;
+        let mut conn = store.pool().acquire().await?;
+        store.insert_one_in(&mut conn, record).await
+    }
+
+    /// Answers a request whose new record another request wrote first (one in the
+    /// default mode, or a repeat whose first look was older than this one's commit),
+    /// from that record, as a repeat would be: its claim runs in a transaction that is
+    /// rolled back, and a key it could take (free again) is answered as in progress,
+    /// for a retry that runs it.
+    async fn answer_from_record(&self, request: &ClaimRequest) -> Response {
+        let (store, label) = (&self.shared.store, &self.keyed.label);
+        let mut tx = match begin(&self.shared, &self.route).await {
+            Ok(tx) => tx,
+            Err(error) => return store_unavailable(label, "cannot read the record", &error),
+        };
+        let reconciles = self.route.reconcile.is_some();
+        let claim = store
+            .claim_request_in(
+                &mut tx,
+                &request.key,
+                &request.fingerprint,
+                &request.origin,
+                reconciles,
+            )
+            .await;
+        // Nothing of it stays.
+        drop(tx);
+        match claim.map(decision::on_claim) {
+            Ok(Next::Answer(answer)) => from_record(answer, &self.route, &self.keyed),
+            Ok(_) => from_record(Answer::InProgress, &self.route, &self.keyed),
+            Err(error) if waited_too_long(&error) => {
+                from_record(Answer::InProgress, &self.route, &self.keyed)
+            }
+            Err(error) => store_unavailable(label, "cannot read the record", &error),
+        }
+    }
+
+    /// Stores the answer under the claimed record's lease and commits it.
     async fn complete(
         &self,
+        lease: &Lease,
         mut tx: Transaction<'static, Postgres>,
         response: Response,
     ) -> Response {
@@ -237,17 +478,25 @@ impl Single {
                 return too_large(label, &detail);
             }
         };
-        if let Err(error) = shared
-            .store
-            .complete_in(&mut *tx, &self.lease, &stored)
-            .await
-        {
+        if let Err(error) = shared.store.complete_in(&mut *tx, lease, &stored).await {
             rollback(tx).await;
             return match error {
                 StoreError::LeaseLost { .. } => taken_over(label),
                 error => store_unavailable(label, "cannot record the answer", &error),
             };
         }
+        self.commit(tx, parts, bytes).await
+    }
+
+    /// Commits the request's transaction, which holds its record with the answer, and
+    /// answers.
+    async fn commit(
+        &self,
+        tx: Transaction<'static, Postgres>,
+        parts: axum::http::response::Parts,
+        bytes: Bytes,
+    ) -> Response {
+        let label = &self.keyed.label;
         failpoint::hit("http-single-before-commit");
         if let Err(error) = tx.commit().await {
             // Whether it committed is unknown: a retry finds the answer, or nothing.
@@ -262,10 +511,12 @@ impl Single {
         )
     }
 
-    /// Records an uncertain outcome (the route's writes rolled back to the savepoint)
-    /// and commits it; the route's answer (502) either way.
+    /// Records an uncertain outcome under the claimed record's lease (the route's
+    /// writes rolled back to the savepoint) and commits it; the route's answer (502)
+    /// either way.
     async fn pending(
         &self,
+        lease: &Lease,
         mut tx: Transaction<'static, Postgres>,
         response: Response,
         external_ref: Option<String>,
@@ -278,7 +529,7 @@ impl Single {
         .to_json();
         let store = &self.shared.store;
         let marked = store
-            .mark_pending_in(&mut *tx, &self.lease, external_ref.as_deref(), &stored)
+            .mark_pending_in(&mut *tx, lease, external_ref.as_deref(), &stored)
             .await;
         let committed = match marked {
             Ok(()) => tx.commit().await.map_err(StoreError::from),

@@ -56,9 +56,12 @@ struct SlotState {
     pool: PgPool,
     lent: bool,
     returned: Option<Transaction<'static, Postgres>>,
-    /// A single-commit route's transaction, begun by the layer with the record in it:
-    /// lent (after a savepoint) instead of a new one.
+    /// A single-commit route's transaction, begun by the layer with the key in it:
+    /// lent (after a savepoint where `savepoint_first`) instead of a new one.
     begun: Option<Transaction<'static, Postgres>>,
+    /// Take [`SAVEPOINT`] before lending `begun` (it holds a record the handler's
+    /// writes may have to be rolled back without).
+    savepoint_first: bool,
     /// The savepoint [`SAVEPOINT`] was taken before the handler's writes.
     savepoint: bool,
 }
@@ -87,15 +90,24 @@ impl TxSlot {
             lent: false,
             returned: None,
             begun: None,
+            savepoint_first: false,
             savepoint: false,
         })))
     }
 
     /// A slot that lends `tx`, already begun (a single-commit route's, which holds the
-    /// record), instead of beginning one.
-    pub(crate) fn with_transaction(pool: PgPool, tx: Transaction<'static, Postgres>) -> Self {
+    /// key), instead of beginning one; after [`SAVEPOINT`] if `savepoint`.
+    pub(crate) fn with_transaction(
+        pool: PgPool,
+        tx: Transaction<'static, Postgres>,
+        savepoint: bool,
+    ) -> Self {
         let slot = Self::new(pool);
-        slot.lock().begun = Some(tx);
+        {
+            let mut state = slot.lock();
+            state.begun = Some(tx);
+            state.savepoint_first = savepoint;
+        }
         slot
     }
 
@@ -143,9 +155,10 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
             state.lent = true;
             (state.pool.clone(), state.begun.take())
         };
-        let single = begun.is_some();
+        let single = begun.is_some() && slot.lock().savepoint_first;
         let begun = match begun {
-            Some(tx) => savepoint(tx).await,
+            Some(tx) if single => savepoint(tx).await,
+            Some(tx) => Ok(tx),
             None => pool.begin().await.map_err(|error| (error, None)),
         };
         match begun {

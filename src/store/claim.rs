@@ -165,6 +165,33 @@ SELECT 'existing', {EXISTING_COLUMNS} FROM cur WHERE NOT EXISTS (SELECT 1 FROM u
     )
 }
 
+/// What a single-commit request's first statement found ([`Store::lock_request_in`]).
+#[cfg(feature = "http")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RequestLock {
+    /// The request holds the key's lock (until its transaction ends).
+    pub(crate) held: bool,
+    /// The key had a record in the statement's snapshot.
+    pub(crate) recorded: bool,
+}
+
+/// The advisory lock of a key: the first 8 bytes of the SHA-256 of its three parts.
+/// Two keys that share it (one chance in 2^64) only wait for each other; an
+/// application's own advisory locks would share the space too, as unlikely.
+#[cfg(feature = "http")]
+fn lock_id(key: &Key) -> i64 {
+    use sha2::{Digest, Sha256};
+    let mut digest = Sha256::new();
+    for part in [key.scope(), key.operation(), key.idempotency_key()] {
+        digest.update(part.as_bytes());
+        digest.update([0]);
+    }
+    let bytes = digest.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&bytes[..8]);
+    i64::from_be_bytes(first)
+}
+
 /// What an HTTP request's claim found.
 #[cfg(any(test, feature = "http"))]
 #[derive(Debug)]
@@ -243,6 +270,51 @@ impl Store {
         let mut conn = self.pool.acquire().await?;
         self.claim_request_in(&mut conn, key, fingerprint, origin, reconcile)
             .await
+    }
+
+    /// A single-commit HTTP request's first statement, in its transaction: takes the
+    /// key's lock if nobody holds it (a transaction-scoped advisory lock, no write) and
+    /// looks for the key's record. Holding the lock with no record, the request runs
+    /// its route and writes the record once, with its answer
+    /// ([`Store::insert_one_in`]); a repeat waits for the lock
+    /// ([`Store::wait_for_request_in`]) and then claims as the default mode does.
+    #[cfg(feature = "http")]
+    pub(crate) async fn lock_request_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        key: &Key,
+    ) -> Result<RequestLock, StoreError> {
+        let started = Instant::now();
+        let (held, recorded): (bool, bool) = sqlx::query_as(
+            "SELECT pg_try_advisory_xact_lock($4),
+                    EXISTS (SELECT 1 FROM processed_operations
+                            WHERE scope = $1 AND operation = $2 AND idempotency_key = $3)",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.idempotency_key())
+        .bind(lock_id(key))
+        .fetch_one(&mut *conn)
+        .await?;
+        metrics::store_round_trip("lock", started);
+        Ok(RequestLock { held, recorded })
+    }
+
+    /// Waits for the key's lock (see [`Store::lock_request_in`]) while another
+    /// single-commit request holds it, at most the transaction's `lock_timeout`.
+    #[cfg(feature = "http")]
+    pub(crate) async fn wait_for_request_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        key: &Key,
+    ) -> Result<(), StoreError> {
+        let started = Instant::now();
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(lock_id(key))
+            .execute(&mut *conn)
+            .await?;
+        metrics::store_round_trip("wait_for_lock", started);
+        Ok(())
     }
 
     /// [`Store::claim_request`] in the caller's transaction (a single-commit HTTP

@@ -52,6 +52,25 @@ pub(crate) struct NewRecord<'a> {
 /// statement, as in `CLAIM_NEW_SQL`. A key another transaction inserted meanwhile is
 /// skipped (after waiting for that transaction), and missing from what comes back.
 static INSERT_SQL: LazyLock<String> = LazyLock::new(|| {
+    insert_sql(
+        "unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bool[],
+            $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $14::text[])",
+    )
+});
+
+/// One new record with its outcome (a single-commit HTTP request's), as
+/// [`INSERT_SQL`] writes many: a prepared statement, planned once per connection.
+#[cfg(feature = "http")]
+static INSERT_ONE_SQL: LazyLock<String> = LazyLock::new(|| {
+    insert_sql(
+        "(VALUES ($1::text, $2::text, $3::text, $4::text, $5::text, $6::bool, $7::jsonb,
+             $8::jsonb, $9::text, $10::text, $11::text, $14::text))",
+    )
+});
+
+/// The insert of new records with their outcomes, from `rows` (the columns of
+/// `t`, parameters `$1`-`$11` and `$14`).
+fn insert_sql(rows: &str) -> String {
     format!(
         "INSERT INTO processed_operations
     (scope, operation, idempotency_key, payload_sha256, fingerprint_key, status, retryable,
@@ -64,8 +83,7 @@ SELECT t.scope, t.operation, t.idempotency_key, t.fp, $15, t.status, t.retryable
        CASE WHEN t.status = 'completed' THEN now() END,
        CASE WHEN t.status = 'completed'
             THEN now() + {} * interval '1 millisecond' END
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bool[],
-            $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $14::text[])
+FROM {rows}
      AS t(scope, operation, idempotency_key, fp, status, retryable, result, error,
           external_ref, message_id, correlation_id, trace_id)
 ORDER BY t.scope, t.operation, t.idempotency_key
@@ -73,7 +91,7 @@ ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
 RETURNING scope, operation, idempotency_key, id, lease_token",
         retention_of("t", "$13")
     )
-});
+}
 
 impl Store {
     /// Looks up the keys of `inputs` (distinct) in the batch's transaction: a record
@@ -122,27 +140,9 @@ impl Store {
         let column = |f: fn(&NewRecord<'_>) -> Option<String>| -> Vec<Option<String>> {
             records.iter().map(f).collect()
         };
-        let keys = self.keys();
-        let results: Vec<Option<Value>> = records
-            .iter()
-            .map(|r| {
-                r.result
-                    .as_ref()
-                    .map(|v| protect::seal_json(keys, Kind::Result, v))
-            })
-            .collect();
+        let (results, references): (Vec<Option<Value>>, Vec<Option<String>>) =
+            records.iter().map(|r| self.sealed(r)).unzip();
         let errors: Vec<Option<&Value>> = records.iter().map(|r| r.error.as_ref()).collect();
-        let references: Vec<Option<String>> = records
-            .iter()
-            .map(|r| {
-                let r = r.external_ref.as_deref()?;
-                Some(protect::seal_text(
-                    keys,
-                    Kind::Reference,
-                    storable(r).as_ref(),
-                ))
-            })
-            .collect();
         let started = Instant::now();
         let rows: Vec<(String, String, String, i64, i64)> = sqlx::query_as(INSERT_SQL.as_str())
             .persistent(false)
@@ -176,5 +176,55 @@ impl Store {
             }
         }
         Ok(inserted)
+    }
+
+    /// The record of a key that had none, written with its outcome in `conn`'s
+    /// transaction (or on its own): its `(id, lease_token)`, or `None` when another
+    /// transaction inserted the key meanwhile (after waiting for its commit).
+    #[cfg(feature = "http")]
+    pub(crate) async fn insert_one_in(
+        &self,
+        conn: &mut PgConnection,
+        record: &NewRecord<'_>,
+    ) -> Result<Option<(i64, i64)>, StoreError> {
+        let (result, reference) = self.sealed(record);
+        let request = record.request;
+        let started = Instant::now();
+        let row: Option<(String, String, String, i64, i64)> =
+            sqlx::query_as(INSERT_ONE_SQL.as_str())
+                .bind(request.key.scope())
+                .bind(request.key.operation())
+                .bind(request.key.idempotency_key())
+                .bind(request.fingerprint.as_hex())
+                .bind(record.status.as_str())
+                .bind(record.retryable)
+                .bind(&result)
+                .bind(&record.error)
+                .bind(&reference)
+                .bind(request.origin.message_id.as_deref())
+                .bind(request.origin.correlation_id.as_deref())
+                .bind(&self.config.owner)
+                .bind(millis(self.config.retention))
+                .bind(request.origin.trace_id.as_deref())
+                .bind(request.fingerprint.key_id())
+                .fetch_optional(&mut *conn)
+                .await?;
+        metrics::store_round_trip("insert_one", started);
+        Ok(row.map(|(_, _, _, id, token)| (id, token)))
+    }
+
+    /// A new record's result and external reference as they are stored (sealed where
+    /// keys are configured).
+    fn sealed(&self, record: &NewRecord<'_>) -> (Option<Value>, Option<String>) {
+        let keys = self.keys();
+        let result = record
+            .result
+            .as_ref()
+            .map(|v| protect::seal_json(keys, Kind::Result, v));
+        let reference = record
+            .external_ref
+            .as_deref()
+            .map(|r| protect::seal_text(keys, Kind::Reference, storable(r).as_ref()));
+        (result, reference)
     }
 }
