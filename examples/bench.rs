@@ -93,6 +93,9 @@
 mod orders_worker;
 
 #[allow(dead_code)]
+#[path = "support/cpu.rs"]
+mod cpu;
+#[allow(dead_code)]
 #[path = "support/outcomes.rs"]
 mod outcomes;
 
@@ -104,6 +107,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use cpu::CpuTicks;
 use futures_util::StreamExt;
 use idem::{
     Context, Handler, HandlerError, Mode, RetryPolicy, Store, StoreConfig, Worker, WorkerConfig,
@@ -361,67 +365,13 @@ impl std::fmt::Display for CpuPerMessage {
     }
 }
 
-/// CPU clock ticks used so far by RabbitMQ's VM, by Postgres processes, and by this
-/// process, read from `/proc` (Linux; elsewhere all zero). Processes that exit between
-/// two readings take their ticks with them; the variants' connections stay open.
-#[derive(Debug, Clone, Copy, Default)]
-struct CpuTicks {
-    rabbitmq: u64,
-    postgres: u64,
-    consumer: u64,
-}
-
-impl CpuTicks {
-    fn now() -> Self {
-        let mut ticks = CpuTicks::default();
-        let me = std::process::id().to_string();
-        let Ok(dir) = std::fs::read_dir("/proc") else {
-            return ticks;
-        };
-        for entry in dir.flatten() {
-            let pid = entry.file_name();
-            let Some(pid) = pid
-                .to_str()
-                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-            else {
-                continue;
-            };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            // `pid (comm) state ...`: comm may hold spaces, so split at the last ')'.
-            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-                continue;
-            };
-            let comm = &stat[open + 1..close];
-            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-            // utime and stime are fields 14 and 15 of the line, 12 and 13 after comm.
-            let used = fields
-                .get(11..13)
-                .map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum())
-                .unwrap_or(0);
-            if pid == me {
-                ticks.consumer += used;
-            } else if comm.starts_with("beam") {
-                ticks.rabbitmq += used;
-            } else if comm.starts_with("postgres") || comm.starts_with("postmaster") {
-                ticks.postgres += used;
-            }
-        }
-        ticks
-    }
-
-    /// Microseconds per message since `self` (Linux clock ticks are 10 ms).
-    fn per_message(self, messages: usize) -> CpuPerMessage {
-        let now = CpuTicks::now();
-        let us = |before: u64, after: u64| {
-            after.saturating_sub(before) as f64 * 10_000.0 / messages.max(1) as f64
-        };
-        CpuPerMessage {
-            rabbitmq: us(self.rabbitmq, now.rabbitmq),
-            postgres: us(self.postgres, now.postgres),
-            consumer: us(self.consumer, now.consumer),
-        }
+/// What the processes used since `before`, per message of `messages`.
+fn cpu_per_message(before: CpuTicks, messages: usize) -> CpuPerMessage {
+    let used = before.per_op(messages, None);
+    CpuPerMessage {
+        rabbitmq: used.rabbitmq,
+        postgres: used.postgres,
+        consumer: used.this,
     }
 }
 
@@ -784,7 +734,7 @@ async fn raw(
     run: usize,
 ) -> anyhow::Result<Measure> {
     publish(connection, queue, args.messages, run, false).await?;
-    let cpu = CpuTicks::now();
+    let cpu = CpuTicks::now(None);
     let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
     let mut started = None;
     // Acks are sent without waiting for each to be written, as a consumer that only
@@ -802,7 +752,7 @@ async fn raw(
         ack??;
     }
     let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
-    let cpu = cpu.per_message(args.messages);
+    let cpu = cpu_per_message(cpu, args.messages);
     let _ = channel.close(200, "done".into()).await;
     Ok(Measure {
         msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
@@ -819,7 +769,7 @@ async fn handwritten(
     run: usize,
 ) -> anyhow::Result<Measure> {
     publish(connection, queue, args.messages, run, false).await?;
-    let cpu = CpuTicks::now();
+    let cpu = CpuTicks::now(None);
     let (channel, mut consumer) = consumer(connection, queue, args.prefetch).await?;
     let slots = Arc::new(Semaphore::new(32));
     let done = Arc::new(AtomicU64::new(0));
@@ -864,7 +814,7 @@ async fn handwritten(
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let elapsed = started.map(|s| s.elapsed()).unwrap_or_default();
-    let cpu = cpu.per_message(args.messages);
+    let cpu = cpu_per_message(cpu, args.messages);
     let _ = channel.close(200, "done".into()).await;
     Ok(Measure {
         msgs_per_s: args.messages as f64 / elapsed.as_secs_f64(),
@@ -941,7 +891,7 @@ async fn idem_variant<H: Handler>(
     let (args, pool, connection, queue, run, outcomes) =
         (b.args, b.pool, b.connection, b.queue, b.run, b.outcomes);
     publish(connection, queue, args.messages, run, b.traced).await?;
-    let cpu = CpuTicks::now();
+    let cpu = CpuTicks::now(None);
     outcomes.reset();
     // Each sealed run has a key of its own, and an unsealed run none: the keys the last
     // run registered are forgotten first, or the store would refuse to start (its rows
@@ -1004,7 +954,7 @@ async fn idem_variant<H: Handler>(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = started.elapsed();
-    let cpu = cpu.per_message(args.messages);
+    let cpu = cpu_per_message(cpu, args.messages);
     let executed = outcomes.get("executed");
     shutdown.cancel();
     worker.await??;

@@ -17,14 +17,16 @@
 //! 2. `layer`: `POST /payments`, behind the layer (claim, the handler in the request's
 //!    transaction, the stored answer committed with it);
 //! 3. `single`: `POST /single/payments`, behind the layer in single-commit mode (the
-//!    record inserted in the request's transaction, the handler in it, the answer
-//!    written and committed with both: one commit);
+//!    key's lock taken in the request's transaction, the handler in it, the record
+//!    inserted with the answer and committed with both: one commit);
 //! 4. `replayed`: `POST /payments` again with the keys `layer` used: every answer comes
 //!    from the record.
 //!
-//! It prints requests/s and p50/p99 latency per variant and round, the medians, and a
+//! It prints requests/s, p50/p99 latency and the CPU per request (Postgres's processes,
+//! the server's, this client's, from `/proc`) per variant and round, the medians, and a
 //! last line `layer_req_per_s=… bare_req_per_s=… ratio=… single_req_per_s=…
-//! single_ratio=… single_p99_ratio=…` (the ratios are to `bare`).
+//! single_ratio=… single_p99_ratio=…` (the ratios are to `bare`). `--variants single`
+//! (or `bare,single`, …) measures only those, for a profiler attached to the server.
 
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
@@ -34,6 +36,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use sqlx::Connection;
+
+#[allow(dead_code)]
+#[path = "support/cpu.rs"]
+mod cpu;
+use cpu::{CpuPerOp, CpuTicks};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,6 +59,10 @@ struct Args {
     /// Port of the server under test.
     #[arg(long, default_value_t = 3917)]
     port: u16,
+    /// The routes to measure, of `bare`, `layer`, `single` (comma-separated; all by
+    /// default; `layer` brings `replayed`). The last line needs all three.
+    #[arg(long, value_delimiter = ',', default_value = "bare,layer,single")]
+    variants: Vec<String>,
     /// Postgres URL of a database to create the bench's own database from.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
@@ -63,6 +74,8 @@ struct Measured {
     per_s: f64,
     p50_ms: f64,
     p99_ms: f64,
+    /// CPU per request: Postgres, the server (`other`), this client (`this`).
+    cpu: CpuPerOp,
 }
 
 #[tokio::main]
@@ -108,6 +121,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     wait_for(&client, &format!("{base}/healthz")).await?;
 
     warm_up(&client, &base, &args).await?;
+    let server = child.id();
 
     let paths = ["/unprotected/payments", "/payments", "/single/payments"];
     let mut results: Vec<(&str, Vec<Measured>)> = vec![
@@ -121,23 +135,43 @@ async fn run(args: Args) -> anyhow::Result<()> {
         // Rotate which goes first, so none always meets a warmer cache.
         for step in 0..paths.len() {
             let i = (round + step) % paths.len();
+            if !args.variants.iter().any(|v| v == results[i].0) {
+                continue;
+            }
             let url = format!("{base}{}", paths[i]);
-            let m = send(&client, &url, &args, &keys, false).await?;
+            let m = send(&client, &url, &args, &keys, false, server).await?;
             print_line(results[i].0, round, m);
             results[i].1.push(m);
         }
-        let m = send(&client, &format!("{base}/payments"), &args, &keys, true).await?;
-        print_line("replayed", round, m);
-        results[3].1.push(m);
+        if args.variants.iter().any(|v| v == "layer") {
+            let m = send(
+                &client,
+                &format!("{base}/payments"),
+                &args,
+                &keys,
+                true,
+                server,
+            )
+            .await?;
+            print_line("replayed", round, m);
+            results[3].1.push(m);
+        }
     }
+    results.retain(|(_, ms)| !ms.is_empty());
     let medians: Vec<Measured> = results.iter().map(|(_, ms)| median(ms)).collect();
     for ((name, _), m) in results.iter().zip(&medians) {
         println!(
-            "median {name:<9} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms",
-            m.per_s, m.p50_ms, m.p99_ms
+            "median {name:<9} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  {}",
+            m.per_s,
+            m.p50_ms,
+            m.p99_ms,
+            cpu_line(m.cpu)
         );
     }
-    let (bare, layer, single, replayed) = (medians[0], medians[1], medians[2], medians[3]);
+    let &[bare, layer, single, replayed] = &medians[..] else {
+        child.kill().await.ok();
+        return Ok(());
+    };
     println!(
         "layer_req_per_s={:.0} bare_req_per_s={:.0} ratio={:.2} layer_p50_ms={:.2} layer_p99_ms={:.2} bare_p50_ms={:.2} bare_p99_ms={:.2} replayed_req_per_s={:.0} single_req_per_s={:.0} single_ratio={:.2} single_p50_ms={:.2} single_p99_ms={:.2} single_p99_ratio={:.2}",
         layer.per_s,
@@ -163,6 +197,7 @@ async fn warm_up(client: &reqwest::Client, base: &str, args: &Args) -> anyhow::R
     let warm = Args {
         requests: 500,
         database_url: String::new(),
+        variants: Vec::new(),
         ..*args
     };
     for path in ["/unprotected/payments", "/payments", "/single/payments"] {
@@ -173,16 +208,28 @@ async fn warm_up(client: &reqwest::Client, base: &str, args: &Args) -> anyhow::R
             &warm,
             &format!("warm{}", path.replace('/', "-")),
             false,
+            None,
         )
         .await?;
     }
     Ok(())
 }
 
+/// Where a request's CPU went.
+fn cpu_line(cpu: CpuPerOp) -> String {
+    format!(
+        "cpu/req postgres {:.0} us server {:.0} us client {:.0} us",
+        cpu.postgres, cpu.other, cpu.this
+    )
+}
+
 fn print_line(name: &str, round: usize, m: Measured) {
     println!(
-        "round {round} {name:<9} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms",
-        m.per_s, m.p50_ms, m.p99_ms
+        "round {round} {name:<9} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  {}",
+        m.per_s,
+        m.p50_ms,
+        m.p99_ms,
+        cpu_line(m.cpu)
     );
 }
 
@@ -194,8 +241,10 @@ async fn send(
     args: &Args,
     keys: &str,
     replays: bool,
+    server: Option<u32>,
 ) -> anyhow::Result<Measured> {
     let next = Arc::new(AtomicUsize::new(0));
+    let cpu = CpuTicks::now(server);
     let started = Instant::now();
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..args.concurrency {
@@ -254,6 +303,7 @@ async fn send(
         per_s: args.requests as f64 / elapsed.as_secs_f64(),
         p50_ms: quantile(0.5),
         p99_ms: quantile(0.99),
+        cpu: cpu.per_op(args.requests, server),
     })
 }
 
@@ -267,6 +317,12 @@ fn median(ms: &[Measured]) -> Measured {
         per_s: pick(|m| m.per_s),
         p50_ms: pick(|m| m.p50_ms),
         p99_ms: pick(|m| m.p99_ms),
+        cpu: CpuPerOp {
+            postgres: pick(|m| m.cpu.postgres),
+            other: pick(|m| m.cpu.other),
+            this: pick(|m| m.cpu.this),
+            ..CpuPerOp::default()
+        },
     }
 }
 

@@ -389,6 +389,8 @@ async fn serve(pool: &PgPool, state: TestState, single: bool) -> String {
             ..StoreConfig::default()
         },
     );
+    // One route keeps its records an hour, the others the store's week.
+    store.retains("POST /declined", Some(Duration::from_secs(3600)));
     let keys = Idempotency::new(store, bearer_principal)
         .max_body_bytes(256)
         .max_response_bytes(1024);
@@ -419,6 +421,18 @@ fn test_state() -> TestState {
         calls: Arc::new(AtomicU32::new(0)),
         gate: Arc::new(tokio::sync::Semaphore::new(0)),
     }
+}
+
+/// How long `operation`'s completed record is kept (`expires_at - completed_at`).
+async fn kept_for(pool: &PgPool, operation: &str) -> String {
+    sqlx::query_scalar(
+        "SELECT (expires_at - completed_at)::text FROM processed_operations
+         WHERE operation = $1 AND status = 'completed'",
+    )
+    .bind(operation)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 async fn effects(pool: &PgPool, what: &str) -> i64 {
@@ -496,6 +510,11 @@ async fn bad_input_and_the_stored_4xx_rules_stay_as_documented(pool: PgPool) {
     assert_eq!((again.status, again.replayed()), (402, true));
     assert_eq!(again.body, declined.body);
     assert_eq!(effects(&pool, "declined").await, 1);
+    assert_eq!(
+        kept_for(&pool, "POST /declined").await,
+        "01:00:00",
+        "its own retention"
+    );
     let reused = send(&at("/declined"), Some("d"), br#"{"a":1}"#)
         .await
         .unwrap();
@@ -517,6 +536,11 @@ async fn bad_input_and_the_stored_4xx_rules_stay_as_documented(pool: PgPool) {
     );
     let stored = record_of(&pool, "POST /permanent").await;
     assert_eq!(stored, Some(("completed".into(), 1)));
+    assert_eq!(
+        kept_for(&pool, "POST /permanent").await,
+        "7 days",
+        "the store's"
+    );
     // A refusal not marked, a panic, an answer too large to store: nothing recorded,
     // the writes rolled back, the key free (the retry runs again).
     for (path, status) in [("/refused", 404), ("/panics", 500), ("/huge", 500)] {

@@ -376,8 +376,8 @@ impl Single {
             // The route's answer (502) either way: with nothing stored a retry runs
             // afresh, and another request's record decides the next one.
             match self.insert_alone(&record).await {
-                Ok(Some(_)) => {}
-                Ok(None) => debug!("the key was recorded by another request first"),
+                Ok(true) => {}
+                Ok(false) => debug!("the key was recorded by another request first"),
                 Err(e) => warn!(error = %e.describe(), "cannot record an uncertain outcome"),
             }
             return answered(label, "uncertain", response);
@@ -401,18 +401,18 @@ impl Single {
         if !with_writes {
             rollback(tx).await;
             return match self.insert_alone(&record).await {
-                Ok(Some(_)) => answered(
+                Ok(true) => answered(
                     label,
                     "executed",
                     Response::from_parts(parts, Body::from(bytes)),
                 ),
-                Ok(None) => self.answer_from_record(request).await,
+                Ok(false) => self.answer_from_record(request).await,
                 Err(error) => store_unavailable(label, "cannot record the answer", &error),
             };
         }
         match shared.store.insert_one_in(&mut tx, &record).await {
-            Ok(Some(_)) => self.commit(tx, parts, bytes).await,
-            Ok(None) => {
+            Ok(true) => self.commit(tx, parts, bytes).await,
+            Ok(false) => {
                 rollback(tx).await;
                 self.answer_from_record(request).await
             }
@@ -424,7 +424,7 @@ impl Single {
     }
 
     /// Inserts a new key's record on its own (autocommit).
-    async fn insert_alone(&self, record: &NewRecord<'_>) -> Result<Option<(i64, i64)>, StoreError> {
+    async fn insert_alone(&self, record: &NewRecord<'_>) -> Result<bool, StoreError> {
         let store = &self.shared.store;
         let mut conn = store.pool().acquire().await?;
         store.insert_one_in(&mut conn, record).await

@@ -22,17 +22,17 @@ const FENCED: &str = "id = $1 AND lease_token = $2 AND status IN ('processing', 
 /// How long a record of `table`'s row (an alias or the table's name) is kept, in
 /// milliseconds: its operation's own retention (`operation_retention`), else the
 /// store's from `default`.
-pub(super) fn retention_of(table: &str, default: &str) -> String {
+pub(super) fn retention_of(operation: &str, default: &str) -> String {
     format!(
         "COALESCE((SELECT r.retention_ms FROM operation_retention r
-                   WHERE r.operation = {table}.operation), {default}::bigint)"
+                   WHERE r.operation = {operation}), {default}::bigint)"
     )
 }
 
 /// What a success writes, with the stored result taken from `result` and the store's
 /// retention in milliseconds from `$4`; `table` names the updated row.
 fn completed_set(table: &str, result: &str) -> String {
-    let retention = retention_of(table, "$4");
+    let retention = retention_of(&format!("{table}.operation"), "$4");
     format!(
         "SET status = 'completed', result = {result}, error = NULL, retryable = false,
              lease_expires_at = NULL, completed_at = now(), updated_at = now(),
@@ -97,7 +97,7 @@ static FAIL_EXPIRING_SQL: LazyLock<String> = LazyLock::new(|| {
                                ELSE now() + {} * interval '1 millisecond' END,
              updated_at = now()
          WHERE {FENCED}",
-        retention_of("processed_operations", "$4")
+        retention_of("processed_operations.operation", "$4")
     )
 });
 
