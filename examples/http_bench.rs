@@ -61,7 +61,12 @@ struct Args {
     port: u16,
     /// The routes to measure, of `bare`, `layer`, `single` (comma-separated; all by
     /// default; `layer` brings `replayed`). The last line needs all three.
-    #[arg(long, value_delimiter = ',', default_value = "bare,layer,single")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "bare,layer,single",
+        value_parser = ["bare", "layer", "single"]
+    )]
     variants: Vec<String>,
     /// Postgres URL of a database to create the bench's own database from.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]

@@ -115,6 +115,17 @@ async fn writing(pool: &PgPool) -> i64 {
     .await
 }
 
+/// Advisory locks held by sessions of this database (a key's lock is given back at
+/// its request's end).
+async fn held_locks(pool: &PgPool) -> i64 {
+    count(
+        pool,
+        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+         WHERE d.datname = current_database() AND l.locktype = 'advisory' AND l.granted",
+    )
+    .await
+}
+
 /// The single record of `operation`: (status, attempts).
 async fn record_of(pool: &PgPool, operation: &str) -> Option<(String, i32)> {
     sqlx::query_as("SELECT status, attempts FROM processed_operations WHERE operation = $1")
@@ -209,6 +220,10 @@ async fn thirty_concurrent_requests_with_one_key_wait_for_the_first_and_get_its_
         one_commit,
         "the payment and its record were written by one transaction"
     );
+    wait_until(LIMIT, "every key's lock given back", || async {
+        held_locks(&pool).await == 0
+    })
+    .await;
     let retry = send(&url, Some("order-17"), &body).await.unwrap();
     assert_eq!((retry.status, retry.replayed()), (201, true));
     assert_eq!(retry.body, executed[0].body, "byte-identical");
@@ -361,6 +376,16 @@ async fn uncertain(mut tx: Tx) -> Result<StatusCode, HandlerError> {
     Err(HandlerError::uncertain(Some("ch-1".into()), "timed out"))
 }
 
+/// Waits for the gate after its write, then answers uncertain (a provider's timeout).
+async fn uncertain_gated(
+    State(s): State<TestState>,
+    mut tx: Tx,
+) -> Result<StatusCode, HandlerError> {
+    note(&mut tx, "uncertain_gated").await?;
+    let _permit = s.gate.acquire().await;
+    Err(HandlerError::uncertain(Some("ch-2".into()), "timed out"))
+}
+
 async fn huge(mut tx: Tx) -> Result<String, HandlerError> {
     note(&mut tx, "huge").await?;
     Ok("x".repeat(4096))
@@ -405,6 +430,8 @@ async fn serve(pool: &PgPool, state: TestState, single: bool) -> String {
         .route("/refused", post(refused).route_layer(one()))
         .route("/permanent", post(permanent).route_layer(one()))
         .route("/uncertain", post(uncertain).route_layer(one()))
+        .route("/uncertain-gated", post(uncertain_gated).route_layer(one()))
+        .route("/mixed-first-fails", post(first_fails).route_layer(mixed()))
         .route("/huge", post(huge).route_layer(one()))
         .route("/panics", post(panics).route_layer(one()))
         .route("/mixed", post(gated).route_layer(mixed()))
@@ -671,6 +698,102 @@ async fn a_new_key_another_mode_recorded_meanwhile_is_answered_from_its_record(p
     );
 }
 
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_repeat_waiting_for_an_uncertain_first_request_finds_it_pending(pool: PgPool) {
+    let state = test_state();
+    let base = serve(&pool, state.clone(), true).await;
+    let url = format!("{base}/uncertain-gated");
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move { send(&url, Some("u2"), b"{}").await.unwrap() })
+    };
+    wait_until(LIMIT, "the first request holds the key", || async {
+        writing(&pool).await == 1
+    })
+    .await;
+    let repeat = {
+        let url = url.clone();
+        tokio::spawn(async move { send(&url, Some("u2"), b"{}").await.unwrap() })
+    };
+    wait_until(LIMIT, "the repeat waits for the first", || async {
+        waiting(&pool).await == 1
+    })
+    .await;
+    // The first one's writes roll back and its pending record is written while it
+    // still holds the key: the repeat must find that record, not run.
+    state.gate.add_permits(1);
+    let first = tokio::time::timeout(LIMIT, first).await.unwrap().unwrap();
+    assert_eq!(first.status, 502);
+    let repeat = tokio::time::timeout(LIMIT, repeat).await.unwrap().unwrap();
+    assert_eq!(repeat.status, 409);
+    assert_eq!(repeat.problem_type(), "urn:idem:problem:outcome-uncertain");
+    assert_eq!(
+        effects(&pool, "uncertain_gated").await,
+        0,
+        "rolled back, run once"
+    );
+    let (status, external_ref): (String, Option<String>) = sqlx::query_as(
+        "SELECT status, external_ref FROM processed_operations
+         WHERE operation = 'POST /uncertain-gated'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (status.as_str(), external_ref.as_deref()),
+        ("pending", Some("ch-2"))
+    );
+    wait_until(LIMIT, "no lock outlives its request", || async {
+        held_locks(&pool).await == 0
+    })
+    .await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_route_that_fails_on_a_key_recorded_meanwhile_answers_with_the_record(pool: PgPool) {
+    // The single-commit request holds the key's lock and runs; meanwhile a
+    // default-mode request on another server records the key; then the first one's
+    // route fails. Its answer is the record's, not its own failure.
+    let (single_state, default_state) = (test_state(), test_state());
+    let single = serve(&pool, single_state.clone(), true).await;
+    let default_mode = serve(&pool, default_state.clone(), false).await;
+    // The default-mode server's first call is not its first: it answers at once.
+    default_state.calls.store(1, Ordering::SeqCst);
+    let held = {
+        let url = format!("{single}/mixed-first-fails");
+        tokio::spawn(async move { send(&url, Some("z"), b"{}").await.unwrap() })
+    };
+    wait_until(LIMIT, "the single-commit request holds the key", || async {
+        single_state.calls.load(Ordering::SeqCst) == 1 && writing(&pool).await == 1
+    })
+    .await;
+    let recorded = send(
+        &format!("{default_mode}/mixed-first-fails"),
+        Some("z"),
+        b"{}",
+    )
+    .await
+    .unwrap();
+    assert_eq!((recorded.status, recorded.replayed()), (201, false));
+    single_state.gate.add_permits(1);
+    let late = tokio::time::timeout(LIMIT, held).await.unwrap().unwrap();
+    assert_eq!(
+        (late.status, late.replayed()),
+        (201, true),
+        "not its own 503"
+    );
+    assert_eq!(late.body, recorded.body);
+    assert_eq!(
+        effects(&pool, "first_fails").await,
+        1,
+        "its write rolled back"
+    );
+    wait_until(LIMIT, "no lock outlives its request", || async {
+        held_locks(&pool).await == 0
+    })
+    .await;
+}
+
 // ---- Failpoints on the commit path (feature `failpoints`) ----
 
 /// Sends a payment to a `payments_api` that aborts at `point`, checks that it died
@@ -720,7 +843,7 @@ async fn crash_before_the_commit_leaves_nothing(
 
 #[cfg(feature = "failpoints")]
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn a_crash_after_the_claim_in_the_requests_transaction_leaves_nothing(
+async fn a_crash_while_the_requests_transaction_holds_the_key_leaves_nothing(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {

@@ -283,14 +283,14 @@ impl IdempotencyLayer {
     /// By default the layer claims the key in a commit of its own before the route runs,
     /// so that a concurrent repeat sees the claim at once and is answered 409, and then
     /// commits the answer with the route's writes: two commits. With `single_commit` the
-    /// layer begins the request's transaction (READ COMMITTED), inserts the record
-    /// (`processing`, with its lease and fencing token) in it, lends it to the route as
-    /// its [`Tx`] (after a savepoint, so that a permanent error's answer can be stored
-    /// without the route's writes), writes the answer and commits once. Until then
-    /// nobody else sees the record: a concurrent repeat's claim waits at the key's
-    /// unique index, and then gets the stored answer (a replay), or, if the first one
-    /// rolled back (a transient error, a 5xx, a refusal not marked [`Decided`], a
-    /// panic, its server killed), runs itself. Such a failure leaves no record at all
+    /// layer begins the request's transaction (READ COMMITTED), takes the key's lock in
+    /// it (an advisory lock: no write) and looks for its record. For a new key it lends
+    /// the transaction to the route as its [`Tx`], and writes the record once,
+    /// completed with the answer, just before it commits. Until then nobody else sees
+    /// the record: a concurrent repeat waits for the key's lock,
+    /// and then gets the stored answer (a replay), or, if the first one rolled back (a
+    /// transient error, a 5xx, a refusal not marked [`Decided`], a panic, its server
+    /// killed), runs itself. Such a failure leaves no record at all
     /// (nothing to expire, no attempt counted), and a server that dies mid-request
     /// leaves nothing behind either: Postgres rolls its transaction back, and a retry
     /// runs at once, without waiting for a lease. What is stored and answered is

@@ -19,6 +19,7 @@
 use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
@@ -41,6 +42,10 @@ use super::{Route, Settings};
 use crate::failpoint;
 use crate::store::lease::panic_text;
 use crate::store::{ClaimRequest, Lease, NewRecord, Status, StoreError, StoredError};
+
+/// How long a request whose answer goes without its route's writes waits for a second
+/// connection to write its record on while it still holds the key's lock.
+const SECOND_CONNECTION: Duration = Duration::from_secs(1);
 
 /// The request's transaction: READ COMMITTED whatever the database's default, so that
 /// a claim that waited for another transaction sees its commit on its next statement.
@@ -79,7 +84,7 @@ where
             return store_unavailable(&label, "cannot lock the key", &error);
         }
     };
-    if lock.held && !lock.recorded {
+    if !lock.recorded && lock.held {
         failpoint::hit("http-single-after-claim");
         let Intent {
             parts,
@@ -102,8 +107,10 @@ where
         return single.run(inner, tx, parts, body).await;
     }
     // A repeat waits at the key for the first request's commit no longer than a run
-    // may take; then it answers as for a key in progress (409 + Retry-After).
-    if !lock.held
+    // may take; then it answers as for a key in progress (409 + Retry-After). A key
+    // with a record is claimed at once, lock or not: the claim's row lock orders
+    // takeovers, and replays of one key do not queue behind each other.
+    if !lock.recorded
         && let Err(error) = store.wait_for_request_in(&mut tx, key).await
     {
         rollback(tx).await;
@@ -276,7 +283,7 @@ impl Single {
     async fn record(&self, slot: &TxSlot, response: Response) -> Response {
         let label = &self.keyed.label;
         let savepoint = slot.savepoint();
-        let tx = match slot.take() {
+        let mut tx = match slot.take() {
             Left::Transaction(tx) => tx,
             // The record is in that transaction: never committed, the key stays free.
             Left::Kept => {
@@ -294,7 +301,26 @@ impl Single {
             }
         };
         match (verdict_of(&response), &self.holds) {
-            (Verdict::Free(error), _) => {
+            (Verdict::Free(error), Holds::Lock(request)) => {
+                debug!(error = %error, "rolled back: the key is free");
+                // Another request may have recorded the key while this one ran (its
+                // first look just missed that one's commit, or a default-mode claim):
+                // looked for before the lock goes, so that no waiting repeat's commit
+                // counts. A transaction the route's error aborted cannot look.
+                let recorded = self
+                    .shared
+                    .store
+                    .record_exists_in(&mut tx, &request.key)
+                    .await;
+                rollback(tx).await;
+                if matches!(recorded, Ok(true))
+                    && let Some(answer) = self.recorded_answer(request).await
+                {
+                    return answer;
+                }
+                answered(label, "failed", response)
+            }
+            (Verdict::Free(error), Holds::Record(_)) => {
                 debug!(error = %error, "rolled back: the key is free");
                 rollback(tx).await;
                 answered(label, "failed", response)
@@ -360,7 +386,6 @@ impl Single {
             error,
         } = verdict
         {
-            rollback(tx).await;
             let stored = StoredError {
                 kind: "uncertain",
                 error: &error,
@@ -375,7 +400,7 @@ impl Single {
             };
             // The route's answer (502) either way: with nothing stored a retry runs
             // afresh, and another request's record decides the next one.
-            match self.insert_alone(&record).await {
+            match self.record_alone(tx, &record).await {
                 Ok(true) => {}
                 Ok(false) => debug!("the key was recorded by another request first"),
                 Err(e) => warn!(error = %e.describe(), "cannot record an uncertain outcome"),
@@ -398,48 +423,94 @@ impl Single {
             error: None,
             external_ref: None,
         };
-        if !with_writes {
-            rollback(tx).await;
-            return match self.insert_alone(&record).await {
-                Ok(true) => answered(
-                    label,
-                    "executed",
-                    Response::from_parts(parts, Body::from(bytes)),
-                ),
-                Ok(false) => self.answer_from_record(request).await,
-                Err(error) => store_unavailable(label, "cannot record the answer", &error),
-            };
-        }
-        match shared.store.insert_one_in(&mut tx, &record).await {
-            Ok(true) => self.commit(tx, parts, bytes).await,
-            Ok(false) => {
-                rollback(tx).await;
-                self.answer_from_record(request).await
+        let inserted = if with_writes {
+            match shared.store.insert_one_in(&mut tx, &record).await {
+                Ok(true) => return self.commit(tx, parts, bytes).await,
+                inserted => {
+                    rollback(tx).await;
+                    inserted
+                }
             }
-            Err(error) => {
-                rollback(tx).await;
-                store_unavailable(label, "cannot record the answer", &error)
+        } else {
+            self.record_alone(tx, &record).await
+        };
+        match inserted {
+            Ok(true) => answered(
+                label,
+                "executed",
+                Response::from_parts(parts, Body::from(bytes)),
+            ),
+            Ok(false) => self.answer_from_record(request).await,
+            // It waited for another request's uncommitted claim of the key as long as
+            // a run may take.
+            Err(error) if waited_too_long(&error) => {
+                from_record(Answer::InProgress, &self.route, &self.keyed)
             }
+            Err(error) => store_unavailable(label, "cannot record the answer", &error),
         }
     }
 
-    /// Inserts a new key's record on its own (autocommit).
-    async fn insert_alone(&self, record: &NewRecord<'_>) -> Result<bool, StoreError> {
-        let store = &self.shared.store;
-        let mut conn = store.pool().acquire().await?;
-        store.insert_one_in(&mut conn, record).await
+    /// Writes the record of an answer that goes without the route's writes (a
+    /// permanent error's, `pending`) while the key's lock is still held: in a
+    /// transaction of its own on a second connection, committed before the request's
+    /// own rolls back and lets a waiting repeat in, which then finds the record and does
+    /// not run. With no second connection within [`SECOND_CONNECTION`] (a pool taken by
+    /// requests that all wait for one), it is written after the rollback, and a repeat
+    /// that takes the lock in between may run (one of the two then finds the other's
+    /// record). False when another request recorded the key first.
+    async fn record_alone(
+        &self,
+        tx: Transaction<'static, Postgres>,
+        record: &NewRecord<'_>,
+    ) -> Result<bool, StoreError> {
+        let second = tokio::time::timeout(SECOND_CONNECTION, begin(&self.shared, &self.route));
+        if let Ok(Ok(alone)) = second.await {
+            let written = self.write_alone(alone, record).await;
+            rollback(tx).await;
+            return written;
+        }
+        rollback(tx).await;
+        let alone = begin(&self.shared, &self.route).await?;
+        self.write_alone(alone, record).await
+    }
+
+    /// Inserts `record` in `alone` and commits it (false: the key had one already).
+    async fn write_alone(
+        &self,
+        mut alone: Transaction<'static, Postgres>,
+        record: &NewRecord<'_>,
+    ) -> Result<bool, StoreError> {
+        match self.shared.store.insert_one_in(&mut alone, record).await {
+            Ok(true) => {
+                alone.commit().await?;
+                Ok(true)
+            }
+            other => {
+                rollback(alone).await;
+                other
+            }
+        }
     }
 
     /// Answers a request whose new record another request wrote first (one in the
-    /// default mode, or a repeat whose first look was older than this one's commit),
-    /// from that record, as a repeat would be: its claim runs in a transaction that is
-    /// rolled back, and a key it could take (free again) is answered as in progress,
-    /// for a retry that runs it.
+    /// default mode, or one whose commit this one's first look just missed) from that
+    /// record, as a repeat would be answered; a key it could take (free again) is
+    /// answered as in progress, for a retry that runs it.
     async fn answer_from_record(&self, request: &ClaimRequest) -> Response {
+        match self.recorded_answer(request).await {
+            Some(answer) => answer,
+            None => from_record(Answer::InProgress, &self.route, &self.keyed),
+        }
+    }
+
+    /// The answer the key's record gives, as a repeat would get it; `None` when the
+    /// record does not decide (no record, or one this request could take). The claim
+    /// that reads it runs in a transaction rolled back before the answer.
+    async fn recorded_answer(&self, request: &ClaimRequest) -> Option<Response> {
         let (store, label) = (&self.shared.store, &self.keyed.label);
         let mut tx = match begin(&self.shared, &self.route).await {
             Ok(tx) => tx,
-            Err(error) => return store_unavailable(label, "cannot read the record", &error),
+            Err(error) => return Some(store_unavailable(label, "cannot read the record", &error)),
         };
         let reconciles = self.route.reconcile.is_some();
         let claim = store
@@ -451,15 +522,15 @@ impl Single {
                 reconciles,
             )
             .await;
-        // Nothing of it stays.
-        drop(tx);
+        // Nothing of it stays, and a row it took is free again before the answer.
+        rollback(tx).await;
         match claim.map(decision::on_claim) {
-            Ok(Next::Answer(answer)) => from_record(answer, &self.route, &self.keyed),
-            Ok(_) => from_record(Answer::InProgress, &self.route, &self.keyed),
+            Ok(Next::Answer(answer)) => Some(from_record(answer, &self.route, &self.keyed)),
+            Ok(_) => None,
             Err(error) if waited_too_long(&error) => {
-                from_record(Answer::InProgress, &self.route, &self.keyed)
+                Some(from_record(Answer::InProgress, &self.route, &self.keyed))
             }
-            Err(error) => store_unavailable(label, "cannot read the record", &error),
+            Err(error) => Some(store_unavailable(label, "cannot read the record", &error)),
         }
     }
 

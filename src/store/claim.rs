@@ -165,6 +165,21 @@ SELECT 'existing', {EXISTING_COLUMNS} FROM cur WHERE NOT EXISTS (SELECT 1 FROM u
     )
 }
 
+/// Whether key `$1`, `$2`, `$3` has a record.
+#[cfg(feature = "http")]
+const KEY_RECORDED: &str = "EXISTS (SELECT 1 FROM processed_operations
+        WHERE scope = $1 AND operation = $2 AND idempotency_key = $3)";
+
+/// A single-commit request's first statement: the key's lock (`$4`), if free, and
+/// whether the key has a record.
+#[cfg(feature = "http")]
+static REQUEST_LOCK_SQL: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT pg_try_advisory_xact_lock($4), {KEY_RECORDED}"));
+
+/// Whether the key has a record.
+#[cfg(feature = "http")]
+static RECORD_EXISTS_SQL: LazyLock<String> = LazyLock::new(|| format!("SELECT {KEY_RECORDED}"));
+
 /// What a single-commit request's first statement found ([`Store::lock_request_in`]).
 #[cfg(feature = "http")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,19 +300,31 @@ impl Store {
         key: &Key,
     ) -> Result<RequestLock, StoreError> {
         let started = Instant::now();
-        let (held, recorded): (bool, bool) = sqlx::query_as(
-            "SELECT pg_try_advisory_xact_lock($4),
-                    EXISTS (SELECT 1 FROM processed_operations
-                            WHERE scope = $1 AND operation = $2 AND idempotency_key = $3)",
-        )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.idempotency_key())
-        .bind(lock_id(key))
-        .fetch_one(&mut *conn)
-        .await?;
+        let found: Result<(bool, bool), _> = sqlx::query_as(REQUEST_LOCK_SQL.as_str())
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.idempotency_key())
+            .bind(lock_id(key))
+            .fetch_one(&mut *conn)
+            .await;
         metrics::store_round_trip("lock", started);
+        let (held, recorded) = found?;
         Ok(RequestLock { held, recorded })
+    }
+
+    /// Whether the key has a record (committed, or written by `conn`'s transaction).
+    #[cfg(feature = "http")]
+    pub(crate) async fn record_exists_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        key: &Key,
+    ) -> Result<bool, StoreError> {
+        Ok(sqlx::query_scalar(RECORD_EXISTS_SQL.as_str())
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.idempotency_key())
+            .fetch_one(&mut *conn)
+            .await?)
     }
 
     /// Waits for the key's lock (see [`Store::lock_request_in`]) while another
@@ -309,11 +336,12 @@ impl Store {
         key: &Key,
     ) -> Result<(), StoreError> {
         let started = Instant::now();
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        let waited = sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(lock_id(key))
             .execute(&mut *conn)
-            .await?;
+            .await;
         metrics::store_round_trip("wait_for_lock", started);
+        waited?;
         Ok(())
     }
 
