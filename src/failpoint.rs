@@ -15,7 +15,7 @@
 //! | `after-publish` | a retry or dead letter published and confirmed, the original not acked |
 //! | `discard-acked` | `idem dlq discard` acked a dead letter, its record not yet unpinned |
 //! | `http-single-after-claim` | a single-commit HTTP request holds its key in its transaction (the key's lock, or a claimed record), the route has not run |
-//! | `http-single-before-commit` | its record with the answer is written in that transaction, not committed |
+//! | `http-single-before-commit` | its record with the answer is written in that transaction (an answer stored without the route's writes: in a transaction of its own), not committed |
 //! | `http-single-after-commit` | it committed, the client has no answer yet |
 
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).

@@ -804,10 +804,21 @@ async fn crash_at(
     c: &PgConnectOptions,
     point: &str,
 ) -> (WorkerProcess, String, u16) {
+    crash_with(pool, c, point, &payment(300)).await
+}
+
+/// [`crash_at`] with the request's body.
+#[cfg(feature = "failpoints")]
+async fn crash_with(
+    pool: &PgPool,
+    c: &PgConnectOptions,
+    point: &str,
+    body: &[u8],
+) -> (WorkerProcess, String, u16) {
     let db = database_url(c);
     let env = [("IDEM_FAILPOINT", point)];
     let (mut crashing, url, _) = start_api(&db, &[], &env).await;
-    let lost = send(&url, Some("k"), &payment(300)).await;
+    let lost = send(&url, Some("k"), body).await;
     assert!(lost.is_err(), "the client lost its answer at {point}");
     let status = tokio::time::timeout(LIMIT, crashing.child.wait())
         .await
@@ -869,4 +880,45 @@ async fn a_crash_after_the_single_commit_is_replayed(o: PgPoolOptions, c: PgConn
     let retry = send(&url, Some("k"), &payment(300)).await.unwrap();
     assert_eq!((retry.status, retry.replayed()), (201, true));
     assert_eq!(payments(&pool).await, 1, "exactly one payment");
+}
+
+/// A permanent error's answer is stored without the route's writes, on a second
+/// connection while the request holds the key: a crash before that commit leaves
+/// nothing, and the retry answers afresh.
+#[cfg(feature = "failpoints")]
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_crash_before_a_permanent_answer_is_stored_leaves_nothing(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let refused = payment(-5);
+    let (_api, url, _) = crash_with(&pool, &c, "http-single-before-commit", &refused).await;
+    assert_eq!(records(&pool).await, 0, "no record");
+    let retry = send(&url, Some("k"), &refused).await.unwrap();
+    assert_eq!((retry.status, retry.replayed()), (422, false));
+    assert_eq!(payments(&pool).await, 0);
+    assert_eq!(
+        record_of(&pool, SINGLE).await,
+        Some(("completed".into(), 1))
+    );
+}
+
+/// ... and a crash after it leaves the answer, replayed to the retry.
+#[cfg(feature = "failpoints")]
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_crash_after_a_permanent_answer_is_stored_is_replayed(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let refused = payment(-5);
+    let (_api, url, _) = crash_with(&pool, &c, "http-single-after-commit", &refused).await;
+    assert_eq!(
+        record_of(&pool, SINGLE).await,
+        Some(("completed".into(), 1))
+    );
+    let retry = send(&url, Some("k"), &refused).await.unwrap();
+    assert_eq!((retry.status, retry.replayed()), (422, true));
+    assert_eq!(payments(&pool).await, 0, "its write never committed");
 }

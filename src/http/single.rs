@@ -482,7 +482,9 @@ impl Single {
     ) -> Result<bool, StoreError> {
         match self.shared.store.insert_one_in(&mut alone, record).await {
             Ok(true) => {
+                failpoint::hit("http-single-before-commit");
                 alone.commit().await?;
+                failpoint::hit("http-single-after-commit");
                 Ok(true)
             }
             other => {
