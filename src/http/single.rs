@@ -301,28 +301,27 @@ impl Single {
             }
         };
         match (verdict_of(&response), &self.holds) {
-            (Verdict::Free(error), Holds::Lock(request)) => {
+            (Verdict::Free(error), holds) => {
                 debug!(error = %error, "rolled back: the key is free");
-                // Another request may have recorded the key while this one ran (its
-                // first look just missed that one's commit, or a default-mode claim):
-                // looked for before the lock goes, so that no waiting repeat's commit
-                // counts. A transaction the route's error aborted cannot look.
-                let recorded = self
-                    .shared
-                    .store
-                    .record_exists_in(&mut tx, &request.key)
-                    .await;
+                // With the lock alone, another request may have recorded the key while
+                // this one ran (its first look just missed that one's commit, or a
+                // default-mode claim): looked for before the lock goes, so that no
+                // waiting repeat's commit counts. A transaction the route's error
+                // aborted cannot look.
+                let recorded = match holds {
+                    Holds::Lock(request) => {
+                        let store = &self.shared.store;
+                        let found = store.record_exists_in(&mut tx, &request.key).await;
+                        matches!(found, Ok(true)).then_some(request)
+                    }
+                    Holds::Record(_) => None,
+                };
                 rollback(tx).await;
-                if matches!(recorded, Ok(true))
+                if let Some(request) = recorded
                     && let Some(answer) = self.recorded_answer(request).await
                 {
                     return answer;
                 }
-                answered(label, "failed", response)
-            }
-            (Verdict::Free(error), Holds::Record(_)) => {
-                debug!(error = %error, "rolled back: the key is free");
-                rollback(tx).await;
                 answered(label, "failed", response)
             }
             (verdict, Holds::Record(lease)) => {
@@ -407,7 +406,6 @@ impl Single {
             }
             return answered(label, "uncertain", response);
         }
-        let with_writes = verdict == Verdict::Store;
         let (parts, bytes, stored) = match stored_answer(shared, response).await {
             Ok(answer) => answer,
             Err(detail) => {
@@ -423,7 +421,7 @@ impl Single {
             error: None,
             external_ref: None,
         };
-        let inserted = if with_writes {
+        let inserted = if verdict == Verdict::Store {
             match shared.store.insert_one_in(&mut tx, &record).await {
                 Ok(true) => return self.commit(tx, parts, bytes).await,
                 inserted => {

@@ -155,15 +155,15 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
             state.lent = true;
             (state.pool.clone(), state.begun.take())
         };
-        let single = begun.is_some() && slot.lock().savepoint_first;
+        let savepoint_first = begun.is_some() && slot.lock().savepoint_first;
         let begun = match begun {
-            Some(tx) if single => savepoint(tx).await,
+            Some(tx) if savepoint_first => savepoint(tx).await,
             Some(tx) => Ok(tx),
             None => pool.begin().await.map_err(|error| (error, None)),
         };
         match begun {
             Ok(tx) => {
-                slot.lock().savepoint = single;
+                slot.lock().savepoint = savepoint_first;
                 Ok(Tx { tx: Some(tx), slot })
             }
             Err((error, tx)) => {
