@@ -386,6 +386,21 @@ async fn uncertain_gated(
     Err(HandlerError::uncertain(Some("ch-2".into()), "timed out"))
 }
 
+/// Writes its key, and answers 201 with the isolation level it ran at, its key, and text
+/// a stored answer must keep as it is.
+async fn echo(
+    request: IdempotentRequest,
+    mut tx: Tx,
+) -> Result<(StatusCode, String), HandlerError> {
+    let key = request.key.idempotency_key();
+    note(&mut tx, &format!("echo {key}")).await?;
+    let isolation: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+        .fetch_one(&mut *tx)
+        .await?;
+    let body = format!("{isolation} {key} \"quoted\" \\ ✓");
+    Ok((StatusCode::CREATED, body))
+}
+
 async fn huge(mut tx: Tx) -> Result<String, HandlerError> {
     note(&mut tx, "huge").await?;
     Ok("x".repeat(4096))
@@ -433,6 +448,7 @@ async fn serve(pool: &PgPool, state: TestState, single: bool) -> String {
         .route("/uncertain-gated", post(uncertain_gated).route_layer(one()))
         .route("/mixed-first-fails", post(first_fails).route_layer(mixed()))
         .route("/huge", post(huge).route_layer(one()))
+        .route("/echo", post(echo).route_layer(one()))
         .route("/panics", post(panics).route_layer(one()))
         .route("/mixed", post(gated).route_layer(mixed()))
         .route("/mixed-flaky", post(flaky).route_layer(mixed()))
@@ -509,6 +525,96 @@ async fn a_first_request_that_rolls_back_lets_the_waiting_repeat_run(pool: PgPoo
     );
     let again = send(&url, Some("k"), b"{}").await.unwrap();
     assert_eq!((again.status, again.replayed()), (201, true));
+}
+
+/// The route's transaction is READ COMMITTED whatever the database's default (a claim
+/// that waited must see the other transaction's commit on its next statement): on a
+/// database whose sessions default to REPEATABLE READ, keys of any text run once each,
+/// at READ COMMITTED, and their repeats are replays with the same answer.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_database_that_defaults_to_another_isolation_runs_the_route_read_committed(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let repeatable = PgPoolOptions::new()
+        .connect_with(c.options([("default_transaction_isolation", "repeatable read")]))
+        .await
+        .unwrap();
+    let base = serve(&repeatable, test_state(), true).await;
+    let url = format!("{base}/echo");
+    let keys = ["o'k", "back\\slash", "$$; DROP TABLE test_effects; --"];
+    for key in keys {
+        let first = send(&url, Some(key), b"{}").await.unwrap();
+        assert_eq!((first.status, first.replayed()), (201, false), "{key}");
+        let body = String::from_utf8(first.body).unwrap();
+        assert_eq!(body, format!("read committed {key} \"quoted\" \\ ✓"));
+        let again = send(&url, Some(key), b"{}").await.unwrap();
+        assert_eq!((again.status, again.replayed()), (201, true), "{key}");
+        assert_eq!(String::from_utf8(again.body).unwrap(), body);
+        assert_eq!(effects(&pool, &format!("echo {key}")).await, 1, "{key}");
+    }
+    let stored: Vec<String> = sqlx::query_scalar(
+        "SELECT idempotency_key FROM processed_operations
+          WHERE operation = 'POST /echo' AND status = 'completed' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, keys);
+    assert_eq!(held_locks(&pool).await, 0);
+}
+
+/// A repeat waits at the key's lock no longer than its route's `run_within` (the
+/// transaction's `lock_timeout`), then answers 409 `request-in-progress` with
+/// `Retry-After`, having run nothing; once the first one committed, it is a replay.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_repeat_waits_for_the_key_no_longer_than_its_run_within(pool: PgPool) {
+    sqlx::query("CREATE TABLE IF NOT EXISTS test_effects (what text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let state = test_state();
+    // Two servers of one route: the first runs within a minute, the second 300 ms.
+    let mut bases = Vec::new();
+    for bound in [LIMIT, Duration::from_millis(300)] {
+        let store = Store::new(pool.clone(), StoreConfig::default());
+        let keys = Idempotency::new(store, bearer_principal);
+        let layer = keys.required().single_commit().run_within(bound);
+        let app = Router::new()
+            .route("/held", post(gated).route_layer(layer))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        bases.push(format!("http://{addr}/held"));
+    }
+    let first = {
+        let url = bases[0].clone();
+        tokio::spawn(async move { send(&url, Some("k"), b"{}").await.unwrap() })
+    };
+    wait_until(LIMIT, "the first request runs", || async {
+        writing(&pool).await == 1
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let repeat = send(&bases[1], Some("k"), b"{}").await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(repeat.status, 409);
+    assert_eq!(
+        repeat.problem_type(),
+        "urn:idem:problem:request-in-progress"
+    );
+    assert!(repeat.headers.contains_key("retry-after"), "{repeat:?}");
+    assert_eq!(effects(&pool, "gated").await, 0, "nothing committed yet");
+    state.gate.add_permits(1);
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false));
+    let again = send(&bases[1], Some("k"), b"{}").await.unwrap();
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, first.body);
+    assert_eq!(effects(&pool, "gated").await, 1);
+    assert_eq!(held_locks(&pool).await, 0);
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
