@@ -174,6 +174,24 @@ pub(crate) fn continue_trace(
     }
 }
 
+/// Links `span` to each of `others` (OpenTelemetry span links): a batch's span to the
+/// spans of the messages it handled, which are in other traces. Nothing without an
+/// OpenTelemetry layer.
+pub(crate) fn link(span: &Span, others: &[Span]) {
+    #[cfg(feature = "otel")]
+    {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        for other in others {
+            span.add_link(other.context().span().span_context().clone());
+        }
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = (span, others);
+    }
+}
+
 /// Names `span` for OpenTelemetry (`otel.name`, `otel.kind`, which the span must
 /// declare); the fields show in logs too, so call it only when a layer records spans.
 #[cfg(any(feature = "otel", feature = "http"))]

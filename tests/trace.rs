@@ -180,6 +180,50 @@ impl Handler for Traced {
     }
 }
 
+/// [`Traced`] as a batch handler: each message's output, in one call.
+struct TracedBatch;
+
+impl Handler for TracedBatch {
+    type Message = Job;
+    type Output = Value;
+    const OPERATION: &'static str = "trace.batch";
+
+    fn scope(&self, _: &Job) -> String {
+        "t".into()
+    }
+
+    fn idempotency_key(&self, job: &Job) -> String {
+        job.event_id.clone()
+    }
+
+    async fn handle(&self, _: Job, _: &mut Context) -> Result<Value, HandlerError> {
+        Ok(json!({ "alone": true }))
+    }
+
+    async fn handle_batch(
+        &self,
+        batch: &mut idem::Batch<Job>,
+    ) -> Option<Vec<Result<Value, HandlerError>>> {
+        Some(batch.iter().map(|_| Ok(json!({ "batch": true }))).collect())
+    }
+}
+
+/// The `handle_batch` span that links to `handler` (a message's handler span), if one
+/// finished.
+fn batch_span_of(handler: &SpanData) -> Option<SpanData> {
+    exporter()
+        .get_finished_spans()
+        .unwrap_or_default()
+        .into_iter()
+        .find(|s| {
+            s.name.starts_with("handle_batch")
+                && s.links
+                    .links
+                    .iter()
+                    .any(|link| link.span_context == handler.span_context)
+        })
+}
+
 /// A queue beside `q` for follow-ups, declared as its worker will.
 async fn downstream_of(q: &TestQueue) -> TestQueue {
     let downstream = q.beside("downstream").await;
@@ -328,6 +372,50 @@ async fn follow_ups_of_a_transactional_batch_are_children_of_its_handler_span(po
     stop_down.cancel();
     task.await.unwrap().unwrap();
     task_down.await.unwrap().unwrap();
+}
+
+/// A batch handler's call belongs to no one delivery's trace: its `handle_batch` span
+/// starts a trace of its own and links to the handler span of each delivery it took,
+/// which stays the child of its delivery's span.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_batch_span_links_to_the_handler_span_of_each_delivery(pool: PgPool) {
+    exporter();
+    let q = TestQueue::new("trace-batch").await;
+    let (stop, task) =
+        start_in_process(&pool, &q, TracedBatch, |c| c.mode = Mode::Transactional).await;
+    let producers: Vec<Producer> = (0..4).map(|_| Producer::new()).collect();
+    for (i, producer) in producers.iter().enumerate() {
+        let body = json!({ "event_id": format!("evt-batch-{i}") });
+        q.publish_to(&q.name, body.to_string().as_bytes(), producer.properties())
+            .await;
+    }
+    let mut batches = std::collections::HashSet::new();
+    for producer in &producers {
+        let processed = wait_for_spans(&producer.trace_id, &format!("process {}", q.name), 1).await;
+        let spans = spans_of(&producer.trace_id);
+        let handler = children(&spans, &processed[0], "handler");
+        assert_eq!(handler.len(), 1, "{spans:#?}");
+        let handler = handler[0].clone();
+        wait_until(SETTLE, "the batch span that links to it", || async {
+            batch_span_of(&handler).is_some()
+        })
+        .await;
+        let batch = batch_span_of(&handler).unwrap();
+        assert_eq!(batch.name, "handle_batch trace.batch");
+        assert_ne!(
+            batch.span_context.trace_id(),
+            handler.span_context.trace_id()
+        );
+        assert_eq!(
+            text(&batch, "idem.batch_size"),
+            batch.links.links.len().to_string(),
+            "one link per delivery of the batch"
+        );
+        batches.insert(batch.span_context.span_id());
+    }
+    eprintln!("4 deliveries in {} batch(es)", batches.len());
+    stop.cancel();
+    task.await.unwrap().unwrap();
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

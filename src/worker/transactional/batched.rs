@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tracing::{Instrument, info_span};
+use tracing::{Instrument, field, info_span};
 
 use super::run::{Prepared, RunIn, done};
 use super::{Owner, Pass, RunResult, TxRequest};
@@ -14,6 +14,7 @@ use crate::batch::Batch;
 use crate::failpoint;
 use crate::handler::{Context, Handler};
 use crate::metrics;
+use crate::trace;
 use crate::worker::guard::caught;
 
 /// Whether the worker still hands its handler batches: until the handler answers
@@ -61,7 +62,18 @@ pub(super) async fn run<H: Handler>(
     let mut batch = Batch::new(messages, contexts, ctx.pool().clone(), ctx.take_tx());
     let size = runnable.len();
     let started = Instant::now();
-    let span = info_span!("handle_batch", idem.batch_size = size);
+    let span = info_span!(
+        "handle_batch",
+        idem.batch_size = size,
+        otel.name = field::Empty,
+        otel.kind = field::Empty
+    );
+    // A trace of its own (a batch belongs to no one delivery's), linked to each
+    // delivery's handler span, as the messaging conventions have batches do.
+    let name = format!("handle_batch {}", H::OPERATION);
+    if trace::continue_trace(&span, None, &name, "internal") {
+        trace::link(&span, &spans);
+    }
     let answered = caught(async { Ok(handler.handle_batch(&mut batch).await) })
         .instrument(span)
         .await;
