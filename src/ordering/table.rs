@@ -70,8 +70,11 @@ pub(crate) struct Released {
 }
 
 /// How long a released delivery may take to come back and take its turn before a
-/// sweep publishes it again (its publish may have been lost with a connection).
-pub(crate) const RELEASE_STALE: Duration = Duration::from_secs(5);
+/// sweep publishes it again (its publish may have been lost with a connection, or its
+/// worker killed while it ran the turn in process), doubling at each release. Its
+/// entity waits meanwhile; a copy published too early is a duplicate its record
+/// decides (a leased run that claimed is not republished under its live lease).
+pub(crate) const RELEASE_STALE: Duration = Duration::from_secs(1);
 
 /// Enters the deliveries that arrived together, one round trip; answers in the order of
 /// `entries`.

@@ -114,7 +114,7 @@ pub struct WorkerConfig {
     /// Sweep the entities' orders this often (docs/DESIGN.md, "Order per entity"):
     /// move on an entity whose holder completed without moving it (a crash after its
     /// commit), publish a turn nobody published (after a skip) or one that did not come
-    /// back within 5 s (doubling up to 320 s); what has stood so for this long only (a
+    /// back within 1 s (doubling up to 64 s); what has stood so for this long only (a
     /// holder that completed a moment ago is its own worker's to move on). A sweep that
     /// finds nothing waits twice as long before the next, up to 8 times this. The gauges
     /// `idem_ordering_stalled` and `idem_ordering_waiting` are set at the first sweep
