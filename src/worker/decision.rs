@@ -5,8 +5,11 @@
 
 use std::time::Duration;
 
+use super::ordered::Entity;
 use crate::dead_letter::Reason;
 use crate::handler::{HandlerError, Reconciliation};
+use crate::key::Key;
+use crate::ordering::Released;
 use crate::retry::RetryPolicy;
 use crate::store::{Claim, Lease, StoredError};
 
@@ -365,6 +368,41 @@ pub(crate) fn after_run(ran: Ran, immediate: Option<Duration>, retries: Retries<
                 Outcome::RetriesExhausted,
             ),
         },
+    }
+}
+
+/// How a delivery was decided: the verdict, and the message's key if it had a valid one.
+pub(crate) struct Decided {
+    pub(crate) verdict: Verdict,
+    pub(crate) key: Option<Key>,
+    /// The entity whose order the delivery entered and took its turn in, if it did.
+    pub(crate) entity: Option<Entity>,
+    /// What the commit that completed it released of that order (see [`Ran::Completed`]).
+    pub(crate) handed: Option<Vec<Released>>,
+}
+
+impl Decided {
+    pub(crate) fn without_key(verdict: Verdict) -> Self {
+        Self {
+            verdict,
+            key: None,
+            entity: None,
+            handed: None,
+        }
+    }
+
+    pub(super) fn with_key(verdict: Verdict, key: Key, entity: Option<Entity>) -> Self {
+        Self {
+            verdict,
+            key: Some(key),
+            entity,
+            handed: None,
+        }
+    }
+
+    /// The queue's circuit keeps the delivery of `key` out: back to the queue unrun.
+    pub(super) fn paused(key: Key) -> Self {
+        Self::with_key(paused(), key, None)
     }
 }
 

@@ -2,36 +2,27 @@
 //! reconcile the handler under the lease with heartbeats, record the outcome (fenced),
 //! and hand the last step to `settle`.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lapin::message::Delivery;
-use serde::Deserialize;
-use serde_json::Value;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use super::batch::Batcher;
-use super::decision::{self, Outcome, Ran, Retries, Step, Verdict};
+use super::decision::{self, Decided, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
-use super::ordered::{self, Entity};
+use super::ordered;
+use super::parse::{Parsed, parse};
 use super::settle::{Incoming, Links, Settler, Source};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
-use crate::fingerprint::Fingerprint;
 use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
-use crate::key::Key;
 use crate::ordering::Released;
-use crate::store::{ClaimRequest, Lease, Origin, Store, StoreError, storable};
+use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
 use crate::trace;
-
-/// Most turns one delivery's task hands on in this process, one after the other, before
-/// it publishes the next to its queue (where it waits its turn among the others, under
-/// the queue's concurrency and the shutdown's drain).
-const MAX_HANDED_ON: usize = 64;
 
 /// Decides one delivery inside its span and carries the verdict out on the broker; one
 /// that could not be decided goes to [`undecided`]. When it completed and released its
@@ -61,57 +52,13 @@ pub(super) async fn process<H: Handler>(
         trace::consumer_attributes(&span, &runtime.config.queue, H::OPERATION, &delivery);
     }
     let from = Source::Broker(delivery.delivery_tag);
-    let mut released = decide(runtime, links, &incoming, from, span).await;
-    let mut handed_on = 0;
-    loop {
-        // The turn runs here when it is this handler's, from this queue; everything else
-        // released goes to its queue (rows whose turn passed come back dead-lettered).
-        let mine = released.iter().position(|r| {
-            r.turn
-                && r.operation == H::OPERATION
-                && r.queue == runtime.config.queue
-                && handed_on < MAX_HANDED_ON
-        });
-        let turn = mine.map(|i| released.swap_remove(i));
-        for other in &released {
-            ordered::publish(&links.publish, other).await;
-        }
-        let Some(turn) = turn else { return };
-        handed_on += 1;
-        released = hand_on(runtime, links, &turn).await;
-    }
-}
-
-/// Runs the delivery whose turn this process released, from its waiting row, as if the
-/// broker had brought it: its row goes with the release's move past it once it
-/// completed, or once its retry copy or dead letter is published; a requeue gives it
-/// back to the sweep.
-async fn hand_on<H: Handler>(
-    runtime: &Runtime<H>,
-    links: &Links,
-    released: &Released,
-) -> Vec<Released> {
-    let span = delivery_span(runtime, false);
-    let envelope = Envelope {
-        exchange: String::new(),
-        routing_key: released.queue.clone(),
-        redelivered: false,
-        properties: released.properties.clone(),
-    };
-    let mut incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
-    incoming.holds_turn = true;
-    trace::continue_trace(
-        &span,
-        incoming.trace.as_ref(),
-        &runtime.process_span,
-        "consumer",
-    );
-    decide(runtime, links, &incoming, Source::Waiting(released), span).await
+    let released = decide(runtime, links, &incoming, from, span).await;
+    ordered::hand_on(runtime, links, released).await;
 }
 
 /// Walks the decision table for `incoming` and settles it; what its entity released when
 /// it completed (its next turn, handed over).
-async fn decide<H: Handler>(
+pub(super) async fn decide<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
     incoming: &Incoming<'_>,
@@ -188,41 +135,6 @@ pub(crate) fn delivery_span<H: Handler>(runtime: &Runtime<H>, redelivered: bool)
     )
 }
 
-/// How a delivery was decided: the verdict, and the message's key if it had a valid one.
-pub(crate) struct Decided {
-    pub(crate) verdict: Verdict,
-    pub(crate) key: Option<Key>,
-    /// The entity whose order the delivery entered and took its turn in, if it did.
-    pub(crate) entity: Option<Entity>,
-    /// What the commit that completed it released of that order (see [`Ran::Completed`]).
-    pub(crate) handed: Option<Vec<Released>>,
-}
-
-impl Decided {
-    pub(crate) fn without_key(verdict: Verdict) -> Self {
-        Self {
-            verdict,
-            key: None,
-            entity: None,
-            handed: None,
-        }
-    }
-
-    fn with_key(verdict: Verdict, key: Key, entity: Option<Entity>) -> Self {
-        Self {
-            verdict,
-            key: Some(key),
-            entity,
-            handed: None,
-        }
-    }
-
-    /// The queue's circuit keeps the delivery of `key` out: back to the queue unrun.
-    fn paused(key: Key) -> Self {
-        Self::with_key(decision::paused(), key, None)
-    }
-}
-
 /// A delivery that could not be decided (docs/DESIGN.md, "Errors by cause"). The
 /// message's own fault is dead-lettered at once as `malformed`: the same bytes would
 /// fail the same way. Anything else is requeued after a pause that grows while nothing
@@ -279,47 +191,6 @@ fn rounded_ms(elapsed: Duration) -> f64 {
     (elapsed.as_secs_f64() * 10_000.0).round() / 10.0
 }
 
-/// A message that passed parsing; the typed message travels beside it, since the
-/// handler consumes it.
-pub(super) struct Parsed {
-    pub(super) value: Arc<Value>,
-    pub(super) key: Key,
-    pub(super) fingerprint: Fingerprint,
-    /// The message's correlation id, carried on to its follow-up messages.
-    pub(super) correlation_id: Option<String>,
-    /// The entity whose turn it holds (scope and ordering key), if its handler orders it.
-    pub(super) entity: Option<Entity>,
-}
-
-fn parse<H: Handler>(
-    handler: &H,
-    store: &Store,
-    body: &[u8],
-) -> Result<(Parsed, H::Message), String> {
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
-    if !value.is_object() {
-        return Err("body is not a JSON object".into());
-    }
-    let message = H::Message::deserialize(&value)
-        .map_err(|e| format!("body does not fit the message: {e}"))?;
-    let key = Key::new(
-        handler.scope(&message),
-        H::OPERATION,
-        handler.idempotency_key(&message),
-    )
-    .map_err(|e| format!("invalid key: {e}"))?;
-    let fingerprint = store.fingerprint(&value, handler.volatile_fields());
-    let parsed = Parsed {
-        value: Arc::new(value),
-        key,
-        fingerprint,
-        correlation_id: None,
-        entity: None,
-    };
-    Ok((parsed, message))
-}
-
 /// Walks the decision table for one delivery: claim, then run or reconcile as the
 /// decision says, until it says how to settle.
 pub(crate) async fn walk<H: Handler>(
@@ -356,24 +227,42 @@ pub(crate) async fn walk<H: Handler>(
         parsed.entity = Some(taken.clone());
         entity = Some(taken);
     }
-    if let Some(transactions) = &runtime.transactions {
-        drop(message); // the batch deserializes its own
-        let request = TxRequest {
-            claim: request,
-            value: parsed.value.clone(),
-            trace: trace::outgoing(&span, incoming.trace.as_ref()),
-            envelope: incoming.envelope.clone(),
-            entity: parsed.entity.clone(),
-        };
-        let (verdict, handed) =
-            in_transaction(runtime, transactions, incoming, request, retries).await?;
-        let mut decided = Decided::with_key(verdict, parsed.key, entity);
-        decided.handed = handed;
-        return Ok(decided);
-    }
+    let (verdict, handed) = match &runtime.transactions {
+        Some(transactions) => {
+            drop(message); // the batch deserializes its own
+            let request = TxRequest {
+                claim: request,
+                value: parsed.value.clone(),
+                trace: trace::outgoing(&span, incoming.trace.as_ref()),
+                envelope: incoming.envelope.clone(),
+                entity: parsed.entity.clone(),
+            };
+            in_transaction(runtime, transactions, incoming, request, retries).await?
+        }
+        None => leased(runtime, incoming, &parsed, message, &request, retries).await?,
+    };
+    let mut decided = Decided::with_key(verdict, parsed.key, entity);
+    decided.handed = handed;
+    Ok(decided)
+}
+
+/// Leased mode: claims the key, then runs or reconciles under the lease as the decision
+/// says, retrying in process, until it says how to settle. With the verdict, what the
+/// commit that completed the run released of the delivery's entity (see
+/// [`Ran::Completed`]).
+async fn leased<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    parsed: &Parsed,
+    message: H::Message,
+    request: &ClaimRequest,
+    retries: Retries<'_>,
+) -> Result<(Verdict, Option<Vec<Released>>), Failure> {
+    let span = Span::current();
+    let (circuit, admission) = (runtime.circuit.as_deref(), incoming.admission);
     let mut immediate = runtime.config.retry.immediate_backoff();
     let mut message = Some(message);
-    let mut step = claim(runtime, &request, retries, incoming.holds_turn).await?;
+    let mut step = claim(runtime, request, retries, incoming.holds_turn).await?;
     let mut handed = None;
     loop {
         step = match step {
@@ -381,10 +270,10 @@ pub(crate) async fn walk<H: Handler>(
                 attempt_on(&span, &lease);
                 failpoint::hit("after-claim");
                 let mut ran =
-                    handle::run(runtime, incoming, &parsed, message.take(), &lease).await?;
+                    handle::run(runtime, incoming, parsed, message.take(), &lease).await?;
                 handed = handed_over(&mut ran);
                 if counted(circuit, admission, &ran).await {
-                    return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
+                    return Ok((decision::paused(), handed));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -396,11 +285,11 @@ pub(crate) async fn walk<H: Handler>(
                 let external_ref = external_ref.as_deref();
                 let message = message.take();
                 let mut ran =
-                    handle::reconcile(runtime, incoming, &parsed, message, &lease, external_ref)
+                    handle::reconcile(runtime, incoming, parsed, message, &lease, external_ref)
                         .await?;
                 handed = handed_over(&mut ran);
                 if counted(circuit, admission, &ran).await {
-                    return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
+                    return Ok((decision::paused(), handed));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -411,15 +300,11 @@ pub(crate) async fn walk<H: Handler>(
                 );
                 tokio::time::sleep(after).await;
                 if keeps_out(circuit, admission) {
-                    return Ok(Decided::with_key(decision::paused(), parsed.key, entity));
+                    return Ok((decision::paused(), handed));
                 }
-                claim(runtime, &request, retries, incoming.holds_turn).await?
+                claim(runtime, request, retries, incoming.holds_turn).await?
             }
-            Step::Settle(verdict) => {
-                let mut decided = Decided::with_key(verdict, parsed.key, entity);
-                decided.handed = handed;
-                return Ok(decided);
-            }
+            Step::Settle(verdict) => return Ok((verdict, handed)),
         };
     }
 }

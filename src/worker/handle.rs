@@ -8,9 +8,9 @@ use serde::Deserialize;
 use tracing::{Instrument, Span, info, info_span, warn};
 
 use super::decision::{self, Ran, Reconciled};
-use super::execute::Parsed;
 use super::guard::guarded;
 use super::ordered::Entity;
+use super::parse::Parsed;
 use super::settle::Incoming;
 use super::{Failure, Runtime};
 use crate::failpoint;

@@ -15,7 +15,8 @@
 //! - `session`: one queue's channels on those connections (declare, consume, dispatch,
 //!   drain);
 //! - `decision`: the decision table as pure functions;
-//! - `execute`: parse, claim, and walk the decision table to the settling step;
+//! - `parse`: a delivery's message, key and fingerprint, or why it is malformed;
+//! - `execute`: claim, and walk the decision table to the settling step;
 //! - `ordered`: order per entity, entered before the claim, moved on after completion;
 //! - `handle`: run or reconcile the handler under the lease, and record its outcome;
 //! - `follow_ups`: a run's follow-up messages, published after its commit;
@@ -46,6 +47,7 @@ mod handle;
 #[cfg(feature = "testing")]
 mod local;
 mod ordered;
+mod parse;
 mod route;
 mod service;
 mod session;

@@ -16,17 +16,18 @@ use tracing::{debug, info, warn};
 
 use super::batch::Batcher;
 use super::decision::{CONFLICT, DeadLetterOrder, Outcome, Settle, Verdict};
-use super::execute::{Parsed, message_fault};
-use super::settle::Incoming;
+use super::execute::{decide, delivery_span, message_fault};
+use super::parse::Parsed;
+use super::settle::{Incoming, Links, Source};
 use super::{Failure, Runtime, WorkerConfig};
 use crate::connector::Connector;
 use crate::dead_letter::Reason;
 use crate::fault::Fault;
-use crate::handler::Handler;
+use crate::handler::{Envelope, Handler};
 use crate::metrics;
 use crate::ordering::{Entered, Entry, Gate, Ordered, Released, table};
 use crate::store::{Claim, ClaimRequest, Store, StoreError};
-use crate::topology;
+use crate::{topology, trace};
 
 /// An entity: its scope and ordering key.
 pub(super) type Entity = (String, String);
@@ -200,6 +201,65 @@ pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> V
             warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
             Vec::new()
         })
+}
+
+/// Most turns one delivery's task hands on in this process, one after the other, before
+/// it publishes the next to its queue (where it waits its turn among the others, under
+/// the queue's concurrency and the shutdown's drain).
+const MAX_HANDED_ON: usize = 64;
+
+/// Carries on after a delivery was decided with what its completion `released` of its
+/// entity's order: the turn runs next in this task when it is this handler's, from this
+/// queue, and so on with what that one releases; everything else released goes to its
+/// queue (rows whose turn passed come back dead-lettered).
+pub(super) async fn hand_on<H: Handler>(
+    runtime: &Runtime<H>,
+    links: &Links,
+    mut released: Vec<Released>,
+) {
+    let mut handed_on = 0;
+    loop {
+        let mine = released.iter().position(|r| {
+            r.turn
+                && r.operation == H::OPERATION
+                && r.queue == runtime.config.queue
+                && handed_on < MAX_HANDED_ON
+        });
+        let turn = mine.map(|i| released.swap_remove(i));
+        for other in &released {
+            publish(&links.publish, other).await;
+        }
+        let Some(turn) = turn else { return };
+        handed_on += 1;
+        released = run_turn(runtime, links, &turn).await;
+    }
+}
+
+/// Runs the delivery whose turn this process released, from its waiting row, as if the
+/// broker had brought it: its row goes with the release's move past it once it
+/// completed, or once its retry copy or dead letter is published; a requeue gives it
+/// back to the sweep. What its own completion released.
+async fn run_turn<H: Handler>(
+    runtime: &Runtime<H>,
+    links: &Links,
+    released: &Released,
+) -> Vec<Released> {
+    let span = delivery_span(runtime, false);
+    let envelope = Envelope {
+        exchange: String::new(),
+        routing_key: released.queue.clone(),
+        redelivered: false,
+        properties: released.properties.clone(),
+    };
+    let mut incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
+    incoming.holds_turn = true;
+    trace::continue_trace(
+        &span,
+        incoming.trace.as_ref(),
+        &runtime.process_span,
+        "consumer",
+    );
+    decide(runtime, links, &incoming, Source::Waiting(released), span).await
 }
 
 /// Publishes a delivery whose turn came to its queue (confirmed). Not published, it is

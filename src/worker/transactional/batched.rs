@@ -62,18 +62,7 @@ pub(super) async fn run<H: Handler>(
     let mut batch = Batch::new(messages, contexts, ctx.pool().clone(), ctx.take_tx());
     let size = runnable.len();
     let started = Instant::now();
-    let span = info_span!(
-        "handle_batch",
-        idem.batch_size = size,
-        otel.name = field::Empty,
-        otel.kind = field::Empty
-    );
-    // A trace of its own (a batch belongs to no one delivery's), linked to each
-    // delivery's handler span, as the messaging conventions have batches do.
-    let name = format!("handle_batch {}", H::OPERATION);
-    if trace::continue_trace(&span, None, &name, "internal") {
-        trace::link(&span, &spans);
-    }
+    let span = batch_span(H::OPERATION, &spans);
     let answered = caught(async { Ok(handler.handle_batch(&mut batch).await) })
         .instrument(span)
         .await;
@@ -118,6 +107,27 @@ pub(super) async fn run<H: Handler>(
     }
     drop(spans);
     Some(runs)
+}
+
+/// The span of one `handle_batch` call: a trace of its own (a batch belongs to no one
+/// delivery's), linked to each delivery's handler span (`spans`), as the messaging
+/// conventions have batches do.
+fn batch_span(operation: &str, spans: &[tracing::Span]) -> tracing::Span {
+    let span = info_span!(
+        "handle_batch",
+        idem.batch_size = spans.len(),
+        otel.name = field::Empty,
+        otel.kind = field::Empty
+    );
+    if trace::continue_trace(
+        &span,
+        None,
+        &format!("handle_batch {operation}"),
+        "internal",
+    ) {
+        trace::link(&span, spans);
+    }
+    span
 }
 
 /// Each prepared delivery through [`Handler::handle`], in turn, on the transaction
