@@ -15,11 +15,14 @@
 //! single-commit request can take the key while the transaction holds it, and a
 //! heartbeat from another connection would wait for the same lock), and a failure
 //! frees the key by rolling back: no `failed` record is written.
+//!
+//! - `locked`: what a new key's request records (its transaction holds the lock only);
+//! - `recorded`: what a request that claimed the key's record in its transaction
+//!   records.
 
 use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
@@ -33,19 +36,16 @@ use tracing::{Instrument, debug, warn};
 use super::claimed::Stopped;
 use super::decision::{self, Answer, Next, Verdict};
 use super::problem::Problem;
-use super::record::{
-    answered, rollback, store_unavailable, stored_answer, taken_over, too_large, verdict_of,
-};
+use super::record::{answered, rollback, store_unavailable, verdict_of};
 use super::service::{Intent, Keyed, call, claim_and_run, from_record};
-use super::tx::{IdempotentRequest, Left, ROLLBACK_TO_SAVEPOINT, TxSlot};
+use super::tx::{IdempotentRequest, Left, TxSlot};
 use super::{Route, Settings};
 use crate::failpoint;
-use crate::store::lease::panic_text;
-use crate::store::{ClaimRequest, Lease, NewRecord, Status, StoreError, StoredError};
 
-/// How long a request whose answer goes without its route's writes waits for a second
-/// connection to write its record on while it still holds the key's lock.
-const SECOND_CONNECTION: Duration = Duration::from_secs(1);
+mod locked;
+mod recorded;
+use crate::store::lease::panic_text;
+use crate::store::{ClaimRequest, Lease, StoreError};
 
 /// The request's transaction: READ COMMITTED whatever the database's default, so that
 /// a claim that waited for another transaction sees its commit on its next statement.
@@ -334,231 +334,6 @@ impl Single {
         }
     }
 
-    /// Records the answer of a request that claimed a record in its transaction:
-    /// completed or `pending` under its lease, the route's writes rolled back to the
-    /// savepoint where the answer goes without them.
-    async fn record_claimed(
-        &self,
-        lease: &Lease,
-        mut tx: Transaction<'static, Postgres>,
-        savepoint: bool,
-        verdict: Verdict,
-        response: Response,
-    ) -> Response {
-        let label = &self.keyed.label;
-        if matches!(
-            verdict,
-            Verdict::StoreWithoutWrites | Verdict::Pending { .. }
-        ) && savepoint
-            && let Err(error) = sqlx::raw_sql(ROLLBACK_TO_SAVEPOINT).execute(&mut *tx).await
-        {
-            rollback(tx).await;
-            let error = StoreError::from(error);
-            return store_unavailable(label, "cannot roll the route's writes back", &error);
-        }
-        match verdict {
-            Verdict::Pending {
-                external_ref,
-                error,
-            } => {
-                self.pending(lease, tx, response, external_ref, &error)
-                    .await
-            }
-            _ => self.complete(lease, tx, response).await,
-        }
-    }
-
-    /// Records the answer of a request that holds the key's lock and no record: the
-    /// record is inserted with the answer, in the transaction with the route's writes,
-    /// or on its own once they rolled back (an answer stored without them, `pending`).
-    /// A key recorded meanwhile by another request is answered from its record.
-    async fn record_new(
-        &self,
-        request: &ClaimRequest,
-        mut tx: Transaction<'static, Postgres>,
-        verdict: Verdict,
-        response: Response,
-    ) -> Response {
-        let (shared, label) = (&self.shared, &self.keyed.label);
-        if let Verdict::Pending {
-            external_ref,
-            error,
-        } = verdict
-        {
-            let stored = StoredError {
-                kind: "uncertain",
-                error: &error,
-            };
-            let record = NewRecord {
-                request,
-                status: Status::Pending,
-                retryable: false,
-                result: None,
-                error: Some(stored.to_json()),
-                external_ref,
-            };
-            // The route's answer (502) either way: with nothing stored a retry runs
-            // afresh, and another request's record decides the next one.
-            match self.record_alone(tx, &record).await {
-                Ok(true) => {}
-                Ok(false) => debug!("the key was recorded by another request first"),
-                Err(e) => warn!(error = %e.describe(), "cannot record an uncertain outcome"),
-            }
-            return answered(label, "uncertain", response);
-        }
-        let (parts, bytes, stored) = match stored_answer(shared, response).await {
-            Ok(answer) => answer,
-            Err(detail) => {
-                rollback(tx).await;
-                return too_large(label, &detail);
-            }
-        };
-        let record = NewRecord {
-            request,
-            status: Status::Completed,
-            retryable: false,
-            result: Some(stored),
-            error: None,
-            external_ref: None,
-        };
-        let inserted = if verdict == Verdict::Store {
-            match shared.store.insert_one_in(&mut tx, &record).await {
-                Ok(true) => return self.commit(tx, parts, bytes).await,
-                inserted => {
-                    rollback(tx).await;
-                    inserted
-                }
-            }
-        } else {
-            self.record_alone(tx, &record).await
-        };
-        match inserted {
-            Ok(true) => answered(
-                label,
-                "executed",
-                Response::from_parts(parts, Body::from(bytes)),
-            ),
-            Ok(false) => self.answer_from_record(request).await,
-            // It waited for another request's uncommitted claim of the key as long as
-            // a run may take.
-            Err(error) if waited_too_long(&error) => {
-                from_record(Answer::InProgress, &self.route, &self.keyed)
-            }
-            Err(error) => store_unavailable(label, "cannot record the answer", &error),
-        }
-    }
-
-    /// Writes the record of an answer that goes without the route's writes (a
-    /// permanent error's, `pending`) while the key's lock is still held: in a
-    /// transaction of its own on a second connection, committed before the request's
-    /// own rolls back and lets a waiting repeat in, which then finds the record and does
-    /// not run. With no second connection within [`SECOND_CONNECTION`] (a pool taken by
-    /// requests that all wait for one), it is written after the rollback, and a repeat
-    /// that takes the lock in between may run (one of the two then finds the other's
-    /// record). False when another request recorded the key first.
-    async fn record_alone(
-        &self,
-        tx: Transaction<'static, Postgres>,
-        record: &NewRecord<'_>,
-    ) -> Result<bool, StoreError> {
-        let second = tokio::time::timeout(SECOND_CONNECTION, begin(&self.shared, &self.route));
-        if let Ok(Ok(alone)) = second.await {
-            let written = self.write_alone(alone, record).await;
-            rollback(tx).await;
-            return written;
-        }
-        rollback(tx).await;
-        let alone = begin(&self.shared, &self.route).await?;
-        self.write_alone(alone, record).await
-    }
-
-    /// Inserts `record` in `alone` and commits it (false: the key had one already).
-    async fn write_alone(
-        &self,
-        mut alone: Transaction<'static, Postgres>,
-        record: &NewRecord<'_>,
-    ) -> Result<bool, StoreError> {
-        match self.shared.store.insert_one_in(&mut alone, record).await {
-            Ok(true) => {
-                failpoint::hit("http-single-before-commit");
-                alone.commit().await?;
-                failpoint::hit("http-single-after-commit");
-                Ok(true)
-            }
-            other => {
-                rollback(alone).await;
-                other
-            }
-        }
-    }
-
-    /// Answers a request whose new record another request wrote first (one in the
-    /// default mode, or one whose commit this one's first look just missed) from that
-    /// record, as a repeat would be answered; a key it could take (free again) is
-    /// answered as in progress, for a retry that runs it.
-    async fn answer_from_record(&self, request: &ClaimRequest) -> Response {
-        match self.recorded_answer(request).await {
-            Some(answer) => answer,
-            None => from_record(Answer::InProgress, &self.route, &self.keyed),
-        }
-    }
-
-    /// The answer the key's record gives, as a repeat would get it; `None` when the
-    /// record does not decide (no record, or one this request could take). The claim
-    /// that reads it runs in a transaction rolled back before the answer.
-    async fn recorded_answer(&self, request: &ClaimRequest) -> Option<Response> {
-        let (store, label) = (&self.shared.store, &self.keyed.label);
-        let mut tx = match begin(&self.shared, &self.route).await {
-            Ok(tx) => tx,
-            Err(error) => return Some(store_unavailable(label, "cannot read the record", &error)),
-        };
-        let reconciles = self.route.reconcile.is_some();
-        let claim = store
-            .claim_request_in(
-                &mut tx,
-                &request.key,
-                &request.fingerprint,
-                &request.origin,
-                reconciles,
-            )
-            .await;
-        // Nothing of it stays, and a row it took is free again before the answer.
-        rollback(tx).await;
-        match claim.map(decision::on_claim) {
-            Ok(Next::Answer(answer)) => Some(from_record(answer, &self.route, &self.keyed)),
-            Ok(_) => None,
-            Err(error) if waited_too_long(&error) => {
-                Some(from_record(Answer::InProgress, &self.route, &self.keyed))
-            }
-            Err(error) => Some(store_unavailable(label, "cannot read the record", &error)),
-        }
-    }
-
-    /// Stores the answer under the claimed record's lease and commits it.
-    async fn complete(
-        &self,
-        lease: &Lease,
-        mut tx: Transaction<'static, Postgres>,
-        response: Response,
-    ) -> Response {
-        let (shared, label) = (&self.shared, &self.keyed.label);
-        let (parts, bytes, stored) = match stored_answer(shared, response).await {
-            Ok(answer) => answer,
-            Err(detail) => {
-                rollback(tx).await;
-                return too_large(label, &detail);
-            }
-        };
-        if let Err(error) = shared.store.complete_in(&mut *tx, lease, &stored).await {
-            rollback(tx).await;
-            return match error {
-                StoreError::LeaseLost { .. } => taken_over(label),
-                error => store_unavailable(label, "cannot record the answer", &error),
-            };
-        }
-        self.commit(tx, parts, bytes).await
-    }
-
     /// Commits the request's transaction, which holds its record with the answer, and
     /// answers.
     async fn commit(
@@ -580,40 +355,6 @@ impl Single {
             "executed",
             Response::from_parts(parts, Body::from(bytes)),
         )
-    }
-
-    /// Records an uncertain outcome under the claimed record's lease (the route's
-    /// writes rolled back to the savepoint) and commits it; the route's answer (502)
-    /// either way.
-    async fn pending(
-        &self,
-        lease: &Lease,
-        mut tx: Transaction<'static, Postgres>,
-        response: Response,
-        external_ref: Option<String>,
-        error: &str,
-    ) -> Response {
-        let stored = StoredError {
-            kind: "uncertain",
-            error,
-        }
-        .to_json();
-        let store = &self.shared.store;
-        let marked = store
-            .mark_pending_in(&mut *tx, lease, external_ref.as_deref(), &stored)
-            .await;
-        let committed = match marked {
-            Ok(()) => tx.commit().await.map_err(StoreError::from),
-            Err(error) => {
-                rollback(tx).await;
-                Err(error)
-            }
-        };
-        if let Err(e) = committed {
-            // Nothing is stored: a retry runs the route again.
-            warn!(error = %e.describe(), "cannot record an uncertain outcome");
-        }
-        answered(&self.keyed.label, "uncertain", response)
     }
 }
 
