@@ -9,8 +9,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 use tracing::Instrument;
 
-use super::decision::Decided;
-use super::decision::{Outcome, Settle};
+use super::decision::{Decided, Outcome, Settle};
 use super::execute;
 use super::settle::Incoming;
 use super::{Failure, Runtime, WorkerConfig};
