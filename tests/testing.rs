@@ -11,7 +11,7 @@ mod orders_worker;
 mod notifications_worker;
 
 use idem::testing::{CheckFailed, FakeProvider, Hazard, ProviderError, Settled, TestWorker};
-use idem::{Batch, Context, Handler, HandlerError, Mode, Outcome, Reconciliation};
+use idem::{Batch, Context, Handler, HandlerError, Mode, Ordered, Outcome, Reconciliation};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
@@ -551,5 +551,87 @@ async fn the_handler_sees_the_properties_given(pool: PgPool) {
             "{:?}",
             worker.mode()
         );
+    }
+}
+
+/// Applies an account's entries, each version after the one before it.
+struct Entries;
+
+impl Handler for Entries {
+    type Message = Value;
+    type Output = ();
+    const OPERATION: &'static str = "kit.entries";
+    fn scope(&self, _: &Value) -> String {
+        "acme".into()
+    }
+    fn idempotency_key(&self, m: &Value) -> String {
+        format!(
+            "{}:{}",
+            m["account"].as_str().unwrap_or_default(),
+            m["version"]
+        )
+    }
+    fn ordering(&self, m: &Value) -> Option<Ordered> {
+        let account = m["account"].as_str().unwrap_or_default();
+        Some(Ordered::by(account).sequence(m["version"].as_i64().unwrap_or_default()))
+    }
+    async fn handle(&self, m: Value, ctx: &mut Context) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO kit_entries (account, version) VALUES ($1, $2)")
+            .bind(m["account"].as_str())
+            .bind(m["version"].as_i64())
+            .execute(ctx.tx().await?)
+            .await?;
+        Ok(())
+    }
+}
+
+/// An ordered handler in the kit: entries that come before their turn wait, and when
+/// the one before them completes they are handed the turn and run, in order, as a
+/// worker runs them; a copy of a completed entry is acked at once. Both modes.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn entries_that_wait_for_their_turn_run_when_it_comes_in_both_modes(pool: PgPool) {
+    sqlx::query(
+        "CREATE TABLE kit_entries (id bigserial, account text NOT NULL, version bigint NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let entry = |account: &str, version: i64| json!({"account": account, "version": version});
+    for (worker, account) in [
+        (TestWorker::new(Entries, pool.clone()), "leased"),
+        (
+            TestWorker::transactional(Entries, pool.clone()),
+            "transactional",
+        ),
+    ] {
+        for version in [4, 2, 3] {
+            let early = worker.deliver(&entry(account, version)).await.unwrap();
+            assert_eq!(
+                (early.outcome, &early.settled),
+                (Outcome::Waiting, &Settled::Acked),
+                "{account} v{version}"
+            );
+            assert!(early.record.is_none() && early.then.is_empty());
+        }
+        let first = worker.deliver(&entry(account, 1)).await.unwrap();
+        assert_eq!(first.outcome, Outcome::Executed, "{account}");
+        let handed: Vec<Outcome> = first.then.iter().map(|d| d.outcome).collect();
+        assert_eq!(handed, [Outcome::Executed; 3], "{account}");
+        assert!(first.then.iter().all(|d| d.settled == Settled::Acked));
+        let applied: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM kit_entries WHERE account = $1 ORDER BY id")
+                .bind(account)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(applied, [1, 2, 3, 4], "{account}");
+        let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM ordering_waiting")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(waiting, 0, "{account}: every waiting row went with its run");
+        let again = worker.deliver(&entry(account, 3)).await.unwrap();
+        assert_eq!(again.outcome, Outcome::DuplicateCompleted, "{account}");
+        assert!(again.then.is_empty());
     }
 }

@@ -85,6 +85,10 @@ pub struct Delivered {
     pub settled: Settled,
     /// The operation's record after the delivery (none without a valid key).
     pub record: Option<Record>,
+    /// Order per entity ([`crate::Handler::ordering`]): the deliveries that waited for
+    /// their turn and were handed it when this one completed, one after the other,
+    /// decided next as a worker decides them in process. Empty otherwise.
+    pub then: Vec<Delivered>,
 }
 
 impl Delivered {
@@ -225,23 +229,31 @@ impl<H: Handler> TestWorker<H> {
         properties: &BasicProperties,
     ) -> Result<Delivered, TestError> {
         let envelope = self.envelope(properties);
-        let LocalDecision {
-            outcome,
-            settle,
-            key,
-        } = self
+        let mut decision = self
             .local
             .decide(body, envelope)
             .await
             .map_err(|e| TestError::Undecided(crate::text::error_line(&e)))?;
-        let record = match &key {
+        let mut then = Vec::with_capacity(decision.then.len());
+        for next in std::mem::take(&mut decision.then) {
+            then.push(self.delivered(next).await?);
+        }
+        let mut delivered = self.delivered(decision).await?;
+        delivered.then = then;
+        Ok(delivered)
+    }
+
+    /// What one decision of the worker comes to, with the record it left.
+    async fn delivered(&self, decision: LocalDecision) -> Result<Delivered, TestError> {
+        let record = match &decision.key {
             Some(key) => self.store().get(key).await?,
             None => None,
         };
         Ok(Delivered {
-            outcome,
-            settled: settled(settle),
+            outcome: decision.outcome,
+            settled: settled(decision.settle),
             record,
+            then: Vec::new(),
         })
     }
 

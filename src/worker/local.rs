@@ -10,12 +10,13 @@ use tokio::sync::Notify;
 use tracing::Instrument;
 
 use super::decision::{Decided, Outcome, Settle};
-use super::execute;
 use super::settle::Incoming;
 use super::{Failure, Runtime, WorkerConfig};
+use super::{execute, ordered};
 use crate::fault::Fault;
 use crate::handler::{Envelope, Handler};
 use crate::key::Key;
+use crate::ordering::{Released, table};
 use crate::store::{Store, StoreError};
 
 /// The worker's runtime (claims, completions, transactional batches), with no broker,
@@ -30,6 +31,9 @@ pub(crate) struct LocalDecision {
     pub(crate) settle: Settle,
     /// The message's key, if it had a valid one.
     pub(crate) key: Option<Key>,
+    /// The deliveries its completion handed its entity's turn to, one after the other,
+    /// run next as a worker runs them (order per entity).
+    pub(crate) then: Vec<LocalDecision>,
 }
 
 impl<H: Handler> Local<H> {
@@ -54,14 +58,57 @@ impl<H: Handler> Local<H> {
     /// outbox (there is no broker to publish them on). A failure of the message's own is
     /// decided as the worker decides it (a malformed dead letter); any other failure
     /// (the store unreachable) is returned: a worker would requeue the delivery.
+    ///
+    /// When it completed and its entity's next turn was handed to a delivery that
+    /// waited for it, that delivery is decided next, from its waiting row, and so on
+    /// ([`LocalDecision::then`]), as a worker hands the turn on in process.
     pub(crate) async fn decide(
         &self,
         data: &[u8],
         envelope: Envelope,
     ) -> Result<LocalDecision, Failure> {
-        let span = execute::delivery_span(&self.runtime, envelope.redelivered);
         let incoming = Incoming::new(data, envelope, None);
-        let decided = match execute::walk(&self.runtime, &incoming)
+        let (mut decision, mut released) = self.decide_one(&incoming).await?;
+        while let Some(turn) = self.next_turn(&mut released) {
+            let envelope = Envelope {
+                exchange: String::new(),
+                routing_key: turn.queue.clone(),
+                redelivered: false,
+                properties: turn.properties.clone(),
+            };
+            let mut incoming = Incoming::new(&turn.body, envelope, None);
+            incoming.holds_turn = true;
+            let (next, more) = self.decide_one(&incoming).await?;
+            // Its row goes once it is settled (its copy or dead letter would be
+            // published), or back to the sweep when it would be requeued.
+            let pool = self.runtime.store.pool();
+            match next.settle {
+                Settle::Requeue { .. } => table::give_back(pool, &turn).await?,
+                _ => table::finish(pool, &turn).await?,
+            }
+            decision.then.push(next);
+            released = more;
+        }
+        Ok(decision)
+    }
+
+    /// The turn among `released` that this worker runs next (its handler's, from its
+    /// queue), taken out of it.
+    fn next_turn(&self, released: &mut Vec<Released>) -> Option<Released> {
+        let queue = &self.runtime.config.queue;
+        let mine = released
+            .iter()
+            .position(|r| r.turn && r.operation == H::OPERATION && &r.queue == queue)?;
+        Some(released.swap_remove(mine))
+    }
+
+    /// Decides one delivery; with what its completion released of its entity's order.
+    async fn decide_one(
+        &self,
+        incoming: &Incoming<'_>,
+    ) -> Result<(LocalDecision, Vec<Released>), Failure> {
+        let span = execute::delivery_span(&self.runtime, incoming.envelope.redelivered);
+        let decided = match execute::walk(&self.runtime, incoming)
             .instrument(span)
             .await
         {
@@ -71,17 +118,31 @@ impl<H: Handler> Local<H> {
             }
             Err(error) => return Err(error),
         };
-        let Decided { verdict, key, .. } = decided;
+        let Decided {
+            verdict,
+            key,
+            entity,
+            handed,
+        } = decided;
         if let Settle::DeadLetter(order) = &verdict.action
             && let Some(id) = order.pin
         {
             self.pin(id).await?;
         }
-        Ok(LocalDecision {
+        let released = match (handed, entity) {
+            (Some(handed), _) => handed,
+            (None, Some(entity)) if ordered::moves_on(verdict.outcome) => {
+                ordered::leave(&self.runtime, entity).await
+            }
+            _ => Vec::new(),
+        };
+        let decision = LocalDecision {
             outcome: verdict.outcome,
             settle: verdict.action,
             key,
-        })
+            then: Vec::new(),
+        };
+        Ok((decision, released))
     }
 
     /// What a worker's published dead letter leaves in the store: its record pinned
