@@ -69,14 +69,8 @@ impl<H: Handler> Local<H> {
     ) -> Result<LocalDecision, Failure> {
         let incoming = Incoming::new(data, envelope, None);
         let (mut decision, mut released) = self.decide_one(&incoming).await?;
-        while let Some(turn) = self.next_turn(&mut released) {
-            let envelope = Envelope {
-                exchange: String::new(),
-                routing_key: turn.queue.clone(),
-                redelivered: false,
-                properties: turn.properties.clone(),
-            };
-            let mut incoming = Incoming::new(&turn.body, envelope, None);
+        while let Some(turn) = ordered::take_turn(&self.runtime, &mut released) {
+            let mut incoming = Incoming::new(&turn.body, ordered::envelope_of(&turn), None);
             incoming.holds_turn = true;
             let (next, more) = self.decide_one(&incoming).await?;
             // Its row goes once it is settled (its copy or dead letter would be
@@ -90,16 +84,6 @@ impl<H: Handler> Local<H> {
             released = more;
         }
         Ok(decision)
-    }
-
-    /// The turn among `released` that this worker runs next (its handler's, from its
-    /// queue), taken out of it.
-    fn next_turn(&self, released: &mut Vec<Released>) -> Option<Released> {
-        let queue = &self.runtime.config.queue;
-        let mine = released
-            .iter()
-            .position(|r| r.turn && r.operation == H::OPERATION && &r.queue == queue)?;
-        Some(released.swap_remove(mine))
     }
 
     /// Decides one delivery; with what its completion released of its entity's order.

@@ -219,19 +219,38 @@ pub(super) async fn hand_on<H: Handler>(
 ) {
     let mut handed_on = 0;
     loop {
-        let mine = released.iter().position(|r| {
-            r.turn
-                && r.operation == H::OPERATION
-                && r.queue == runtime.config.queue
-                && handed_on < MAX_HANDED_ON
-        });
-        let turn = mine.map(|i| released.swap_remove(i));
+        let turn = match handed_on < MAX_HANDED_ON {
+            true => take_turn(runtime, &mut released),
+            false => None,
+        };
         for other in &released {
             publish(&links.publish, other).await;
         }
         let Some(turn) = turn else { return };
         handed_on += 1;
         released = run_turn(runtime, links, &turn).await;
+    }
+}
+
+/// The turn among `released` that this worker runs next (its handler's, from its
+/// queue), taken out of it.
+pub(super) fn take_turn<H: Handler>(
+    runtime: &Runtime<H>,
+    released: &mut Vec<Released>,
+) -> Option<Released> {
+    let mine = released
+        .iter()
+        .position(|r| r.turn && r.operation == H::OPERATION && r.queue == runtime.config.queue)?;
+    Some(released.swap_remove(mine))
+}
+
+/// What a delivery handed its turn carries, as if the broker brought it from its queue.
+pub(super) fn envelope_of(released: &Released) -> Envelope {
+    Envelope {
+        exchange: String::new(),
+        routing_key: released.queue.clone(),
+        redelivered: false,
+        properties: released.properties.clone(),
     }
 }
 
@@ -245,12 +264,7 @@ async fn run_turn<H: Handler>(
     released: &Released,
 ) -> Vec<Released> {
     let span = delivery_span(runtime, false);
-    let envelope = Envelope {
-        exchange: String::new(),
-        routing_key: released.queue.clone(),
-        redelivered: false,
-        properties: released.properties.clone(),
-    };
+    let envelope = envelope_of(released);
     let mut incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
     incoming.holds_turn = true;
     trace::continue_trace(
