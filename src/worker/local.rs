@@ -11,8 +11,7 @@ use tracing::Instrument;
 
 use super::decision::{Decided, Outcome, Settle};
 use super::settle::Incoming;
-use super::{Failure, Runtime, WorkerConfig};
-use super::{execute, ordered};
+use super::{Failure, Runtime, WorkerConfig, execute, ordered};
 use crate::fault::Fault;
 use crate::handler::{Envelope, Handler};
 use crate::key::Key;
