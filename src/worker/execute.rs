@@ -95,13 +95,7 @@ pub(super) async fn decide<H: Handler>(
         };
         // The commit that completed it released its next turn already, or the release is
         // made now. A turn handed over in that commit is run whatever became of the ack.
-        let next = match (handed, entity) {
-            (Some(handed), _) => handed,
-            (None, Some(entity)) if ordered::moves_on(outcome) => {
-                ordered::leave(runtime, entity).await
-            }
-            _ => Vec::new(),
-        };
+        let next = ordered::released_by(runtime, outcome, entity, handed).await;
         settler.count(outcome.as_str());
         let span = Span::current();
         trace::attribute(&span, "idem.outcome", outcome.as_str());

@@ -112,13 +112,7 @@ impl<H: Handler> Local<H> {
         {
             self.pin(id).await?;
         }
-        let released = match (handed, entity) {
-            (Some(handed), _) => handed,
-            (None, Some(entity)) if ordered::moves_on(verdict.outcome) => {
-                ordered::leave(&self.runtime, entity).await
-            }
-            _ => Vec::new(),
-        };
+        let released = ordered::released_by(&self.runtime, verdict.outcome, entity, handed).await;
         let decision = LocalDecision {
             outcome: verdict.outcome,
             settle: verdict.action,

@@ -182,18 +182,34 @@ fn dead_letter(reason: Reason, error: String) -> Settle {
 
 /// Whether a delivery that ended with `outcome` leaves its entity's turn to the next:
 /// its record is `completed`.
-pub(super) fn moves_on(outcome: Outcome) -> bool {
+fn moves_on(outcome: Outcome) -> bool {
     matches!(
         outcome,
         Outcome::Executed | Outcome::Reconciled | Outcome::DuplicateCompleted
     )
 }
 
+/// What a delivery that ended with `outcome` released of its `entity`'s order: what the
+/// commit that completed it `handed` over already, or, when it completed without, the
+/// release made now ([`leave`]).
+pub(super) async fn released_by<H: Handler>(
+    runtime: &Runtime<H>,
+    outcome: Outcome,
+    entity: Option<Entity>,
+    handed: Option<Vec<Released>>,
+) -> Vec<Released> {
+    match (handed, entity) {
+        (Some(handed), _) => handed,
+        (None, Some(entity)) if moves_on(outcome) => leave(runtime, entity).await,
+        _ => Vec::new(),
+    }
+}
+
 /// Moves `entity` on past the delivery that completed and hands the next turn to the
 /// delivery that waits for it, if one does: returned (flagged [`Released::turn`]) to run
 /// in this process, with rows whose turn passed while they waited (to publish, for their
 /// dead letter). A failure here only delays the next turn until the sweep.
-pub(super) async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Vec<Released> {
+async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Vec<Released> {
     let released = runtime.orderings.releases.call(entity).await;
     released
         .and_then(|answer| answer.map_err(Failure::from))
