@@ -77,6 +77,10 @@ struct Args {
     /// More arguments for `idem gc`, comma separated (e.g. `--duty,1`).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     gc_args: Vec<String>,
+    /// Also print p50/p99/max of the messages published in each second of the run: where
+    /// in the run a tail comes from (the first second's warm-up, a checkpoint, a sweep).
+    #[arg(long)]
+    timeline: bool,
     /// More arguments for orders_worker (after `--`).
     #[arg(last = true)]
     worker_args: Vec<String>,
@@ -86,6 +90,33 @@ struct Args {
     /// RabbitMQ URL.
     #[arg(long, env = "AMQP_URL", default_value = idem::topology::DEFAULT_AMQP_URL, hide_env_values = true)]
     amqp_url: String,
+}
+
+/// One line per second of the run: the messages published in it, their p50, p99 and max
+/// publish → effect.
+fn print_timeline(timed: &[(Instant, Duration)], start: Instant) {
+    let mut seconds: Vec<Vec<Duration>> = Vec::new();
+    for (at, latency) in timed {
+        let second = at.saturating_duration_since(start).as_secs() as usize;
+        if seconds.len() <= second {
+            seconds.resize_with(second + 1, Vec::new);
+        }
+        seconds[second].push(*latency);
+    }
+    for (second, mut part) in seconds.into_iter().enumerate() {
+        if part.is_empty() {
+            continue;
+        }
+        part.sort();
+        let at = |p: f64| part[((part.len() as f64 * p) as usize).min(part.len() - 1)];
+        println!(
+            "latency: second {second:>3}: {:>5} messages p50_ms={:.1} p99_ms={:.1} max_ms={:.1}",
+            part.len(),
+            at(0.5).as_secs_f64() * 1000.0,
+            at(0.99).as_secs_f64() * 1000.0,
+            at(1.0).as_secs_f64() * 1000.0,
+        );
+    }
 }
 
 #[tokio::main]
@@ -259,6 +290,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     latencies.sort();
     let q = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    if args.timeline {
+        print_timeline(&timed, start.into_std());
+    }
     if let Some(gc) = gc {
         let (begun, ended, out) = gc.await??;
         print!("{out}");

@@ -342,6 +342,13 @@ struct Args {
     /// Unacked deliveries the broker sends ahead (0: twice the deliveries run at once).
     #[arg(long, default_value_t = 0)]
     prefetch: u16,
+    /// Most claims (and completions) per statement; in transactional mode, most
+    /// deliveries per transaction (0: the default, see `WorkerConfig::batch_size`).
+    #[arg(long, default_value_t = 0)]
+    batch_size: usize,
+    /// Batches running at once, each on a connection of its own (0: the default).
+    #[arg(long, default_value_t = 0)]
+    batches_in_flight: usize,
     /// leased: claim, then run under a lease (for handlers that call out);
     /// transactional: claim, effects and outcome in one transaction per batch.
     #[arg(long, default_value = "leased")]
@@ -508,6 +515,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
             CircuitBreaker::consecutive(args.circuit).open_for(first, first * 16)
         }),
         ..WorkerConfig::default()
+    };
+    let defaults = WorkerConfig::default();
+    let config = WorkerConfig {
+        batch_size: match args.batch_size {
+            0 => defaults.batch_size,
+            n => n,
+        },
+        batches_in_flight: match args.batches_in_flight {
+            0 => defaults.batches_in_flight,
+            n => n,
+        },
+        ..config
     };
     let handler = Orders {
         fail_tenant: args.fail_tenant,

@@ -147,8 +147,11 @@ impl Store {
             records.iter().map(|r| self.sealed(r)).unzip();
         let errors: Vec<Option<&Value>> = records.iter().map(|r| r.error.as_ref()).collect();
         let started = Instant::now();
+        // A prepared statement (its plan cached per connection): it reads no table that
+        // grows (the unique index arbitrates a conflict, `operation_retention` holds a
+        // row per operation), so no cached plan can come to scan one. Planned afresh it
+        // cost Postgres about 0.5 ms a batch, most of a small batch's insert.
         let rows: Vec<(String, String, String, i64, i64)> = sqlx::query_as(INSERT_SQL.as_str())
-            .persistent(false)
             .bind(column(|r| Some(r.request.key.scope().to_owned())))
             .bind(column(|r| Some(r.request.key.operation().to_owned())))
             .bind(column(|r| Some(r.request.key.idempotency_key().to_owned())))
