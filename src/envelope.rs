@@ -7,7 +7,7 @@ use crate::headers;
 /// What the message carried, as the broker delivered it: its AMQP properties (type,
 /// message id, correlation id, headers), the exchange and routing key it came through,
 /// and whether the broker delivered it before. Empty for an HTTP request and in
-/// [`Context::for_test`].
+/// [`Context::for_test`](crate::Context::for_test).
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
 pub struct Envelope {

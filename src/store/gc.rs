@@ -26,12 +26,16 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use sqlx::AssertSqlSafe;
-use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{Store, StoreError, millis};
 use crate::metrics;
+
+mod leader;
+
+pub use leader::GC_LOCK;
 
 /// What gc deletes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,31 +205,6 @@ impl Store {
         Ok(())
     }
 
-    /// Takes the leadership of garbage collection if no other process holds it: a
-    /// session advisory lock ([`GC_LOCK`]) on a connection of its own, opened for the
-    /// round where [`StoreConfig::session`](super::StoreConfig::session) says (through
-    /// a transaction pooler, the lock and its unlock could land on two server
-    /// connections). The lock ends with that session, so a leader that dies frees it at
-    /// once.
-    pub(crate) async fn try_lead_gc(&self) -> Result<Option<GcLeader>, StoreError> {
-        let options = self.session_options();
-        let name = format!("{} gc", options.get_application_name().unwrap_or("idem"));
-        // As long as an acquire from the pool may wait.
-        let options = options.application_name(&name);
-        let mut conn = tokio::time::timeout(Duration::from_secs(10), options.connect())
-            .await
-            .unwrap_or(Err(sqlx::Error::PoolTimedOut))?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(GC_LOCK)
-            .fetch_one(&mut conn)
-            .await?;
-        if !got {
-            let _ = conn.close().await;
-            return Ok(None);
-        }
-        Ok(Some(GcLeader { conn: Some(conn) }))
-    }
-
     /// Expired rows of `garbage` that gc may delete, and the age in seconds of the
     /// oldest one. Counts through the `expires_at` index: cheap when gc keeps up.
     pub(crate) async fn expired(&self, garbage: Garbage) -> Result<(i64, Option<f64>), StoreError> {
@@ -238,34 +217,6 @@ impl Store {
         )))
         .fetch_one(&self.pool)
         .await?)
-    }
-}
-
-/// The advisory lock whose holder is the one process collecting garbage ("idem gc" in
-/// ASCII).
-pub const GC_LOCK: i64 = 0x0069_6465_6d20_6763;
-
-/// The leadership of garbage collection: while held, no other process's gc runs. Give it
-/// back with [`GcLeader::release`]; dropped without that, its connection is closed, and
-/// the lock with it.
-#[derive(Debug)]
-pub(crate) struct GcLeader {
-    conn: Option<PgConnection>,
-}
-
-impl GcLeader {
-    /// Unlocks and closes the connection.
-    pub(crate) async fn release(mut self) -> Result<(), StoreError> {
-        if let Some(mut conn) = self.conn.take() {
-            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(GC_LOCK)
-                .execute(&mut conn)
-                .await;
-            // Closing the session would end the lock too; the unlock says so at once.
-            let _ = conn.close().await;
-            unlocked?;
-        }
-        Ok(())
     }
 }
 
