@@ -9,7 +9,8 @@
 //! with its default settings plus `--mode` and anything after `--`), publishes orders at
 //! `--rate` per second, and takes the time from each publish to the moment the order's
 //! ledger row is committed: a trigger on the ledger sends a `NOTIFY`, which Postgres
-//! delivers at commit. It prints one line: the rate kept, and p50/p90/p99/max.
+//! delivers at commit. It prints one line: the rate kept, and p50/p90/p99/max;
+//! `--timeline` also prints p50/p99/max of each second's messages.
 //!
 //! Garbage collection beside live traffic (the retention scenario of docs/OPERATING.md):
 //!
