@@ -343,12 +343,13 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     prefetch: u16,
     /// Most claims (and completions) per statement; in transactional mode, most
-    /// deliveries per transaction (0: the default, see `WorkerConfig::batch_size`).
-    #[arg(long, default_value_t = 0)]
-    batch_size: usize,
-    /// Batches running at once, each on a connection of its own (0: the default).
-    #[arg(long, default_value_t = 0)]
-    batches_in_flight: usize,
+    /// deliveries per transaction (default: `WorkerConfig::batch_size`'s).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Batches running at once, each on a connection of its own (default:
+    /// `WorkerConfig::batches_in_flight`'s).
+    #[arg(long)]
+    batches_in_flight: Option<usize>,
     /// leased: claim, then run under a lease (for handlers that call out);
     /// transactional: claim, effects and outcome in one transaction per batch.
     #[arg(long, default_value = "leased")]
@@ -486,6 +487,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("declare the follow-up queue {queue}"))?;
     }
+    let defaults = WorkerConfig::default();
     let config = WorkerConfig {
         amqp_url: args.amqp_url,
         queue: args.queue,
@@ -493,6 +495,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         queue_type,
         concurrency: args.concurrency,
         prefetch: args.prefetch,
+        batch_size: args.batch_size.unwrap_or(defaults.batch_size),
+        batches_in_flight: args.batches_in_flight.unwrap_or(defaults.batches_in_flight),
         retry: RetryPolicy {
             immediate: args.immediate_retries,
             delays: args
@@ -514,19 +518,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let first = Duration::from_millis(args.circuit_open_ms);
             CircuitBreaker::consecutive(args.circuit).open_for(first, first * 16)
         }),
-        ..WorkerConfig::default()
-    };
-    let defaults = WorkerConfig::default();
-    let config = WorkerConfig {
-        batch_size: match args.batch_size {
-            0 => defaults.batch_size,
-            n => n,
-        },
-        batches_in_flight: match args.batches_in_flight {
-            0 => defaults.batches_in_flight,
-            n => n,
-        },
-        ..config
+        ..defaults
     };
     let handler = Orders {
         fail_tenant: args.fail_tenant,
