@@ -93,6 +93,12 @@ struct Args {
     amqp_url: String,
 }
 
+/// The `p` quantile (0..=1) of `sorted`, zero when it is empty.
+fn quantile(sorted: &[Duration], p: f64) -> Duration {
+    let at = ((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1));
+    sorted.get(at).copied().unwrap_or_default()
+}
+
 /// One line per second of the run: the messages published in it, their p50, p99 and max
 /// publish → effect.
 fn print_timeline(timed: &[(Instant, Duration)], start: Instant) {
@@ -109,7 +115,7 @@ fn print_timeline(timed: &[(Instant, Duration)], start: Instant) {
             continue;
         }
         part.sort();
-        let at = |p: f64| part[((part.len() as f64 * p) as usize).min(part.len() - 1)];
+        let at = |p: f64| quantile(&part, p);
         println!(
             "latency: second {second:>3}: {:>5} messages p50_ms={:.1} p99_ms={:.1} max_ms={:.1}",
             part.len(),
@@ -289,7 +295,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         confirm.await?;
     }
     latencies.sort();
-    let q = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+    let q = |p: f64| quantile(&latencies, p);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     if args.timeline {
         print_timeline(&timed, start.into_std());
@@ -303,12 +309,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .map(|(_, latency)| *latency)
             .collect();
         during.sort();
-        let dq = |p: f64| {
-            during
-                .get(((during.len() as f64 * p) as usize).min(during.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or_default()
-        };
+        let dq = |p: f64| quantile(&during, p);
         println!(
             "latency: during gc ({:.1} s, {} messages): p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1}",
             (ended - begun).as_secs_f64(),
@@ -328,11 +329,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ] {
             let mut part: Vec<Duration> = part.into_iter().map(|(_, latency)| latency).collect();
             part.sort();
-            let pq = |p: f64| {
-                part.get(((part.len() as f64 * p) as usize).min(part.len().saturating_sub(1)))
-                    .copied()
-                    .unwrap_or_default()
-            };
+            let pq = |p: f64| quantile(&part, p);
             println!(
                 "latency: {label} ({} messages): p50_ms={:.1} p90_ms={:.1} p99_ms={:.1} max_ms={:.1}",
                 part.len(),
