@@ -126,6 +126,16 @@ async fn held_locks(pool: &PgPool) -> i64 {
     .await
 }
 
+/// Waits until no key's lock is held. A request's transaction ends (and its key's lock
+/// with it) as its connection goes back to the pool, which may be just after its answer
+/// was sent.
+async fn locks_given_back(pool: &PgPool) {
+    wait_until(LIMIT, "every key's lock given back", || async {
+        held_locks(pool).await == 0
+    })
+    .await;
+}
+
 /// The single record of `operation`: (status, attempts).
 async fn record_of(pool: &PgPool, operation: &str) -> Option<(String, i32)> {
     sqlx::query_as("SELECT status, attempts FROM processed_operations WHERE operation = $1")
@@ -220,10 +230,7 @@ async fn thirty_concurrent_requests_with_one_key_wait_for_the_first_and_get_its_
         one_commit,
         "the payment and its record were written by one transaction"
     );
-    wait_until(LIMIT, "every key's lock given back", || async {
-        held_locks(&pool).await == 0
-    })
-    .await;
+    locks_given_back(&pool).await;
     let retry = send(&url, Some("order-17"), &body).await.unwrap();
     assert_eq!((retry.status, retry.replayed()), (201, true));
     assert_eq!(retry.body, executed[0].body, "byte-identical");
@@ -562,12 +569,7 @@ async fn a_database_that_defaults_to_another_isolation_runs_the_route_read_commi
     .await
     .unwrap();
     assert_eq!(stored, keys);
-    // A request's transaction ends (and its key's lock with it) as its connection goes
-    // back to the pool, which may be just after its answer was sent.
-    wait_until(LIMIT, "every key's lock given back", || async {
-        held_locks(&pool).await == 0
-    })
-    .await;
+    locks_given_back(&pool).await;
 }
 
 /// A repeat waits at the key's lock no longer than its route's `run_within` (the
@@ -619,12 +621,7 @@ async fn a_repeat_waits_for_the_key_no_longer_than_its_run_within(pool: PgPool) 
     assert_eq!((again.status, again.replayed()), (201, true));
     assert_eq!(again.body, first.body);
     assert_eq!(effects(&pool, "gated").await, 1);
-    // A request's transaction ends (and its key's lock with it) as its connection goes
-    // back to the pool, which may be just after its answer was sent.
-    wait_until(LIMIT, "every key's lock given back", || async {
-        held_locks(&pool).await == 0
-    })
-    .await;
+    locks_given_back(&pool).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -859,10 +856,7 @@ async fn a_repeat_waiting_for_an_uncertain_first_request_finds_it_pending(pool: 
         (status.as_str(), external_ref.as_deref()),
         ("pending", Some("ch-2"))
     );
-    wait_until(LIMIT, "no lock outlives its request", || async {
-        held_locks(&pool).await == 0
-    })
-    .await;
+    locks_given_back(&pool).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -904,10 +898,7 @@ async fn a_route_that_fails_on_a_key_recorded_meanwhile_answers_with_the_record(
         1,
         "its write rolled back"
     );
-    wait_until(LIMIT, "no lock outlives its request", || async {
-        held_locks(&pool).await == 0
-    })
-    .await;
+    locks_given_back(&pool).await;
 }
 
 // ---- Failpoints on the commit path (feature `failpoints`) ----
