@@ -193,6 +193,9 @@ struct Args {
     /// An entity not moved for this long with deliveries waiting is stalled.
     #[arg(long, default_value_t = 60_000)]
     stall_after_ms: u64,
+    /// Milliseconds between two ordering sweeps (while they find something to do).
+    #[arg(long, default_value_t = 1000)]
+    sweep_every_ms: u64,
     /// Postgres URL.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
@@ -261,6 +264,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ..RetryPolicy::default()
         },
         ordering_stall_after: Duration::from_millis(args.stall_after_ms),
+        ordering_sweep_every: Some(Duration::from_millis(args.sweep_every_ms)),
         name,
         ..WorkerConfig::default()
     };

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
+use lapin::options::BasicGetOptions;
 use rand::seq::SliceRandom;
 use serde_json::json;
 use sqlx::PgPool;
@@ -185,6 +186,71 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_transacti
     c: PgConnectOptions,
 ) {
     shuffled_in_order_across_a_kill(o, c, "transactional").await;
+}
+
+/// A turn handed in process to a worker that died comes back through a sweep. A
+/// redelivery (what the dead worker held, given back by the broker) wakes the sweep of a
+/// worker that remains: the turn comes back about a second after its release went
+/// stale, not at the sweep's own pace (a minute here, as a backed-off sweep can wait
+/// several seconds).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_turn_handed_to_a_worker_that_died_comes_back_at_the_next_redelivery(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-redelivery").await;
+    prepare(&pool, &url, &q).await;
+    // A message held unacked on a channel of the test's, redelivered when it closes.
+    q.publish(&entry("y", 1)).await;
+    let consumer = q.connection.create_channel().await.unwrap();
+    let held = consumer
+        .basic_get(q.name.as_str().into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap();
+    assert!(held.is_some(), "no message to hold");
+    let args = ["--mode", "transactional", "--sweep-every-ms", "60000"];
+    let worker = spawn_accounts_worker(&url, &q.name, &args);
+    q.publish(&entry("x", 2)).await;
+    wait_until(SETTLE, "x's 2 waiting", || async {
+        waiting(&pool).await == 1 && q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    // What a worker that died leaves: 1 completed, the position moved to 2 and its turn
+    // handed to 2's waiting row, released to that worker 3 s ago.
+    sqlx::query(
+        "UPDATE ordering_positions p
+            SET next_seq = 2, holder_operation = w.operation, holder_key = w.idempotency_key,
+                held_since = now() - interval '3 seconds'
+           FROM ordering_waiting w
+          WHERE p.scope = w.scope AND p.ordering_key = w.ordering_key",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE ordering_waiting SET released_at = now() - interval '3 seconds', releases = 1",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    consumer.close(200, "a consumer goes".into()).await.unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "x's 2 and y's 1 applied",
+        || async {
+            let applied = applied(&pool).await;
+            applied.get("x") == Some(&vec![2]) && applied.get("y") == Some(&vec![1])
+        },
+    )
+    .await;
+    assert!(worker.log_contains("ordering sweep released waiting deliveries"));
+    assert!(worker.log_contains("redelivered=true"));
+    wait_until(SETTLE, "nothing left waiting", || async {
+        waiting(&pool).await == 0 && all_settled(&q).await
+    })
+    .await;
 }
 
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries

@@ -34,8 +34,19 @@ pub(super) struct Background {
     /// refused topology too) ends them between two flushes, never in one.
     tally_stop: CancellationToken,
     flushes: Option<JoinHandle<()>>,
-    /// Wakes the relay when a publish of this process failed.
-    pub(super) relay_wake: Arc<Notify>,
+    /// What this process's deliveries wake.
+    pub(super) wakes: Wakes,
+}
+
+/// What a delivery wakes in the background of its process.
+#[derive(Clone, Default)]
+pub(crate) struct Wakes {
+    /// The relay, when a follow-up's publish failed.
+    pub(crate) relay: Arc<Notify>,
+    /// The ordering sweep, when a redelivery came: a consumer died or lost its channel,
+    /// and the turns handed to it in process come back only through a sweep, which
+    /// may have backed off to several seconds while it found nothing.
+    pub(crate) sweep: Arc<Notify>,
 }
 
 impl Background {
@@ -74,7 +85,7 @@ impl Background {
             }
             None => (BTreeMap::new(), None),
         };
-        let relay_wake = Arc::new(Notify::new());
+        let wakes = Wakes::default();
         if config.outbox.relay {
             let relay = Relay::new(
                 store.pool().clone(),
@@ -85,7 +96,7 @@ impl Background {
             .sharing(publishing.clone())
             .listening_on(store.config().session.clone())
             .opening_with(store.config().keys.clone())
-            .waking_on(relay_wake.clone());
+            .waking_on(wakes.relay.clone());
             tasks.push(tokio::spawn(relay.run(shutdown.clone())));
         }
         if let Some(every) = config.ordering_sweep_every {
@@ -94,6 +105,7 @@ impl Background {
                 publishing.clone(),
                 every,
                 config.ordering_stall_after,
+                wakes.sweep.clone(),
                 shutdown.clone(),
             );
             tasks.push(tokio::spawn(sweep));
@@ -104,7 +116,7 @@ impl Background {
             tallies,
             tally_stop,
             flushes,
-            relay_wake,
+            wakes,
         }
     }
 

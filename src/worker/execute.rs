@@ -35,6 +35,9 @@ pub(super) async fn process<H: Handler>(
     admission: Admission,
 ) {
     let span = delivery_span(runtime, delivery.redelivered);
+    if delivery.redelivered {
+        runtime.sweep_wake.notify_one();
+    }
     let envelope = Envelope {
         exchange: delivery.exchange.to_string(),
         routing_key: delivery.routing_key.to_string(),

@@ -4,11 +4,9 @@
 //! tells what it would have told the broker instead of telling it. A dead letter pins
 //! its record as a worker's does, so that a replay finds what it would find.
 
-use std::sync::Arc;
-
-use tokio::sync::Notify;
 use tracing::Instrument;
 
+use super::background::Wakes;
 use super::decision::{Decided, Outcome, Settle};
 use super::settle::Incoming;
 use super::{Failure, Runtime, WorkerConfig, execute, ordered};
@@ -37,7 +35,7 @@ pub(crate) struct LocalDecision {
 
 impl<H: Handler> Local<H> {
     pub(crate) fn new(handler: H, store: Store, config: WorkerConfig) -> Self {
-        let runtime = Runtime::new(handler, store, config, None, Arc::new(Notify::new()), None);
+        let runtime = Runtime::new(handler, store, config, None, Wakes::default(), None);
         Self { runtime }
     }
 

@@ -217,6 +217,8 @@ struct Runtime<H> {
     tally: Option<Arc<Tally>>,
     /// The queue's circuit, when it has a breaker (shared by the queue's handlers).
     circuit: Option<Arc<Circuit>>,
+    /// Wakes the process's ordering sweep: a redelivery came.
+    sweep_wake: Arc<tokio::sync::Notify>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -278,14 +280,14 @@ fn topology_of(config: &WorkerConfig) -> Topology {
 impl<H: Handler> Runtime<H> {
     /// What the deliveries of a worker share: its handler, store and settings, the
     /// batching loops of its claims, completions and (transactional mode) batches, the
-    /// tally its outcomes are counted in (if any) and the relay to wake when a
-    /// follow-up's publish fails.
+    /// tally its outcomes are counted in (if any) and what its deliveries wake (the
+    /// relay when a follow-up's publish fails, the ordering sweep at a redelivery).
     pub(crate) fn new(
         handler: H,
         store: Store,
         config: WorkerConfig,
         tally: Option<Arc<Tally>>,
-        relay_wake: Arc<tokio::sync::Notify>,
+        wakes: background::Wakes,
         circuit: Option<Arc<Circuit>>,
     ) -> Self {
         let handler = Arc::new(handler);
@@ -318,7 +320,8 @@ impl<H: Handler> Runtime<H> {
             }),
             orderings: ordered::Orderings::new(&store, &config),
             undecided: Undecided::new(config.undecidable_after),
-            follow_ups: FollowUps::new(&store, &config, relay_wake),
+            follow_ups: FollowUps::new(&store, &config, wakes.relay.clone()),
+            sweep_wake: wakes.sweep,
             process_span: format!("process {}", config.queue),
             tally,
             circuit,

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Channel};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -315,17 +316,25 @@ const SWEEP_BATCH: i64 = 500;
 /// nothing, and every look costs a scan of the waiting rows).
 const IDLE_SWEEP_BACKOFF: u32 = 8;
 
+/// How long after a redelivery woke it the sweep looks: the turns handed in process to
+/// a consumer that died before it are stale by then ([`table::RELEASE_STALE`], counted
+/// from their release, which came before the redelivery), with a margin for the clocks
+/// of the two statements.
+const AFTER_REDELIVERY: Duration = table::RELEASE_STALE.saturating_add(Duration::from_millis(100));
+
 /// Until shutdown, every `every` (backing off to [`IDLE_SWEEP_BACKOFF`] times that while
-/// it finds nothing): moves on the entities whose holder completed without moving them
-/// (a crash between the commit and the release), releases the turns nobody released
-/// (after a skip) or whose release did not come back, and sets the gauges
-/// `idem_ordering_stalled` (not moved for `stall_after`) and `idem_ordering_waiting`,
-/// every quarter of `stall_after` (at most every sweep).
+/// it finds nothing, and [`AFTER_REDELIVERY`] after `redelivered` woke it): moves on the
+/// entities whose holder completed without moving them (a crash between the commit and
+/// the release), releases the turns nobody released (after a skip) or whose release did
+/// not come back, and sets the gauges `idem_ordering_stalled` (not moved for
+/// `stall_after`) and `idem_ordering_waiting`, every quarter of `stall_after` (at most
+/// every sweep).
 pub(super) async fn sweep_every(
     store: Store,
     publishing: Arc<Connector>,
     every: Duration,
     stall_after: Duration,
+    redelivered: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
     let mut channel: Option<Channel> = None;
@@ -333,9 +342,17 @@ pub(super) async fn sweep_every(
     let mut counted: Option<tokio::time::Instant> = None;
     let mut idle = 1;
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(every * idle) => {}
+        let pause = tokio::select! {
+            _ = tokio::time::sleep(every * idle) => None,
+            _ = redelivered.notified() => Some(AFTER_REDELIVERY),
             _ = shutdown.cancelled() => return,
+        };
+        if let Some(pause) = pause {
+            idle = 1;
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = shutdown.cancelled() => return,
+            }
         }
         let due = counted.is_none_or(|at| at.elapsed() + every >= counted_every);
         let stats = async {

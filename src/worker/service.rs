@@ -15,12 +15,11 @@ use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::background::{self, Background};
+use super::background::{self, Background, Wakes};
 use super::route::{Route, RouteBy, Routes, Unrouted};
 use super::session::Session;
 use super::{Mode, Runtime, WorkerConfig, WorkerError, consume, topology_of};
@@ -136,7 +135,7 @@ struct Shared {
     connector: Arc<Connector>,
     publishing: Arc<Connector>,
     health: BrokerHealth,
-    relay_wake: Arc<Notify>,
+    wakes: Wakes,
     tally: Option<Arc<Tally>>,
     /// The queue's circuit, when its settings have a breaker.
     circuit: Option<Arc<Circuit>>,
@@ -277,7 +276,7 @@ impl Service {
                 connector: connector.clone(),
                 publishing: publishing.clone(),
                 health: health.clone(),
-                relay_wake: background.relay_wake.clone(),
+                wakes: background.wakes.clone(),
                 tally: background.tallies.remove(&queue),
                 circuit: None,
             };
@@ -383,7 +382,7 @@ fn start<H: Handler>(handler: H, config: WorkerConfig, shared: &Shared) -> Start
         store,
         config,
         shared.tally.clone(),
-        shared.relay_wake.clone(),
+        shared.wakes.clone(),
         shared.circuit.clone(),
     );
     Started {
