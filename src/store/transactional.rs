@@ -99,21 +99,38 @@ VALUES ($1, $2, $3, $4, $15, $5, $6, 1, nextval('processed_operations_lease_toke
 impl Store {
     /// Looks up the keys of `inputs` (distinct) in the batch's transaction: a record
     /// that may be taken is taken (its row stays locked until the batch commits), the
-    /// others are reported as [`Store::claim_many`] reports them. One statement.
+    /// others are reported as [`Store::claim_many`] reports them. Which keys have a
+    /// record comes first, on a cached plan (`idem_existing_keys`); the statement that
+    /// takes over or reports records, planned at each call, runs only for those.
     pub(crate) async fn find_in(
         &self,
         conn: &mut PgConnection,
         inputs: &[ClaimRequest],
     ) -> Result<Vec<Found>, StoreError> {
         self.prepare().await?;
-        let all: Vec<usize> = (0..inputs.len()).collect();
+        let column = |f: fn(&ClaimRequest) -> &str| -> Vec<&str> { inputs.iter().map(f).collect() };
+        let started = Instant::now();
+        let present: Vec<i32> = sqlx::query_scalar(
+            "SELECT * FROM idem_existing_keys($1::text[], $2::text[], $3::text[])",
+        )
+        .bind(column(|c| c.key.scope()))
+        .bind(column(|c| c.key.operation()))
+        .bind(column(|c| c.key.idempotency_key()))
+        .fetch_all(&mut *conn)
+        .await?;
+        metrics::store_round_trip("find_existing", started);
+        let picked: Vec<usize> = present
+            .into_iter()
+            .filter_map(|i| usize::try_from(i - 1).ok())
+            .filter(|&i| i < inputs.len())
+            .collect();
         let mut index: HashMap<(&str, &str, &str), usize> = HashMap::new();
         for (i, input) in inputs.iter().enumerate() {
             let k = &input.key;
             index.insert((k.scope(), k.operation(), k.idempotency_key()), i);
         }
         let mut found: Vec<Found> = inputs.iter().map(|_| Found::New).collect();
-        for row in self.claim_existing_in(&mut *conn, inputs, &all).await? {
+        for row in self.claim_existing_in(&mut *conn, inputs, &picked).await? {
             let slot = (
                 row.scope.as_str(),
                 row.operation.as_str(),
