@@ -224,16 +224,19 @@ BEGIN
         -- Its record, read afresh: the first statement's snapshot predates the wait
         -- for the position's lock, during which a copy of it may have completed and
         -- moved the entity past it. A duplicate is acked as such, not dead-lettered.
-        IF verdict IN ('passed', 'taken', 'conflict') AND EXISTS (
-            SELECT 1 FROM processed_operations o
-             WHERE o.scope = p_scope[i] AND o.operation = p_operation[i]
-               AND o.idempotency_key = p_idem[i]
-               AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))
-        THEN
-            DELETE FROM ordering_waiting
-             WHERE scope = p_scope[i] AND operation = p_operation[i]
-               AND idempotency_key = p_idem[i];
-            verdict := 'run';
+        -- (Two IFs: a condition of a variable and a subquery is planned at every call.)
+        IF verdict IN ('passed', 'taken', 'conflict') THEN
+            IF EXISTS (
+                SELECT 1 FROM processed_operations o
+                 WHERE o.scope = p_scope[i] AND o.operation = p_operation[i]
+                   AND o.idempotency_key = p_idem[i]
+                   AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))
+            THEN
+                DELETE FROM ordering_waiting
+                 WHERE scope = p_scope[i] AND operation = p_operation[i]
+                   AND idempotency_key = p_idem[i];
+                verdict := 'run';
+            END IF;
         ELSIF verdict = 'wait' THEN
             parked := true;
         END IF;
