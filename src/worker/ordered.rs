@@ -342,17 +342,11 @@ pub(super) async fn sweep_every(
     let mut counted: Option<tokio::time::Instant> = None;
     let mut idle = 1;
     loop {
-        let pause = tokio::select! {
-            _ = tokio::time::sleep(every * idle) => None,
-            _ = redelivered.notified() => Some(AFTER_REDELIVERY),
-            _ = shutdown.cancelled() => return,
+        let Some(woken) = until_next(every * idle, &redelivered, &shutdown).await else {
+            return;
         };
-        if let Some(pause) = pause {
+        if woken {
             idle = 1;
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = shutdown.cancelled() => return,
-            }
         }
         let due = counted.is_none_or(|at| at.elapsed() + every >= counted_every);
         let stats = async {
@@ -417,6 +411,27 @@ pub(super) async fn sweep_every(
             Err(error) => warn!(error = %crate::text::error_line(&error), "ordering sweep"),
         }
     }
+}
+
+/// Waits `pause`, or [`AFTER_REDELIVERY`] after `redelivered` woke it: whether a
+/// redelivery did; `None` at shutdown.
+async fn until_next(
+    pause: Duration,
+    redelivered: &Notify,
+    shutdown: &CancellationToken,
+) -> Option<bool> {
+    let woken = tokio::select! {
+        _ = tokio::time::sleep(pause) => false,
+        _ = redelivered.notified() => true,
+        _ = shutdown.cancelled() => return None,
+    };
+    if woken {
+        tokio::select! {
+            _ = tokio::time::sleep(AFTER_REDELIVERY) => {}
+            _ = shutdown.cancelled() => return None,
+        }
+    }
+    Some(woken)
 }
 
 async fn confirming(connector: &Connector) -> Result<Channel, lapin::Error> {
