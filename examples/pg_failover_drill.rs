@@ -136,8 +136,39 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     }
     stop_all(&args.dir).await;
     drop(services);
+    if !matches!(result, Ok(true)) {
+        print_logs(&args.dir);
+    }
     let _ = std::fs::remove_dir_all(&args.dir);
     result
+}
+
+/// The last lines of each service's log, and of each node's own Postgres log, to stderr:
+/// a drill that failed deletes its directory, and these say why (a base backup that did
+/// not finish, a standby that never caught up).
+fn print_logs(dir: &Path) {
+    const LINES: usize = 40;
+    let mut logs = Vec::new();
+    for name in ["monitor", "node1", "node2"] {
+        logs.push(dir.join(format!("{name}.log")));
+        let own = std::fs::read_dir(dir.join(name).join("log"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|entry| entry.path())
+            .max();
+        logs.extend(own);
+    }
+    for log in logs {
+        let Ok(text) = std::fs::read_to_string(&log) else {
+            continue;
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        eprintln!("--- the last lines of {}", log.display());
+        for line in &lines[lines.len().saturating_sub(LINES)..] {
+            eprintln!("{line}");
+        }
+    }
 }
 
 /// `pg_autoctl args…` as the `postgres` user, with its configuration under `dir`.
