@@ -2,7 +2,8 @@
 //! real broker and database, with `examples/accounts_worker.rs` processes: shuffled
 //! sequences applied in order across processes and a SIGKILL, in both modes; a failing
 //! predecessor blocks only its own account until it is replayed; a gap is reported and
-//! skipped; a duplicate of a completed sequence is acked at once; order of arrival; the
+//! skipped; a duplicate of a completed sequence is acked at once; early entries arriving
+//! together (a copy, another event with the same number); order of arrival; the
 //! waiting deliveries under data protection (sealed, rotated, counted by an erasure).
 
 mod common;
@@ -452,6 +453,67 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
     c: PgConnectOptions,
 ) {
     gap_skipped(o, c, "transactional").await;
+}
+
+/// One account's early entries arriving together (published before the worker starts,
+/// so that they enter in one batch): its 3, a copy of the 3, another event numbered 3,
+/// then 2 and 1. The 3 that came first waits and runs third, its copy is acked, the
+/// other 3 is dead-lettered `sequence_conflict`; nothing waits at the end. Both modes.
+async fn early_entries_together(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new(&format!("ordering-together-{mode}")).await;
+    prepare(&pool, &url, &q).await;
+    let mut other = serde_json::from_slice::<serde_json::Value>(&entry("t", 3)).unwrap();
+    other["event_id"] = "t-other-3".into();
+    q.publish(&entry("t", 3)).await;
+    q.publish(&entry("t", 3)).await;
+    q.publish(other.to_string().as_bytes()).await;
+    q.publish(&entry("t", 2)).await;
+    q.publish(&entry("t", 1)).await;
+    let _worker = spawn_accounts_worker(&url, &q.name, &["--mode", mode]);
+    wait_until(
+        SETTLE,
+        "1 to 3 applied, the other 3 dead-lettered",
+        || async {
+            applied_count(&pool).await == 3
+                && all_settled(&q).await
+                && waiting(&pool).await == 0
+                && q.counts(&q.dlq()).await.0 == 1
+        },
+    )
+    .await;
+    assert_eq!(applied(&pool).await["t"], vec![1, 2, 3]);
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT event_id FROM account_entries ORDER BY applied")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(events, ["t-v1", "t-v2", "t-v3"]);
+    let letters = q.drain(&q.dlq()).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].reason.as_deref(), Some("sequence_conflict"));
+    assert!(
+        letters[0].body_text().contains("t-other-3"),
+        "{}",
+        letters[0].body_text()
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn early_entries_arriving_together_wait_once_and_the_first_holds_its_number_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    early_entries_together(o, c, "leased").await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn early_entries_arriving_together_wait_once_and_the_first_holds_its_number_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    early_entries_together(o, c, "transactional").await;
 }
 
 /// Without a sequence, one account's entries run one at a time (each starts after the
