@@ -118,6 +118,8 @@ BEGIN
              WHERE p.scope = p_scope[i] AND p.ordering_key = p_key[i]
                FOR UPDATE OF p;
             EXIT WHEN FOUND;
+            -- Only when gc deleted the idle position between the two statements above
+            -- (it skips locked rows, and this one was not locked yet): created again.
             INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
             VALUES (p_scope[i], p_key[i], p_first[i], p_first[i] - 1)
             ON CONFLICT DO NOTHING;
