@@ -125,15 +125,19 @@ async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, 
             v
         })
         .collect();
+    // The three consume before anything is published, so that the broker spreads the
+    // entries over them: published first, they could all go to one, and the kill to a
+    // process that held none.
+    let args = ["--mode", mode, "--work-ms", "2"];
+    let mut victim = spawn_accounts_worker(&url, &q.name, &args);
+    let _b = spawn_accounts_worker(&url, &q.name, &args);
+    let _c = spawn_accounts_worker(&url, &q.name, &args);
+    wait_for_consumers(&q, 3).await;
     for round in 0..VERSIONS as usize {
         for (a, versions) in per_account.iter_mut().enumerate() {
             q.publish(&entry(&format!("a{a}"), versions[round])).await;
         }
     }
-    let args = ["--mode", mode, "--work-ms", "2"];
-    let mut victim = spawn_accounts_worker(&url, &q.name, &args);
-    let _b = spawn_accounts_worker(&url, &q.name, &args);
-    let _c = spawn_accounts_worker(&url, &q.name, &args);
     let total = (ACCOUNTS as i64) * VERSIONS;
     wait_until(SETTLE, "a third applied", || async {
         applied_count(&pool).await >= total / 3
