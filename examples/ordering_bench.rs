@@ -52,6 +52,14 @@ struct Args {
     /// another takes them over (and, ordered, what their accounts wait).
     #[arg(long, default_value_t = 5)]
     lease_secs: u64,
+    /// Print the applied and waiting counts every 250 ms: where a run spends its time
+    /// (the entries entering, the turns running, a kill's stall).
+    #[arg(long)]
+    timeline: bool,
+    /// Kill no worker in the shuffled runs (what the kill costs, against a run with it;
+    /// the goal's figures are with it).
+    #[arg(long)]
+    no_kill: bool,
     /// Postgres server (the bench's database is created beside the one named).
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL)]
     database_url: String,
@@ -158,13 +166,14 @@ impl Bench {
             );
             return Ok(hot.in_order && hot.once && one.once);
         }
-        let ordered = self.shuffled("ordered", "version", true).await?;
-        let unordered = self.shuffled("unordered", "none", true).await?;
+        let kill = !a.no_kill;
+        let ordered = self.shuffled("ordered", "version", kill).await?;
+        let unordered = self.shuffled("unordered", "none", kill).await?;
         let mut ok = ordered.in_order && ordered.once && unordered.once;
         let ratio = ordered.rate() / unordered.rate();
         let mut line = format!(
-            "ordering_bench: mode={} accounts={} versions={} workers={} ordered_msgs_per_s={:.0} \
-             unordered_msgs_per_s={:.0} ratio={ratio:.2} in_order={} once={}",
+            "ordering_bench: mode={} accounts={} versions={} workers={} kill={kill} \
+             ordered_msgs_per_s={:.0} unordered_msgs_per_s={:.0} ratio={ratio:.2} in_order={} once={}",
             a.mode,
             a.accounts,
             a.versions,
@@ -191,7 +200,7 @@ impl Bench {
     }
 
     /// Every account's entries shuffled, published round-robin before the workers
-    /// start; one worker SIGKILLed once a third is applied.
+    /// start; one worker SIGKILLed once a third is applied (with `kill`).
     async fn shuffled(&self, run: &str, order: &str, kill: bool) -> anyhow::Result<Ran> {
         let a = &self.args;
         let mut rng = rand::rng();
@@ -280,8 +289,18 @@ impl Bench {
             .unwrap_or(0)
         };
         let mut killed = !kill;
+        let mut shown = Instant::now();
         loop {
             let done = applied(self.pool.clone(), run.into()).await;
+            if self.args.timeline && shown.elapsed() >= Duration::from_millis(250) {
+                shown = Instant::now();
+                eprintln!(
+                    "ordering_bench run={run} t_ms={} applied={done} waiting={} killed={}",
+                    started.elapsed().as_millis(),
+                    self.waiting().await?,
+                    kill && killed
+                );
+            }
             if !killed && done >= total / 3 {
                 if let Some(id) = children[0].id() {
                     let _ = std::process::Command::new("kill")
