@@ -524,7 +524,7 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
     let restart_at = bodies.len() / 2;
     let started = Instant::now();
     for (n, body) in bodies.iter().enumerate() {
-        publisher.publish(&run.queue, body).await;
+        publisher.publish(&run.queue, body).await?;
         if args.broker_restart && n == restart_at && faults.broker_restarts == 0 {
             inject(run, pool, &mut faults, true).await?;
         } else if fault_every > 0 && n > 0 && n % fault_every == 0 {

@@ -348,7 +348,7 @@ async fn drill(args: &Args, worker_bin: &Path, url: &str) -> anyhow::Result<bool
     let mut restarted = false;
     let started = Instant::now();
     for (i, body) in bodies.iter().enumerate() {
-        publisher.publish(QUEUE, body).await;
+        publisher.publish(QUEUE, body).await?;
         if i == kill_at {
             let (leader, _) = queue_state(None)
                 .await

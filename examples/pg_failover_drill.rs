@@ -553,7 +553,7 @@ async fn drill(args: &Args, worker_bin: &Path, services: &mut Vec<Child>) -> any
     let mut rejoined = false;
     let started = Instant::now();
     for (i, body) in bodies.iter().enumerate() {
-        publisher.publish(&queue, body).await;
+        publisher.publish(&queue, body).await?;
         // A steady rate, so that the kill falls on a queue with work in it.
         tokio::time::sleep(Duration::from_millis(2)).await;
         if i == kill_at {
