@@ -378,8 +378,10 @@ async fn in_transaction<H: Handler>(
     let mut immediate = runtime.config.retry.immediate_backoff();
     let circuit = runtime.circuit.as_deref();
     loop {
+        // A handed-over turn's batch leaves without the linger, which every turn of a
+        // hot entity would pay (see `ordered::Orderings`).
         let answer = transactions
-            .call(request.clone())
+            .submit(request.clone(), incoming.holds_turn)
             .instrument(info_span!("transaction"))
             .await?;
         let step = match answer {

@@ -37,7 +37,9 @@ pub(super) type Entity = (String, String);
 /// the deliveries that arrive together. A turn's release, and the claim of the delivery
 /// it hands the turn to, batch without a linger: the entity's next turn waits on them (a
 /// linger would be paid at every turn of a hot entity), and what queued up while the
-/// batches in flight ran still goes together (many entities at once).
+/// batches in flight ran still goes together (many entities at once). In transactional
+/// mode the turn's own batch leaves without the linger the same way
+/// ([`Batcher::submit`] with `now`).
 pub(super) struct Orderings {
     entries: Batcher<Entry, Entered>,
     releases: Batcher<Entity, Vec<Released>>,
