@@ -430,13 +430,9 @@ async fn claim<H: Handler>(
     retries: Retries<'_>,
     holds_turn: bool,
 ) -> Result<Step, Failure> {
-    let claims = if holds_turn {
-        &runtime.orderings.claims
-    } else {
-        &runtime.claims
-    };
-    let claimed = claims
-        .call(request.clone())
+    let claimed = runtime
+        .claims
+        .submit(request.clone(), holds_turn)
         .instrument(info_span!("claim"))
         .await?;
     match claimed {

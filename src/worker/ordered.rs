@@ -27,7 +27,7 @@ use crate::fault::Fault;
 use crate::handler::{Envelope, Handler};
 use crate::metrics;
 use crate::ordering::{Entered, Entry, Gate, Ordered, Released, table};
-use crate::store::{Claim, ClaimRequest, Store, StoreError};
+use crate::store::{Store, StoreError};
 use crate::{topology, trace};
 
 /// An entity: its scope and ordering key.
@@ -37,13 +37,12 @@ pub(super) type Entity = (String, String);
 /// the deliveries that arrive together. A turn's release, and the claim of the delivery
 /// it hands the turn to, batch without a linger: the entity's next turn waits on them (a
 /// linger would be paid at every turn of a hot entity), and what queued up while the
-/// batches in flight ran still goes together (many entities at once). In transactional
-/// mode the turn's own batch leaves without the linger the same way
-/// ([`Batcher::submit`] with `now`).
+/// batches in flight ran still goes together (many entities at once). The claim, and in
+/// transactional mode the turn's batch, go with the worker's others, submitted `now`
+/// ([`Batcher::submit`]).
 pub(super) struct Orderings {
     entries: Batcher<Entry, Entered>,
     releases: Batcher<Entity, Vec<Released>>,
-    pub(super) claims: Batcher<ClaimRequest, Claim>,
 }
 
 impl Orderings {
@@ -68,21 +67,7 @@ impl Orderings {
                 async move { released_for(&store, &entities).await }
             },
         );
-        let claiming = store.clone();
-        let claims = Batcher::spawn(
-            size,
-            Duration::ZERO,
-            in_flight,
-            move |requests: Arc<[ClaimRequest]>| {
-                let store = claiming.clone();
-                async move { store.claim_many(&requests).await }
-            },
-        );
-        Self {
-            entries,
-            releases,
-            claims,
-        }
+        Self { entries, releases }
     }
 }
 
