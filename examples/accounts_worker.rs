@@ -65,6 +65,13 @@ pub struct Accounts {
     /// Write the entry through the pool, not `ctx.tx()` (leased mode): the record then
     /// completes on its own, and the entity moves on after that commit, not in it.
     pub outside_tx: bool,
+    /// Also move the account's row in `account_positions` by one, in the entry's
+    /// transaction: what order per entity would cost Postgres if a worker that owned its
+    /// entities kept their positions and only wrote each move where the entry commits
+    /// (the ordering bench's `--estimate`; the entries are not ordered by it). The row
+    /// is this process's (account and pid), as an owner's would be: no two workers
+    /// wait for one row.
+    pub move_position: bool,
 }
 
 impl Handler for Accounts {
@@ -127,6 +134,17 @@ impl Handler for Accounts {
         .bind(started)
         .execute(&mut *tx)
         .await?;
+        if self.move_position {
+            sqlx::query(
+                "INSERT INTO account_positions (account, pid, next_version) VALUES ($1, $2, 2)
+                 ON CONFLICT (account, pid)
+                 DO UPDATE SET next_version = account_positions.next_version + 1",
+            )
+            .bind(&entry.account)
+            .bind(pid)
+            .execute(&mut *tx)
+            .await?;
+        }
         Ok(json!({"applied": entry.event_id}))
     }
 }
@@ -155,6 +173,11 @@ pub async fn create_example_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Erro
             event_id text NOT NULL,
             kind     text NOT NULL DEFAULT 'permanent',
             PRIMARY KEY (account, event_id))",
+        "CREATE TABLE IF NOT EXISTS account_positions (
+            account      text NOT NULL,
+            pid          integer NOT NULL,
+            next_version bigint NOT NULL,
+            PRIMARY KEY (account, pid))",
     ] {
         sqlx::query(statement).execute(&mut *tx).await?;
     }
@@ -180,6 +203,10 @@ struct Args {
     /// mode; the entry and the record then commit apart).
     #[arg(long)]
     outside_tx: bool,
+    /// Also move a position row per account in each entry's transaction (the ordering
+    /// bench's estimate of a design that keeps positions in the owning worker).
+    #[arg(long)]
+    move_position: bool,
     /// Deliveries in flight (0: chosen from the mode and the pool).
     #[arg(long, default_value_t = 0)]
     concurrency: usize,
@@ -272,6 +299,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         order: args.order,
         work: Duration::from_millis(args.work_ms),
         outside_tx: args.outside_tx,
+        move_position: args.move_position,
     };
     let worker = Worker::new(handler, store, config);
     worker

@@ -60,6 +60,17 @@ struct Args {
     /// the goal's figures are with it).
     #[arg(long)]
     no_kill: bool,
+    /// Publish each account's entries in version order, not shuffled: what ordering
+    /// costs when no entry comes early (nothing waits in Postgres), against the same
+    /// load without ordering.
+    #[arg(long)]
+    unshuffled: bool,
+    /// A third run: the unordered load, each entry also moving its account's position
+    /// row in its transaction. An estimate of order per entity done by workers that own
+    /// their entities and keep the positions, writing only each move where its entry
+    /// commits.
+    #[arg(long)]
+    estimate: bool,
     /// Postgres server (the bench's database is created beside the one named).
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL)]
     database_url: String,
@@ -167,8 +178,8 @@ impl Bench {
             return Ok(hot.in_order && hot.once && one.once);
         }
         let kill = !a.no_kill;
-        let ordered = self.shuffled("ordered", "version", kill).await?;
-        let unordered = self.shuffled("unordered", "none", kill).await?;
+        let ordered = self.shuffled("ordered", "version", kill, &[]).await?;
+        let unordered = self.shuffled("unordered", "none", kill, &[]).await?;
         let mut ok = ordered.in_order && ordered.once && unordered.once;
         let ratio = ordered.rate() / unordered.rate();
         let mut line = format!(
@@ -195,20 +206,40 @@ impl Bench {
                 hot.in_order
             );
         }
+        if a.estimate {
+            let moved = self
+                .shuffled("estimate", "none", kill, &["--move-position"])
+                .await?;
+            ok &= moved.once;
+            line += &format!(
+                " estimate_msgs_per_s={:.0} estimate_ratio={:.2}",
+                moved.rate(),
+                moved.rate() / unordered.rate()
+            );
+        }
         println!("{line}");
         Ok(ok)
     }
 
-    /// Every account's entries shuffled, published round-robin before the workers
-    /// start; one worker SIGKILLed once a third is applied (with `kill`).
-    async fn shuffled(&self, run: &str, order: &str, kill: bool) -> anyhow::Result<Ran> {
+    /// Every account's entries shuffled (in order with `--unshuffled`), published
+    /// round-robin before the workers start; one worker SIGKILLed once a third is applied
+    /// (with `kill`); `extra` goes to the workers' command lines.
+    async fn shuffled(
+        &self,
+        run: &str,
+        order: &str,
+        kill: bool,
+        extra: &[&str],
+    ) -> anyhow::Result<Ran> {
         let a = &self.args;
         let mut rng = rand::rng();
         let mut bodies = Vec::new();
         let mut per_account: Vec<Vec<i64>> = (0..a.accounts)
             .map(|_| {
                 let mut v: Vec<i64> = (1..=a.versions).collect();
-                v.shuffle(&mut rng);
+                if !a.unshuffled {
+                    v.shuffle(&mut rng);
+                }
                 v
             })
             .collect();
@@ -217,7 +248,8 @@ impl Bench {
                 bodies.push(entry(run, &format!("{run}-{account}"), versions[round]));
             }
         }
-        self.measure(run, order, a.workers, 0, bodies, kill).await
+        self.measure(run, order, a.workers, bodies, kill, extra)
+            .await
     }
 
     /// One account's entries, in order.
@@ -231,8 +263,16 @@ impl Bench {
         let bodies = (1..=self.args.hot)
             .map(|v| entry(run, &format!("{run}-hot"), v))
             .collect();
-        self.measure(run, order, workers, concurrency, bodies, false)
-            .await
+        let concurrency = concurrency.to_string();
+        self.measure(
+            run,
+            order,
+            workers,
+            bodies,
+            false,
+            &["--concurrency", &concurrency],
+        )
+        .await
     }
 
     async fn measure(
@@ -240,9 +280,9 @@ impl Bench {
         run: &str,
         order: &str,
         workers: usize,
-        concurrency: usize,
         bodies: Vec<Vec<u8>>,
         kill: bool,
+        extra: &[&str],
     ) -> anyhow::Result<Ran> {
         let queue = format!(
             "ordering_bench.{run}.{}",
@@ -261,20 +301,18 @@ impl Bench {
         .await?;
         let total = i64::try_from(bodies.len())?;
         publish(&self.connection, &queue, &bodies).await?;
-        let concurrency = concurrency.to_string();
         let lease = self.args.lease_secs.to_string();
-        let args = [
+        let mut args = vec![
             "--queue",
             &queue,
             "--mode",
             &self.args.mode,
             "--order",
             order,
-            "--concurrency",
-            &concurrency,
             "--lease-secs",
             &lease,
         ];
+        args.extend_from_slice(extra);
         let started = Instant::now();
         let mut children: Vec<Child> = (0..workers)
             .map(|_| self.spawn(&args))
