@@ -2,6 +2,8 @@
 //! applied by three `accounts_worker` processes in version order, one of them
 //! SIGKILLed mid-run; the same load without ordering, for the ratio; and a single hot
 //! account of 10,000 entries in order, against one handler at concurrency 1.
+//! `--unshuffled` publishes each account's entries in order; `--estimate` adds a run that
+//! estimates a design of owned entities (docs/PERFORMANCE.md, "Order per entity").
 //!
 //! ```sh
 //! cargo build --release --example accounts_worker --example ordering_bench
@@ -61,14 +63,14 @@ struct Args {
     #[arg(long)]
     no_kill: bool,
     /// Publish each account's entries in version order, not shuffled: what ordering
-    /// costs when no entry comes early (nothing waits in Postgres), against the same
-    /// load without ordering.
+    /// costs when few entries come early (few wait in Postgres), against the same load
+    /// without ordering.
     #[arg(long)]
     unshuffled: bool,
-    /// A third run: the unordered load, each entry also moving its account's position
-    /// row in its transaction. An estimate of order per entity done by workers that own
-    /// their entities and keep the positions, writing only each move where its entry
-    /// commits.
+    /// A third run: the unordered load, each entry also moving a position row of its
+    /// account (one per worker process) in its transaction. An estimate of order per
+    /// entity done by workers that own their entities and keep the positions, writing
+    /// only each move where its entry commits.
     #[arg(long)]
     estimate: bool,
     /// Postgres server (the bench's database is created beside the one named).
