@@ -207,6 +207,11 @@ struct Args {
     /// bench's estimate of a design that keeps positions in the owning worker).
     #[arg(long)]
     move_position: bool,
+    /// One process at a time consumes the queue, the others standing by; its
+    /// numbered entries' order is kept in memory (owned order). The queue must be
+    /// declared so from the start.
+    #[arg(long)]
+    single_active_consumer: bool,
     /// Deliveries in flight (0: chosen from the mode and the pool).
     #[arg(long, default_value_t = 0)]
     concurrency: usize,
@@ -282,6 +287,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         queue: args.queue,
         mode: args.mode,
         concurrency: args.concurrency,
+        single_active_consumer: args.single_active_consumer,
         retry: RetryPolicy {
             delays: args
                 .retry_delays_ms

@@ -656,6 +656,7 @@ async fn publish(
         queue_type: idem::QueueType::Classic,
         retry_delays: vec![Duration::from_secs(5)],
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     topology.declare(connection).await?;
     let mut pending = Vec::with_capacity(1000);

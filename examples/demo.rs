@@ -91,6 +91,7 @@ async fn run(outcomes: &Outcomes) -> anyhow::Result<()> {
         queue_type: idem::QueueType::Classic,
         retry_delays: vec![retry_delay],
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     for queue in [QUEUE.to_string(), topology.dlq()]
         .into_iter()

@@ -364,6 +364,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         queue_type: idem::QueueType::Classic,
         retry_delays: idem::RetryPolicy::default().delays,
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     let queues = [queue.clone(), topology.dlq()]
         .into_iter()

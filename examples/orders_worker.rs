@@ -568,6 +568,7 @@ async fn declare_follow_up_queue(
         queue_type,
         retry_delays: Vec::new(),
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     topology.declare(&connection).await?;
     connection.close(200, "declared".into()).await?;

@@ -348,6 +348,7 @@ fn topology_of(config: &WorkerConfig) -> Topology {
         queue_type: config.queue_type,
         retry_delays: config.retry.delays.clone(),
         subscriptions: Vec::new(),
+        single_active_consumer: config.single_active_consumer,
     }
 }
 

@@ -57,6 +57,9 @@ pub struct Topology {
     /// The exchanges the work queue is bound to (none: producers publish to it through
     /// the default exchange, by its name).
     pub subscriptions: Vec<Subscription>,
+    /// One consumer of the work queue at a time (`x-single-active-consumer`), the
+    /// others standing by: see [`crate::WorkerConfig::single_active_consumer`].
+    pub single_active_consumer: bool,
 }
 
 /// An exchange the work queue consumes from: declared durable if missing, and the queue
@@ -214,6 +217,9 @@ impl Topology {
         let mut args = FieldTable::default();
         args.insert("x-queue-type".into(), long_string(self.queue_type.as_str()));
         let quorum = current && self.queue_type == QueueType::Quorum;
+        if self.single_active_consumer && matches!(role, Role::Work) {
+            args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        }
         match role {
             Role::Work | Role::DeadLetters if quorum => {
                 args.insert(

@@ -287,6 +287,7 @@ async fn declare_topology(q: &TestQueue, delays: &[u64]) {
         queue_type: idem::QueueType::Classic,
         retry_delays: delays.iter().map(|&ms| Duration::from_millis(ms)).collect(),
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     topology.declare(&q.connection).await.unwrap();
 }

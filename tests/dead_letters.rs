@@ -411,6 +411,7 @@ async fn quorum_queues_are_declared_to_keep_their_messages(
         queue_type: idem::QueueType::Quorum,
         retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     declare_as_before(&old, &older).await;
     let worker = spawn_orders_worker(&url, &old.name, &quorum);

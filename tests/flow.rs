@@ -128,6 +128,7 @@ async fn delete_retry_queues(q: &TestQueue, retry: &RetryPolicy) {
         queue_type: idem::QueueType::Classic,
         retry_delays: retry.delays.clone(),
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     for queue in topology.retry_queues() {
         let options = lapin::options::QueueDeleteOptions::default();

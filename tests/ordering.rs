@@ -81,6 +81,11 @@ async fn waiting(pool: &PgPool) -> i64 {
 /// test's queue (with the tiers the workers declare) so that what is published first
 /// waits for them.
 async fn prepare(pool: &PgPool, url: &str, q: &TestQueue) {
+    prepare_as(pool, url, q, false).await;
+}
+
+/// [`prepare`], the queue with a single active consumer when `owned` (owned order).
+async fn prepare_as(pool: &PgPool, url: &str, q: &TestQueue, owned: bool) {
     let setup = q.beside("setup").await;
     let worker = spawn_accounts_worker(url, &setup.name, &[]);
     wait_until(Duration::from_secs(60), "the example's tables", || async {
@@ -99,6 +104,7 @@ async fn prepare(pool: &PgPool, url: &str, q: &TestQueue) {
             .map(|&ms| Duration::from_millis(ms))
             .collect(),
         subscriptions: Vec::new(),
+        single_active_consumer: owned,
     };
     topology.declare(&q.connection).await.unwrap();
 }
@@ -107,14 +113,30 @@ async fn all_settled(q: &TestQueue) -> bool {
     q.counts(&q.name).await.0 == 0 && unacked(&q.name).await == 0
 }
 
+/// The worker arguments of a test's processes: its mode, and owned order when `owned`.
+fn worker_args<'a>(mode: &'a str, owned: bool, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--mode", mode];
+    if owned {
+        args.push("--single-active-consumer");
+    }
+    args.extend_from_slice(more);
+    args
+}
+
 /// 40 accounts × 15 entries, each account's entries shuffled, published round-robin;
-/// three processes; one is SIGKILLed after a third is applied and started again. Every
-/// account's entries are applied once each, in version order.
-async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+/// three processes; the one that applied last is SIGKILLed after a third is applied
+/// (`owned`: the queue's single active consumer, whose standby takes over) and another
+/// started. Every account's entries are applied once each, in version order.
+async fn shuffled_in_order_across_a_kill(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+    mode: &str,
+    owned: bool,
+) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);
     let q = TestQueue::new(&format!("ordering-{mode}")).await;
-    prepare(&pool, &url, &q).await;
+    prepare_as(&pool, &url, &q, owned).await;
     const ACCOUNTS: usize = 40;
     const VERSIONS: i64 = 15;
     let mut rng = rand::rng();
@@ -128,10 +150,10 @@ async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, 
     // The three consume before anything is published, so that the broker spreads the
     // entries over them: published first, they could all go to one, and the kill to a
     // process that held none.
-    let args = ["--mode", mode, "--work-ms", "2"];
-    let mut victim = spawn_accounts_worker(&url, &q.name, &args);
-    let _b = spawn_accounts_worker(&url, &q.name, &args);
-    let _c = spawn_accounts_worker(&url, &q.name, &args);
+    let args = worker_args(mode, owned, &["--work-ms", "2"]);
+    let mut workers: Vec<WorkerProcess> = (0..3)
+        .map(|_| spawn_accounts_worker(&url, &q.name, &args))
+        .collect();
     wait_for_consumers(&q, 3).await;
     for round in 0..VERSIONS as usize {
         for (a, versions) in per_account.iter_mut().enumerate() {
@@ -143,6 +165,28 @@ async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, 
         applied_count(&pool).await >= total / 3
     })
     .await;
+    let pids = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT pid) FROM account_entries")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    if owned {
+        assert_eq!(pids().await, 1, "one process consumes at a time");
+        for w in &workers {
+            assert!(w.log_contains("owned_order=true"), "owned order is on");
+        }
+    }
+    // The process that applied last: under a single active consumer, the active one.
+    let last: i32 = sqlx::query_scalar("SELECT pid FROM account_entries ORDER BY applied DESC")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let at = workers
+        .iter()
+        .position(|w| w.child.id() == u32::try_from(last).ok())
+        .expect("the last entry's process is one of the three");
+    let mut victim = workers.swap_remove(at);
     signal(&victim, "KILL");
     let _ = victim.child.wait().await;
     assert!(
@@ -163,17 +207,20 @@ async fn shuffled_in_order_across_a_kill(o: PgPoolOptions, c: PgConnectOptions, 
             "account {account} out of order or twice"
         );
     }
-    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    let letters: Vec<_> = q
+        .drain(&q.dlq())
+        .await
+        .iter()
+        .map(|l| (l.reason.clone(), l.error.clone(), l.body_text()))
+        .collect();
+    assert!(letters.is_empty(), "dead-lettered: {letters:?}");
     assert_eq!(
         overlaps(&pool).await,
         0,
         "two entries of one account ran at once"
     );
     // More than one process applied entries: the order held across them.
-    let pids: i64 = sqlx::query_scalar("SELECT count(DISTINCT pid) FROM account_entries")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let pids = pids().await;
     assert!(pids >= 2, "{pids} process(es) applied entries");
 }
 
@@ -182,7 +229,7 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_leased(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "leased").await;
+    shuffled_in_order_across_a_kill(o, c, "leased", false).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -190,7 +237,25 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_transacti
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "transactional").await;
+    shuffled_in_order_across_a_kill(o, c, "transactional", false).await;
+}
+
+/// The same under owned order (a single active consumer keeping the positions), the
+/// active process killed: its standby takes over.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_applies_shuffled_sequences_in_order_across_a_takeover_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    shuffled_in_order_across_a_kill(o, c, "leased", true).await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_applies_shuffled_sequences_in_order_across_a_takeover_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    shuffled_in_order_across_a_kill(o, c, "transactional", true).await;
 }
 
 /// A turn handed in process to a worker that died comes back through a sweep. A
@@ -267,10 +332,23 @@ async fn a_failing_predecessor_blocks_only_its_account_until_it_is_replayed(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
+    blocked_until_replayed(o, c, false).await;
+}
+
+/// The same under owned order: the blocked turn is recorded as its entity's holder.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_failing_predecessor_blocks_only_its_account_until_it_is_replayed(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    blocked_until_replayed(o, c, true).await;
+}
+
+async fn blocked_until_replayed(o: PgPoolOptions, c: PgConnectOptions, owned: bool) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);
     let q = TestQueue::new("ordering-blocked").await;
-    prepare(&pool, &url, &q).await;
+    prepare_as(&pool, &url, &q, owned).await;
     sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('a', 'a-v3')")
         .execute(&pool)
         .await
@@ -279,8 +357,9 @@ async fn a_failing_predecessor_blocks_only_its_account_until_it_is_replayed(
         q.publish(&entry("a", v)).await;
         q.publish(&entry("b", v)).await;
     }
-    let _w = spawn_accounts_worker(&url, &q.name, &[]);
-    let _x = spawn_accounts_worker(&url, &q.name, &["--mode", "transactional"]);
+    let _w = spawn_accounts_worker(&url, &q.name, &worker_args("leased", owned, &[]));
+    let transactional = worker_args("transactional", owned, &[]);
+    let _x = spawn_accounts_worker(&url, &q.name, &transactional);
     wait_until(SETTLE, "b done, a blocked at 3", || async {
         let by = applied(&pool).await;
         by.get("b").is_some_and(|v| v.len() == 8)
@@ -321,12 +400,12 @@ async fn a_failing_predecessor_blocks_only_its_account_until_it_is_replayed(
 /// entity is listed as stalled by a gap and the worker warns; skipped with a note, 4
 /// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.
 /// A copy of the completed 1 is acked at once while the gap holds (not parked).
-async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: bool) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);
     let q = TestQueue::new(&format!("ordering-gap-{mode}")).await;
-    prepare(&pool, &url, &q).await;
-    let args = ["--stall-after-ms", "300", "--mode", mode];
+    prepare_as(&pool, &url, &q, owned).await;
+    let args = worker_args(mode, owned, &["--stall-after-ms", "300"]);
     let worker = spawn_accounts_worker(&url, &q.name, &args);
     for v in [2, 5, 1, 4] {
         q.publish(&entry("g", v)).await;
@@ -447,7 +526,7 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    gap_skipped(o, c, "leased").await;
+    gap_skipped(o, c, "leased", false).await;
 }
 
 /// The same in transactional mode.
@@ -456,7 +535,26 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    gap_skipped(o, c, "transactional").await;
+    gap_skipped(o, c, "transactional", false).await;
+}
+
+/// The same under owned order: the skip moves the position without the owner, which
+/// learns it when the sweep publishes the waiting 4 (a copy of a parked delivery makes
+/// it read the position again).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    gap_skipped(o, c, "leased", true).await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    gap_skipped(o, c, "transactional", true).await;
 }
 
 /// One account's early entries arriving together (published before the worker starts,
@@ -464,11 +562,11 @@ async fn a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_acked_at_onc
 /// numbered 3, then 2 and 1. Whichever 3 entered first (the worker's tasks may reorder
 /// deliveries that arrive together) waits and runs third, once; the other key is
 /// dead-lettered `sequence_conflict`, each of its copies; nothing waits at the end.
-async fn early_entries_together(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+async fn early_entries_together(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: bool) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);
     let q = TestQueue::new(&format!("ordering-together-{mode}")).await;
-    prepare(&pool, &url, &q).await;
+    prepare_as(&pool, &url, &q, owned).await;
     let mut other = serde_json::from_slice::<serde_json::Value>(&entry("t", 3)).unwrap();
     other["event_id"] = "t-other-3".into();
     q.publish(&entry("t", 3)).await;
@@ -476,7 +574,7 @@ async fn early_entries_together(o: PgPoolOptions, c: PgConnectOptions, mode: &st
     q.publish(other.to_string().as_bytes()).await;
     q.publish(&entry("t", 2)).await;
     q.publish(&entry("t", 1)).await;
-    let _worker = spawn_accounts_worker(&url, &q.name, &["--mode", mode]);
+    let _worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, owned, &[]));
     wait_until(
         SETTLE,
         "1 to 3 applied, the other 3 dead-lettered",
@@ -518,7 +616,7 @@ async fn early_entries_arriving_together_wait_once_and_one_holds_its_number_leas
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    early_entries_together(o, c, "leased").await;
+    early_entries_together(o, c, "leased", false).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -526,7 +624,17 @@ async fn early_entries_arriving_together_wait_once_and_one_holds_its_number_tran
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    early_entries_together(o, c, "transactional").await;
+    early_entries_together(o, c, "transactional", false).await;
+}
+
+/// The same under owned order (one process: the copies and the other 3 meet the parked
+/// row, or the turn running in memory).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_early_entries_arriving_together_wait_once_and_one_holds_its_number(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    early_entries_together(o, c, "transactional", true).await;
 }
 
 /// Without a sequence, one account's entries run one at a time (each starts after the

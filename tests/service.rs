@@ -549,6 +549,7 @@ async fn a_service_refused_as_assembled_or_by_the_broker_names_the_queue(pool: P
         queue_type: QueueType::Quorum,
         retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     };
     quorum.declare(&a.connection).await.unwrap();
     let refused = Service::new(store, service_config())

@@ -232,6 +232,7 @@ async fn downstream_of(q: &TestQueue) -> TestQueue {
         queue_type: idem::QueueType::Classic,
         retry_delays: Vec::new(),
         subscriptions: Vec::new(),
+        single_active_consumer: false,
     }
     .declare(&q.connection)
     .await

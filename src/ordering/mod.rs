@@ -11,6 +11,8 @@
 //! that has not moved for a while with deliveries waiting is *stalled* ([`list`], the
 //! gauge `idem_ordering_stalled`, the alert `IdemOrderingStalled`).
 //!
+//! - `owner`: the statements of owned order (a queue's single active consumer keeps
+//!   the positions in memory).
 //! - `table`: the statements (the decisions are SQL functions of the migration, one
 //!   round trip for the deliveries that arrived together).
 
@@ -21,6 +23,7 @@ use sqlx::PgPool;
 
 use crate::store::StoreError;
 
+pub(crate) mod owner;
 pub(crate) mod table;
 
 pub(crate) use table::{Entered, Entry, Gate, Released};

@@ -177,7 +177,7 @@ pub(crate) fn stored_properties(properties: &BasicProperties) -> Result<Vec<u8>,
     }
 }
 
-type WaitingRow = (
+pub(crate) type WaitingRow = (
     String,
     String,
     i64,
@@ -234,7 +234,7 @@ pub(crate) async fn release<'e>(
         .collect())
 }
 
-fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
+pub(crate) fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
     let (scope, ordering_key, seq, operation, idempotency_key, queue, body, properties, turn) = row;
     let properties = serde_json::from_slice(&properties)
         .map_err(|error| StoreError::UnknownClaimRow(format!("waiting properties: {error}")))?;

@@ -62,6 +62,15 @@ pub struct WorkerConfig {
     /// The exchanges the work queue consumes from, declared and bound by the worker
     /// (none: producers publish to the queue by its name).
     pub subscriptions: Vec<Subscription>,
+    /// One process at a time consumes the work queue (RabbitMQ's single active
+    /// consumer, declared on the queue): the others stand by, and one of them takes
+    /// over when it stops or dies. On such a queue, order per entity is *owned*
+    /// (docs/DESIGN.md, "Owned order"): the consuming process keeps the positions of
+    /// its entities in memory, so a turn takes no lock and no write before it runs, and
+    /// the queue's ordered deliveries run at nearly the pace of unordered ones, within
+    /// one process's capacity. A queue declared without it cannot take it later
+    /// (406 PRECONDITION_FAILED: delete the queue, or use another). Off by default.
+    pub single_active_consumer: bool,
     /// When several handlers of a [`crate::Service`] share the queue, where the message
     /// type that picks one is read (the AMQP `type` property unless told otherwise).
     pub route_by: RouteBy,
@@ -163,6 +172,13 @@ impl WorkerConfig {
 /// msgs/s offered and 128 kept 1,405, the machine's floor with the publisher beside it.
 const LEASED_IN_FLIGHT: usize = 128;
 
+/// The least prefetch chosen for a queue with a single active consumer (owned order):
+/// its deliveries are taken up to the prefetch, and only runs are held to the
+/// concurrency, so that early deliveries are parked (acked) while the handlers run. Not
+/// far more: RabbitMQ 3.10 walks a channel's unacked deliveries at every ack out of
+/// order, and a prefetch of thousands stalled the broker (docs/PERFORMANCE.md).
+pub(crate) const OWNED_PREFETCH: usize = 512;
+
 /// Connections of the store's pool that a leased worker leaves to its claims,
 /// completions and heartbeats when it chooses its concurrency.
 const LEASED_SPARE_CONNECTIONS: usize = 4;
@@ -190,10 +206,18 @@ impl WorkerConfig {
 
     /// Unacked deliveries the broker sends ahead: `prefetch`, or when it is 0, twice
     /// [`WorkerConfig::in_flight`] (at most 65,535), so that the next batch is already
-    /// here when one ends.
+    /// here when one ends; with a single active consumer, at least 512, so that early
+    /// deliveries keep coming to be parked while the handlers run.
     pub fn prefetch_count(&self, connections: u32) -> u16 {
         match self.prefetch {
-            0 => u16::try_from(self.in_flight(connections).saturating_mul(2)).unwrap_or(u16::MAX),
+            0 => {
+                let ahead = self.in_flight(connections).saturating_mul(2);
+                let ahead = match self.single_active_consumer {
+                    true => ahead.max(OWNED_PREFETCH),
+                    false => ahead,
+                };
+                u16::try_from(ahead).unwrap_or(u16::MAX)
+            }
             n => n,
         }
     }
@@ -215,6 +239,7 @@ impl Default for WorkerConfig {
             mode: Mode::Leased,
             queue_type: QueueType::Classic,
             subscriptions: Vec::new(),
+            single_active_consumer: false,
             route_by: RouteBy::default(),
             concurrency: 0,
             prefetch: 0,

@@ -379,6 +379,9 @@ pub(crate) struct Decided {
     pub(crate) entity: Option<Entity>,
     /// What the commit that completed it released of that order (see [`Ran::Completed`]).
     pub(crate) handed: Option<Vec<Released>>,
+    /// Under owned order, the turn it holds in memory when it did not complete: left
+    /// once it is settled.
+    pub(crate) owned: Option<super::owned::Turn>,
 }
 
 impl Decided {
@@ -388,6 +391,7 @@ impl Decided {
             key: None,
             entity: None,
             handed: None,
+            owned: None,
         }
     }
 
@@ -397,6 +401,7 @@ impl Decided {
             key: Some(key),
             entity,
             handed: None,
+            owned: None,
         }
     }
 

@@ -46,6 +46,7 @@ pub(super) async fn process<H: Handler>(
     };
     let mut incoming = Incoming::new(&delivery.data, envelope, Some(&links.follow_ups));
     incoming.admission = admission;
+    incoming.positions = links.positions.clone();
     if trace::continue_trace(
         &span,
         incoming.trace.as_ref(),
@@ -80,11 +81,12 @@ pub(super) async fn decide<H: Handler>(
         tally: runtime.tally.as_deref(),
     };
     async {
-        let (mut entity, mut handed) = (None, None);
+        let (mut entity, mut handed, mut owned) = (None, None, None);
         let settled = match walk(runtime, incoming).await {
             Ok(mut decided) => {
                 entity = decided.entity.take();
                 handed = decided.handed.take();
+                owned = decided.owned.take();
                 settle(&settler, decided).await
             }
             Err(error) => Err(error),
@@ -96,6 +98,9 @@ pub(super) async fn decide<H: Handler>(
             }
             Err(error) => undecided(runtime, &settler, error).await,
         };
+        if let (Some(turn), Some(owner)) = (owned, &runtime.owner) {
+            turn.leave(owner, outcome).await;
+        }
         // The commit that completed it released its next turn already, or the release is
         // made now. A turn handed over in that commit is run whatever became of the ack.
         let next = ordered::released_by(runtime, outcome, entity, handed).await;
@@ -213,16 +218,47 @@ pub(crate) async fn walk<H: Handler>(
     if keeps_out(circuit, admission) {
         return Ok(Decided::paused(parsed.key));
     }
-    let mut entity = None;
+    let (mut entity, mut turn) = (None, None);
     if let Some(ordering) = runtime.handler.ordering(&message) {
         let taken = (parsed.key.scope().to_owned(), ordering.key.clone());
-        if !incoming.holds_turn
-            && let Some(verdict) = ordered::enter(runtime, incoming, &parsed, ordering).await?
-        {
-            return Ok(Decided::with_key(verdict, parsed.key, None));
+        let owner = runtime.owner.as_ref().zip(incoming.positions.as_ref());
+        match (owner, ordering.sequence) {
+            // Owned order: numbered deliveries of a queue with a single active consumer.
+            (Some((owner, positions)), Some(_)) => {
+                match ordered::enter_owned(runtime, owner, positions, incoming, &parsed, ordering)
+                    .await?
+                {
+                    Ok(held) => turn = held,
+                    Err(verdict) => return Ok(Decided::with_key(verdict, parsed.key, None)),
+                }
+            }
+            _ => {
+                if !incoming.holds_turn
+                    && let Some(verdict) =
+                        ordered::enter(runtime, incoming, &parsed, ordering).await?
+                {
+                    return Ok(Decided::with_key(verdict, parsed.key, None));
+                }
+                parsed.entity = Some(taken.clone());
+                entity = Some(taken);
+            }
         }
-        parsed.entity = Some(taken.clone());
-        entity = Some(taken);
+    }
+    // With a single active consumer, deliveries are taken up to the prefetch: the runs
+    // are held to the concurrency here (after the early ones were parked).
+    let running = match &incoming.positions {
+        Some(positions) => positions.run().await,
+        None => None,
+    };
+    // A turn held in memory moves in its completion's commit (the batch's, or the
+    // handler's transaction in leased mode) when few others run: one entity's turns
+    // after one another (a hot entity) then save a round trip each. Under load, a
+    // leased turn's move goes with others', batched after its commit: one move in each
+    // handler's commit cost the shuffled bench a quarter of its pace (PERFORMANCE.md).
+    if let (Some(held), Some(positions)) = (&turn, &incoming.positions)
+        && (runtime.transactions.is_some() || positions.quiet())
+    {
+        parsed.owned = Some(held.done());
     }
     let (verdict, handed) = match &runtime.transactions {
         Some(transactions) => {
@@ -233,6 +269,7 @@ pub(crate) async fn walk<H: Handler>(
                 trace: trace::outgoing(&span, incoming.trace.as_ref()),
                 envelope: incoming.envelope.clone(),
                 entity: parsed.entity.clone(),
+                owned: parsed.owned.clone(),
             };
             in_transaction(runtime, transactions, incoming, request, retries).await?
         }
@@ -240,6 +277,22 @@ pub(crate) async fn walk<H: Handler>(
     };
     let mut decided = Decided::with_key(verdict, parsed.key, entity);
     decided.handed = handed;
+    drop(running);
+    if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
+        // Moved on before the ack (in transactional mode, in the batch's commit, which
+        // handed what it released): after it, a crash would leave nobody to move it.
+        match (
+            ordered::moves_on(decided.verdict.outcome),
+            decided.handed.take(),
+        ) {
+            (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next)).await?),
+            (true, None) => decided.handed = Some(turn.complete(owner).await?),
+            (false, handed) => {
+                decided.handed = handed;
+                decided.owned = Some(turn);
+            }
+        }
+    }
     Ok(decided)
 }
 

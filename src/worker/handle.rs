@@ -17,6 +17,7 @@ use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::metrics;
+use crate::ordering::owner::{self, Done};
 use crate::ordering::table;
 use crate::store::{Lease, Store, StoreError, StoredError};
 use crate::trace;
@@ -72,8 +73,8 @@ pub(super) async fn run<H: Handler>(
         .await;
     metrics::handler_duration(H::OPERATION, started.elapsed());
     failpoint::hit("after-effect");
-    let entity = parsed.entity.as_ref();
-    record(runtime, incoming, &mut ctx, lease, result, false, entity)
+    let order = (parsed.entity.as_ref(), parsed.owned.as_ref());
+    record(runtime, incoming, &mut ctx, lease, result, false, order)
         .instrument(info_span!("completion"))
         .await
 }
@@ -102,16 +103,18 @@ pub(super) async fn reconcile<H: Handler>(
         }
         Reconciled::Failed(error) => Err(error),
     };
-    let entity = parsed.entity.as_ref();
-    record(runtime, incoming, &mut ctx, lease, answer, true, entity)
+    let order = (parsed.entity.as_ref(), parsed.owned.as_ref());
+    record(runtime, incoming, &mut ctx, lease, answer, true, order)
         .instrument(info_span!("completion"))
         .await
 }
 
 /// Writes the outcome, fenced by the lease; a success commits the handler's transaction
 /// together with the `completed` record, then publishes the follow-up messages it
-/// staged. On the handler's transaction, the delivery's `entity` (if it has one) moves
-/// on in the same commit, and the turn it hands over comes back in the answer.
+/// staged. On the handler's transaction, the delivery's entity (if it has one: `order`,
+/// through the gate or owned) moves on in the same commit, and the turn it hands over
+/// comes back in the answer (an owned move that was fenced out hands nothing: its
+/// worker moves it again, and reads the position).
 async fn record<H: Handler>(
     runtime: &Runtime<H>,
     incoming: &Incoming<'_>,
@@ -119,7 +122,7 @@ async fn record<H: Handler>(
     lease: &Lease,
     result: Result<H::Output, HandlerError>,
     reconciled: bool,
-    entity: Option<&Entity>,
+    order: (Option<&Entity>, Option<&Done>),
 ) -> Result<Ran, Failure> {
     let store = &runtime.store;
     let tx = ctx.take_tx();
@@ -145,14 +148,23 @@ async fn record<H: Handler>(
             Ok(()) => {
                 // A failed release leaves the transaction aborted: it rolls back when
                 // dropped, as a failed completion does.
-                let released = match entity {
-                    Some(entity) => {
+                let released = match order {
+                    (Some(entity), _) => {
                         let entities = std::slice::from_ref(entity);
                         table::release(&mut *tx, store.keys(), entities, true)
                             .await
                             .map(Some)
                     }
-                    None => Ok(None),
+                    (None, Some(done)) => {
+                        let done = std::slice::from_ref(done);
+                        owner::move_on(&mut *tx, store.keys(), done)
+                            .await
+                            .map(|moved| {
+                                let moved = moved.into_iter().next().filter(|m| m.moved)?;
+                                Some(moved.next.into_iter().collect())
+                            })
+                    }
+                    (None, None) => Ok(None),
                 };
                 match released {
                     Ok(released) => {

@@ -104,6 +104,7 @@ impl<H: Handler> Local<H> {
             key,
             entity,
             handed,
+            ..
         } = decided;
         if let Settle::DeadLetter(order) = &verdict.action
             && let Some(id) = order.pin

@@ -47,6 +47,7 @@ mod handle;
 #[cfg(feature = "testing")]
 mod local;
 mod ordered;
+mod owned;
 mod parse;
 mod route;
 mod service;
@@ -206,6 +207,9 @@ struct Runtime<H> {
     transactions: Option<Batcher<TxRequest, TxAnswer>>,
     /// Entries into and releases of entities' orders, batched.
     orderings: ordered::Orderings,
+    /// On a queue with a single active consumer, the statements of owned order (its
+    /// positions are the session's, in [`settle::Links`]).
+    owner: Option<owned::Owner>,
     /// Deliveries that could not be decided: the outage pause and the safety net.
     undecided: Undecided,
     /// Follow-up messages to publish after their operation's commit.
@@ -274,6 +278,7 @@ fn topology_of(config: &WorkerConfig) -> Topology {
         queue_type: config.queue_type,
         retry_delays: config.retry.delays.clone(),
         subscriptions: config.subscriptions.clone(),
+        single_active_consumer: config.single_active_consumer,
     }
 }
 
@@ -319,6 +324,9 @@ impl<H: Handler> Runtime<H> {
                 store.complete_many(&items).await
             }),
             orderings: ordered::Orderings::new(&store, &config),
+            owner: config
+                .single_active_consumer
+                .then(|| owned::Owner::new(&store, &config)),
             undecided: Undecided::new(config.undecidable_after),
             follow_ups: FollowUps::new(&store, &config, wakes.relay.clone()),
             sweep_wake: wakes.sweep,
@@ -338,7 +346,14 @@ impl<H: Handler> Runtime<H> {
 async fn consume(session: &Session, shutdown: &CancellationToken) -> Option<(String, String)> {
     let config = &session.config;
     let tasks = TaskTracker::new();
-    let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
+    // With a single active consumer, deliveries are taken up to the prefetch (early ones
+    // are parked, acked, at once) and runs are held to the concurrency (owned order's
+    // `Positions`).
+    let taken = match config.single_active_consumer {
+        true => usize::from(config.prefetch).max(config.concurrency),
+        false => config.concurrency,
+    };
+    let permits = Arc::new(Semaphore::new(taken.max(1)));
     let mut reconnects = session::Reconnects::new(config.max_reconnect_delay);
     while !shutdown.is_cancelled() {
         let result = session.run(shutdown, &tasks, &permits).await;

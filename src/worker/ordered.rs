@@ -18,6 +18,7 @@ use tracing::{debug, info, warn};
 use super::batch::Batcher;
 use super::decision::{CONFLICT, DeadLetterOrder, Outcome, Settle, Verdict};
 use super::execute::{decide, delivery_span, message_fault};
+use super::owned::{Owner, Positions, Stand, Turn};
 use super::parse::Parsed;
 use super::settle::{Incoming, Links, Source};
 use super::{Failure, Runtime, WorkerConfig};
@@ -99,22 +100,10 @@ pub(super) async fn enter<H: Handler>(
     parsed: &Parsed,
     ordered: Ordered,
 ) -> Result<Option<Verdict>, Failure> {
-    if let Some(why) = ordered.invalid() {
-        return Ok(Some(super::decision::malformed(why)));
-    }
     let entity = ordered.key.clone();
-    let properties = match table::stored_properties(incoming.properties()) {
-        Ok(properties) => properties,
-        Err(why) => return Ok(Some(super::decision::malformed(why))),
-    };
-    let entry = Entry {
-        key: parsed.key.clone(),
-        ordered,
-        fingerprint: parsed.fingerprint.as_hex().to_owned(),
-        also: parsed.fingerprint.also(),
-        queue: runtime.config.queue.clone(),
-        body: incoming.data.to_vec(),
-        properties,
+    let entry = match entry_of(runtime, incoming, parsed, ordered) {
+        Ok(entry) => entry,
+        Err(verdict) => return Ok(Some(verdict)),
     };
     let entered = match runtime.orderings.entries.call(entry).await? {
         Ok(entered) => entered,
@@ -123,10 +112,72 @@ pub(super) async fn enter<H: Handler>(
         }
         Err(error) => return Err(error.into()),
     };
-    let seq = entered.seq.map_or_else(|| "?".into(), |s| s.to_string());
-    let verdict = match entered.gate {
-        Gate::Run => return Ok(None),
-        Gate::Wait | Gate::Waiting => {
+    if entered.gate == Gate::Run {
+        return Ok(None);
+    }
+    Ok(Some(verdict_of(entered.gate, &entity, entered.seq)))
+}
+
+/// What is kept of a delivery if it waits, or why it cannot be (it is malformed).
+fn entry_of<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    parsed: &Parsed,
+    ordered: Ordered,
+) -> Result<Entry, Verdict> {
+    if let Some(why) = ordered.invalid() {
+        return Err(super::decision::malformed(why));
+    }
+    let properties =
+        table::stored_properties(incoming.properties()).map_err(super::decision::malformed)?;
+    Ok(Entry {
+        key: parsed.key.clone(),
+        ordered,
+        fingerprint: parsed.fingerprint.as_hex().to_owned(),
+        also: parsed.fingerprint.also(),
+        queue: runtime.config.queue.clone(),
+        body: incoming.data.to_vec(),
+        properties,
+    })
+}
+
+/// Enters a numbered delivery into its entity's order under owned order (a queue with a
+/// single active consumer: [`super::owned`]): the turn it holds in memory, `None` when
+/// its record decides without a turn (the claim says a duplicate), or the verdict it
+/// settles with.
+pub(super) async fn enter_owned<H: Handler>(
+    runtime: &Runtime<H>,
+    owner: &Owner,
+    positions: &Arc<Positions>,
+    incoming: &Incoming<'_>,
+    parsed: &Parsed,
+    ordered: Ordered,
+) -> Result<Result<Option<Turn>, Verdict>, Failure> {
+    let entity = (parsed.key.scope().to_owned(), ordered.key.clone());
+    let seq = ordered.sequence;
+    let entry = match entry_of(runtime, incoming, parsed, ordered) {
+        Ok(entry) => entry,
+        Err(verdict) => return Ok(Err(verdict)),
+    };
+    let from_row = incoming.holds_turn;
+    let gate = match owner.enter(positions, &entity, entry, from_row).await {
+        Ok(Stand::Run(turn)) => return Ok(Ok(Some(turn))),
+        Ok(Stand::Decided) => return Ok(Ok(None)),
+        Ok(Stand::Waiting) => Gate::Wait,
+        Ok(Stand::Passed) => Gate::Passed,
+        Ok(Stand::Taken) => Gate::Taken,
+        Ok(Stand::Conflict) => Gate::Conflict,
+        Err(error) if error.fault() == Fault::Message => return Ok(Err(message_fault(&error))),
+        Err(error) => return Err(error),
+    };
+    Ok(Err(verdict_of(gate, &entity.1, seq)))
+}
+
+/// The verdict of a delivery of `entity` with number `seq` that does not run now.
+fn verdict_of(gate: Gate, entity: &str, seq: Option<i64>) -> Verdict {
+    let seq = seq.map_or_else(|| "?".into(), |s| s.to_string());
+    match gate {
+        Gate::Run | Gate::Wait | Gate::Waiting => {
             debug!(entity = %entity, seq = %seq, "waiting for its turn");
             Verdict {
                 action: Settle::Ack,
@@ -148,8 +199,7 @@ pub(super) async fn enter<H: Handler>(
             action: dead_letter(Reason::FingerprintConflict, CONFLICT.into()),
             outcome: Outcome::Conflict,
         },
-    };
-    Ok(Some(verdict))
+    }
 }
 
 fn out_of_sequence(reason: Reason, error: String) -> Verdict {
@@ -170,7 +220,7 @@ fn dead_letter(reason: Reason, error: String) -> Settle {
 
 /// Whether a delivery that ended with `outcome` leaves its entity's turn to the next:
 /// its record is `completed`.
-fn moves_on(outcome: Outcome) -> bool {
+pub(super) fn moves_on(outcome: Outcome) -> bool {
     matches!(
         outcome,
         Outcome::Executed | Outcome::Reconciled | Outcome::DuplicateCompleted
@@ -271,6 +321,7 @@ async fn run_turn<H: Handler>(
     let envelope = envelope_of(released);
     let mut incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
     incoming.holds_turn = true;
+    incoming.positions = links.positions.clone();
     trace::continue_trace(
         &span,
         incoming.trace.as_ref(),

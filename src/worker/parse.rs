@@ -11,6 +11,7 @@ use super::ordered::Entity;
 use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
 use crate::key::Key;
+use crate::ordering::owner::Done;
 use crate::store::Store;
 
 /// A message that passed parsing; the typed message travels beside it, since the
@@ -23,6 +24,9 @@ pub(super) struct Parsed {
     pub(super) correlation_id: Option<String>,
     /// The entity whose turn it holds (scope and ordering key), if its handler orders it.
     pub(super) entity: Option<Entity>,
+    /// Under owned order, the turn it holds in memory: a completion on the handler's
+    /// transaction moves its position in the same commit.
+    pub(super) owned: Option<Done>,
 }
 
 pub(super) fn parse<H: Handler>(
@@ -50,6 +54,7 @@ pub(super) fn parse<H: Handler>(
         fingerprint,
         correlation_id: None,
         entity: None,
+        owned: None,
     };
     Ok((parsed, message))
 }

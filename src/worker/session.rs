@@ -18,6 +18,7 @@ use tracing::{info, warn};
 
 use super::acks::Acks;
 use super::follow_ups::FollowUpChannel;
+use super::owned::Positions;
 use super::route::{Routes, Unrouted};
 use super::settle::Links;
 use super::{Failure, WorkerConfig, drain};
@@ -164,8 +165,19 @@ impl Session {
             follow_ups: Arc::new(FollowUpChannel::new(publishing.clone())),
             acks: acks.clone(),
             frame_max,
+            // Known afresh by every session: while this one had no consumer, another
+            // process may have owned the queue and moved its entities.
+            positions: config
+                .single_active_consumer
+                .then(|| Arc::new(Positions::new(config.concurrency))),
         };
-        info!(queue = %config.queue, prefetch = config.prefetch, concurrency = config.concurrency, "consuming");
+        info!(
+            queue = %config.queue,
+            prefetch = config.prefetch,
+            concurrency = config.concurrency,
+            owned_order = config.single_active_consumer,
+            "consuming"
+        );
         self.broker.set(&config.queue, true);
 
         let consuming = Instant::now();

@@ -13,6 +13,7 @@ use super::Failure;
 use super::acks::Acks;
 use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
+use super::owned::Positions;
 use crate::dead_letter::{self, DeadLetter, Outgoing};
 use crate::failpoint;
 use crate::flow::circuit::Admission;
@@ -39,6 +40,9 @@ pub(super) struct Links {
     /// The connection's negotiated `frame_max`: no header frame idem sends may be
     /// larger, or the broker closes the connection.
     pub(super) frame_max: u32,
+    /// On a queue with a single active consumer, the entities' positions this session
+    /// knows (owned order), shared by the queue's handlers.
+    pub(super) positions: Option<Arc<Positions>>,
 }
 
 /// How long `idem-error` may stay on a copy sent without the producer's headers that
@@ -62,6 +66,8 @@ pub(crate) struct Incoming<'a> {
     /// It holds its entity's turn already: the release handed it over (it does not
     /// enter its entity's order again).
     pub(crate) holds_turn: bool,
+    /// The session's positions under owned order (none elsewhere: the gate decides).
+    pub(crate) positions: Option<Arc<Positions>>,
 }
 
 impl<'a> Incoming<'a> {
@@ -78,6 +84,7 @@ impl<'a> Incoming<'a> {
             follow_ups,
             admission: Admission::UNBROKEN,
             holds_turn: false,
+            positions: None,
         }
     }
 

@@ -245,6 +245,7 @@ impl Drop for TestQueue {
                     queue_type: idem::QueueType::Classic,
                     retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
                     subscriptions: Vec::new(),
+                    single_active_consumer: false,
                 };
                 let queues = [base, topology.dlq()]
                     .into_iter()

@@ -26,6 +26,7 @@ use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Envelope, Handler, HandlerError};
 use crate::key::Key;
+use crate::ordering::owner::{self, Done};
 use crate::ordering::table;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
 use crate::trace::TraceContext;
@@ -59,6 +60,11 @@ pub(super) struct TxRequest {
     /// The entity whose turn it holds, if its handler orders it: a completed run moves
     /// it on in the batch's commit.
     pub(super) entity: Option<Entity>,
+    /// Under owned order, the turn it holds in memory: a completed run moves its
+    /// position in the batch's commit (fenced), and its answer carries the delivery
+    /// parked at the next number (`Ran::Completed::handed`; `None` when the fence
+    /// failed).
+    pub(super) owned: Option<Done>,
 }
 
 /// What a committed batch says about one delivery.
@@ -280,6 +286,7 @@ async fn release(
             _ => None,
         })
         .collect();
+    move_owned(store, ctx, requests, answers).await?;
     let [(i, entity)] = completed[..] else {
         return Ok(());
     };
@@ -288,6 +295,40 @@ async fn release(
     let released = table::release(ctx.tx().await?, store.keys(), entities, true).await?;
     if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i] {
         *handed = Some(released);
+    }
+    Ok(())
+}
+
+/// Moves, in the batch's transaction, the positions of the turns held in memory (owned
+/// order) that the batch completed, and releases the deliveries parked at their next
+/// numbers. Unlike the gate's, these moves lock nothing that parks wait on (a park
+/// only inserts its row), so the batch moves them all.
+async fn move_owned(
+    store: &Store,
+    ctx: &mut Context,
+    requests: &[TxRequest],
+    answers: &mut [Option<TxAnswer>],
+) -> Result<(), StoreError> {
+    let (at, done): (Vec<usize>, Vec<Done>) = answers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, answer)| match answer {
+            Some(TxAnswer::Ran(Ran::Completed { .. }, _)) => {
+                requests[i].owned.clone().map(|done| (i, done))
+            }
+            _ => None,
+        })
+        .unzip();
+    if done.is_empty() {
+        return Ok(());
+    }
+    let moved = owner::move_on(ctx.tx().await?, store.keys(), &done).await?;
+    for (i, moved) in at.into_iter().zip(moved) {
+        if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i]
+            && moved.moved
+        {
+            *handed = Some(moved.next.into_iter().collect());
+        }
     }
     Ok(())
 }

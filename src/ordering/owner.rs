@@ -1,0 +1,343 @@
+//! The statements of owned order (docs/DESIGN.md, "Order per entity", "Owned order"):
+//! a queue with a single active consumer keeps its entities' positions in memory and
+//! writes only when a turn completes (a fenced move) or an entry comes early (a park).
+//! Each takes the items that arrived together, one round trip.
+
+use std::collections::HashMap;
+
+use sqlx::PgPool;
+
+use super::table::{self, Entry, Released, WaitingRow};
+use crate::protect::{self, Keys};
+use crate::store::StoreError;
+
+/// An entity and a number in it: `(scope, ordering key, seq)`.
+pub(crate) type Place = (String, String, i64);
+
+/// A turn that completed: its place, and the operation and idempotency key that ran it.
+#[derive(Debug, Clone)]
+pub(crate) struct Done {
+    pub(crate) place: Place,
+    pub(crate) operation: String,
+    pub(crate) idempotency_key: String,
+}
+
+/// What [`move_on`] did for one completed turn.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Moved {
+    /// The position was at the turn's number and moved past it; false: it was not
+    /// (an operator skipped it, or another process moved it): read it again.
+    pub(crate) moved: bool,
+    /// The delivery parked at the next number, released to run now.
+    pub(crate) next: Option<Released>,
+}
+
+/// What [`park`] found for one early entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Parked {
+    /// Kept in `ordering_waiting`.
+    Kept,
+    /// A row with its key or its place is there already: `(seq, operation,
+    /// idempotency key, fingerprint)` of that row.
+    Found(i64, String, String, String),
+    /// Refused by a row committed while the statement ran: park it again.
+    Again,
+}
+
+/// Each entity's position, created at `first` when it has none: `(scope, ordering key,
+/// first)` in, `next_seq` out, in order.
+pub(crate) async fn load(
+    pool: &PgPool,
+    items: &[(String, String, i64)],
+) -> Result<Vec<i64>, StoreError> {
+    let scopes: Vec<&str> = items.iter().map(|(s, _, _)| s.as_str()).collect();
+    let keys: Vec<&str> = items.iter().map(|(_, k, _)| k.as_str()).collect();
+    let firsts: Vec<i64> = items.iter().map(|(_, _, f)| *f).collect();
+    // A row created by the statement is not in its own snapshot: read from what it
+    // returns. One created meanwhile by another transaction is in neither: its first.
+    let rows: Vec<(i64, i64)> = sqlx::query_as(
+        "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
+                                   WITH ORDINALITY AS t(s, k, f, i)),
+         created AS (
+             INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+             SELECT DISTINCT ON (t.s, t.k) t.s, t.k, t.f, t.f - 1 FROM t ORDER BY t.s, t.k
+             ON CONFLICT DO NOTHING
+             RETURNING scope, ordering_key, next_seq)
+         SELECT t.i, coalesce(c.next_seq, p.next_seq, t.f)
+           FROM t
+           LEFT JOIN created c ON c.scope = t.s AND c.ordering_key = t.k
+           LEFT JOIN ordering_positions p ON p.scope = t.s AND p.ordering_key = t.k",
+    )
+    .bind(&scopes)
+    .bind(&keys)
+    .bind(&firsts)
+    .fetch_all(pool)
+    .await?;
+    let mut next: Vec<i64> = firsts.clone();
+    for (i, n) in rows {
+        if let Some(slot) = index(i).and_then(|i| next.get_mut(i)) {
+            *slot = n;
+        }
+    }
+    Ok(next)
+}
+
+/// Keeps early entries in `ordering_waiting` (their bodies sealed under data
+/// protection), answering for each whether it was kept or what row stood in its way.
+pub(crate) async fn park(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    entries: &[Entry],
+) -> Result<Vec<Parked>, StoreError> {
+    let text = |f: &dyn Fn(&Entry) -> String| entries.iter().map(f).collect::<Vec<String>>();
+    let scopes = text(&|e| e.key.scope().to_owned());
+    let ordering_keys = text(&|e| e.ordered.key.clone());
+    let operations = text(&|e| e.key.operation().to_owned());
+    let idempotency_keys = text(&|e| e.key.idempotency_key().to_owned());
+    let fingerprints = text(&|e| e.fingerprint.clone());
+    let queues = text(&|e| e.queue.clone());
+    let seqs: Vec<i64> = entries
+        .iter()
+        .map(|e| e.ordered.sequence.unwrap_or_default())
+        .collect();
+    let bodies: Vec<Vec<u8>> = entries
+        .iter()
+        .map(|e| protect::seal_body(keys, &e.body))
+        .collect();
+    let properties: Vec<&[u8]> = entries.iter().map(|e| e.properties.as_slice()).collect();
+    type Row = (
+        i64,
+        bool,
+        Option<i64>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
+                                         $5::text[], $6::text[], $7::text[], $8::bytea[],
+                                         $9::bytea[])
+                                   WITH ORDINALITY AS t(s, k, n, op, idem, fp, q, body, props, i)),
+         kept AS (
+             INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
+                 idempotency_key, payload_sha256, queue, body, properties)
+             SELECT t.s, t.k, t.n, t.op, t.idem, t.fp, t.q, t.body, t.props
+               FROM t ORDER BY t.s, t.k, t.n, t.i
+             ON CONFLICT DO NOTHING
+             RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256)
+         SELECT t.i, k.seq IS NOT NULL, x.seq, x.operation, x.idempotency_key, x.payload_sha256
+           FROM t
+           LEFT JOIN kept k ON k.scope = t.s AND k.operation = t.op
+                           AND k.idempotency_key = t.idem AND k.seq = t.n
+                           AND k.payload_sha256 = t.fp
+           LEFT JOIN LATERAL (
+                 SELECT w.seq, w.operation, w.idempotency_key, w.payload_sha256
+                   FROM ordering_waiting w
+                  WHERE w.scope = t.s AND ((w.operation = t.op AND w.idempotency_key = t.idem)
+                                           OR (w.ordering_key = t.k AND w.seq = t.n))
+                 UNION ALL
+                 SELECT o.seq, o.operation, o.idempotency_key, o.payload_sha256
+                   FROM kept o
+                  WHERE o.scope = t.s AND ((o.operation = t.op AND o.idempotency_key = t.idem)
+                                           OR (o.ordering_key = t.k AND o.seq = t.n))
+                  LIMIT 1) x ON k.seq IS NULL",
+    )
+    .bind(&scopes)
+    .bind(&ordering_keys)
+    .bind(&seqs)
+    .bind(&operations)
+    .bind(&idempotency_keys)
+    .bind(&fingerprints)
+    .bind(&queues)
+    .bind(&bodies)
+    .bind(&properties)
+    .fetch_all(pool)
+    .await?;
+    let mut answers = vec![Parked::Again; entries.len()];
+    for (i, kept, seq, operation, key, fingerprint) in rows {
+        let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
+            continue;
+        };
+        *slot = match (kept, seq, operation, key, fingerprint) {
+            (true, ..) => Parked::Kept,
+            (false, Some(seq), Some(op), Some(key), Some(fp)) => Parked::Found(seq, op, key, fp),
+            _ => Parked::Again,
+        };
+    }
+    Ok(answers)
+}
+
+/// A row of [`move_on`]: the item's ordinal, and the row released at the next number
+/// (all `None` when none waits there).
+type MovedRow = (
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<Vec<u8>>,
+    Option<Vec<u8>>,
+);
+
+/// Moves each entity past its completed turn, fenced (only where the position is at
+/// that number), with the turn's waiting row if it had one, and releases the row parked
+/// at the next number. On `executor`: the pool, or a transaction.
+pub(crate) async fn move_on<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    keys: Option<&Keys>,
+    done: &[Done],
+) -> Result<Vec<Moved>, StoreError> {
+    let scopes: Vec<&str> = done.iter().map(|d| d.place.0.as_str()).collect();
+    let ordering_keys: Vec<&str> = done.iter().map(|d| d.place.1.as_str()).collect();
+    let seqs: Vec<i64> = done.iter().map(|d| d.place.2).collect();
+    let operations: Vec<&str> = done.iter().map(|d| d.operation.as_str()).collect();
+    let idempotency_keys: Vec<&str> = done.iter().map(|d| d.idempotency_key.as_str()).collect();
+    let rows: Vec<MovedRow> = sqlx::query_as(
+        "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
+                                         $5::text[])
+                                   WITH ORDINALITY AS t(s, k, n, op, idem, i)),
+         moved AS (
+             UPDATE ordering_positions p
+                SET next_seq = t.n + 1, last_seq = greatest(p.last_seq, t.n), moved_at = now(),
+                    holder_operation = NULL, holder_key = NULL, held_since = NULL
+               FROM t
+              WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.n
+             RETURNING t.i, t.s, t.k, t.n, t.op, t.idem),
+         gone AS (
+             DELETE FROM ordering_waiting w USING moved m
+              WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem),
+         released AS (
+             UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+               FROM moved m
+              WHERE w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
+             RETURNING m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
+                       w.queue, w.body, w.properties)
+         SELECT m.i, r.scope, r.ordering_key, r.seq, r.operation, r.idempotency_key, r.queue,
+                r.body, r.properties
+           FROM moved m LEFT JOIN released r ON r.i = m.i",
+    )
+    .bind(&scopes)
+    .bind(&ordering_keys)
+    .bind(&seqs)
+    .bind(&operations)
+    .bind(&idempotency_keys)
+    .fetch_all(executor)
+    .await?;
+    let mut answers = vec![Moved::default(); done.len()];
+    for (i, scope, ordering_key, seq, operation, key, queue, body, properties) in rows {
+        let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
+            continue;
+        };
+        slot.moved = true;
+        if let (Some(s), Some(k), Some(n), Some(op), Some(idem), Some(q), Some(b), Some(p)) = (
+            scope,
+            ordering_key,
+            seq,
+            operation,
+            key,
+            queue,
+            body,
+            properties,
+        ) {
+            slot.next = readable((s, k, n, op, idem, q, b, p, true), keys);
+        }
+    }
+    Ok(answers)
+}
+
+/// Releases the rows parked at each place, where the position is at it: a row parked
+/// while the move before it ran, which that move did not see.
+pub(crate) async fn fetch(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    places: &[Place],
+) -> Result<Vec<Option<Released>>, StoreError> {
+    let scopes: Vec<&str> = places.iter().map(|(s, _, _)| s.as_str()).collect();
+    let ordering_keys: Vec<&str> = places.iter().map(|(_, k, _)| k.as_str()).collect();
+    let seqs: Vec<i64> = places.iter().map(|(_, _, n)| *n).collect();
+    let rows: Vec<WaitingRow> = sqlx::query_as(
+        "UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+           FROM unnest($1::text[], $2::text[], $3::int8[]) AS t(s, k, n)
+          WHERE w.scope = t.s AND w.ordering_key = t.k AND w.seq = t.n
+            AND EXISTS (SELECT 1 FROM ordering_positions p
+                         WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.n)
+         RETURNING w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key, w.queue,
+                   w.body, w.properties, true",
+    )
+    .bind(&scopes)
+    .bind(&ordering_keys)
+    .bind(&seqs)
+    .fetch_all(pool)
+    .await?;
+    let mut found: HashMap<Place, Released> = rows
+        .into_iter()
+        .filter_map(|row| readable(row, keys))
+        .map(|r| ((r.scope.clone(), r.ordering_key.clone(), r.seq), r))
+        .collect();
+    Ok(places.iter().map(|place| found.remove(place)).collect())
+}
+
+/// Records the turn at `place` as held by the delivery that ran it and did not complete
+/// (retrying, pending, dead-lettered): operators see what blocks the entity, a skip
+/// waits for its live lease, and the sweep moves on past it once a copy completes
+/// without its owner's move (a crash).
+pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
+    let (scope, ordering_key, seq) = &done.place;
+    sqlx::query(
+        "UPDATE ordering_positions
+            SET holder_operation = $4, holder_key = $5, held_since = now()
+          WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3
+            AND holder_key IS DISTINCT FROM $5",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .bind(seq)
+    .bind(&done.operation)
+    .bind(&done.idempotency_key)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Whether the record of `(scope, operation, idempotency key)` decides a delivery
+/// without a turn: completed (a duplicate), or failed for good.
+pub(crate) async fn decided(
+    pool: &PgPool,
+    scope: &str,
+    operation: &str,
+    idempotency_key: &str,
+) -> Result<bool, StoreError> {
+    let decided = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM processed_operations o
+                         WHERE o.scope = $1 AND o.operation = $2 AND o.idempotency_key = $3
+                           AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))",
+    )
+    .bind(scope)
+    .bind(operation)
+    .bind(idempotency_key)
+    .fetch_one(pool)
+    .await?;
+    Ok(decided)
+}
+
+/// A released row read back, or `None` (logged) when it cannot be: a body sealed under
+/// a key no longer configured stays released, and the sweep shows its entity stalled.
+fn readable(row: WaitingRow, keys: Option<&Keys>) -> Option<Released> {
+    let (scope, key, seq) = (row.0.clone(), row.1.clone(), row.2);
+    table::released(row, keys)
+        .map_err(|error| {
+            tracing::warn!(
+                error = %crate::text::error_line(&error),
+                scope = %scope, ordering_key = %key, seq,
+                "a waiting delivery cannot be read back; its entity stays stalled"
+            )
+        })
+        .ok()
+}
+
+/// A 1-based ordinal as an index.
+fn index(ordinal: i64) -> Option<usize> {
+    usize::try_from(ordinal - 1).ok()
+}
