@@ -86,6 +86,18 @@ async fn prepare(pool: &PgPool, url: &str, q: &TestQueue) {
 
 /// [`prepare`], the queue with a single active consumer when `owned` (owned order).
 async fn prepare_as(pool: &PgPool, url: &str, q: &TestQueue, owned: bool) {
+    // Calls of the gate's functions counted (`pg_stat_user_functions`) in the workers'
+    // sessions, which open after this.
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{database}\" SET track_functions = 'pl'"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
     let setup = q.beside("setup").await;
     let worker = spawn_accounts_worker(url, &setup.name, &[]);
     wait_until(Duration::from_secs(60), "the example's tables", || async {
@@ -222,6 +234,41 @@ async fn shuffled_in_order_across_a_kill(
     // More than one process applied entries: the order held across them.
     let pids = pids().await;
     assert!(pids >= 2, "{pids} process(es) applied entries");
+    // Which path ordered the entries: the gate's function is called at every entry;
+    // owned order never calls it. Counted once every session of the workers ended (a
+    // session's counts reach the statistics when it ends, at the latest).
+    drop((workers, _d));
+    pool.close().await;
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(c)
+        .await
+        .unwrap();
+    wait_until(SETTLE, "the workers' sessions ended", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&one)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
+    let entered: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_user_functions
+          WHERE funcname = 'idem_ordering_enter'",
+    )
+    .fetch_one(&one)
+    .await
+    .unwrap();
+    match owned {
+        true => assert_eq!(
+            entered, 0,
+            "owned order entered deliveries through the gate"
+        ),
+        false => assert!(entered > 0, "the gate's calls are counted"),
+    }
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

@@ -42,10 +42,15 @@ pub(crate) enum Parked {
     Found(i64, String, String, String),
     /// Refused by a row committed while the statement ran: park it again.
     Again,
+    /// Not parked: the position is at its number or past it (this process's memory is
+    /// behind): read it again.
+    Passed,
 }
 
 /// Each entity's position, created at `first` when it has none: `(scope, ordering key,
-/// first)` in, `next_seq` out, in order.
+/// first)` in, `next_seq` out, in order. A position read is marked as moved now: gc
+/// takes positions that have not moved for the retention, and a turn is about to run
+/// from this one with nothing written before it.
 pub(crate) async fn load(
     pool: &PgPool,
     items: &[(String, String, i64)],
@@ -61,12 +66,13 @@ pub(crate) async fn load(
          created AS (
              INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
              SELECT DISTINCT ON (t.s, t.k) t.s, t.k, t.f, t.f - 1 FROM t ORDER BY t.s, t.k
-             ON CONFLICT DO NOTHING
+             ON CONFLICT (scope, ordering_key)
+                DO UPDATE SET moved_at = greatest(ordering_positions.moved_at,
+                                                  now() - interval '1 hour')
              RETURNING scope, ordering_key, next_seq)
-         SELECT t.i, coalesce(c.next_seq, p.next_seq, t.f)
+         SELECT t.i, coalesce(c.next_seq, t.f)
            FROM t
-           LEFT JOIN created c ON c.scope = t.s AND c.ordering_key = t.k
-           LEFT JOIN ordering_positions p ON p.scope = t.s AND p.ordering_key = t.k",
+           LEFT JOIN created c ON c.scope = t.s AND c.ordering_key = t.k",
     )
     .bind(&scopes)
     .bind(&keys)
@@ -108,6 +114,7 @@ pub(crate) async fn park(
     type Row = (
         i64,
         bool,
+        bool,
         Option<i64>,
         Option<String>,
         Option<String>,
@@ -118,14 +125,27 @@ pub(crate) async fn park(
                                          $5::text[], $6::text[], $7::text[], $8::bytea[],
                                          $9::bytea[])
                                    WITH ORDINALITY AS t(s, k, n, op, idem, fp, q, body, props, i)),
+         early AS (
+             SELECT t.* FROM t
+              WHERE NOT EXISTS (SELECT 1 FROM ordering_positions p
+                                 WHERE p.scope = t.s AND p.ordering_key = t.k
+                                   AND p.next_seq >= t.n)),
          kept AS (
              INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
                  idempotency_key, payload_sha256, queue, body, properties)
-             SELECT t.s, t.k, t.n, t.op, t.idem, t.fp, t.q, t.body, t.props
-               FROM t ORDER BY t.s, t.k, t.n, t.i
+             SELECT e.s, e.k, e.n, e.op, e.idem, e.fp, e.q, e.body, e.props
+               FROM early e ORDER BY e.s, e.k, e.n, e.i
              ON CONFLICT DO NOTHING
-             RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256)
-         SELECT t.i, k.seq IS NOT NULL, x.seq, x.operation, x.idempotency_key, x.payload_sha256
+             RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256),
+         grown AS (
+             -- As the gate's parks: last_seq at the highest number waiting keeps gc off
+             -- the position.
+             UPDATE ordering_positions p SET last_seq = m.top
+               FROM (SELECT scope, ordering_key, max(seq) AS top FROM kept
+                      GROUP BY scope, ordering_key) m
+              WHERE p.scope = m.scope AND p.ordering_key = m.ordering_key AND p.last_seq < m.top)
+         SELECT t.i, k.seq IS NOT NULL, NOT EXISTS (SELECT 1 FROM early e WHERE e.i = t.i),
+                x.seq, x.operation, x.idempotency_key, x.payload_sha256
            FROM t
            LEFT JOIN kept k ON k.scope = t.s AND k.operation = t.op
                            AND k.idempotency_key = t.idem AND k.seq = t.n
@@ -154,13 +174,16 @@ pub(crate) async fn park(
     .fetch_all(pool)
     .await?;
     let mut answers = vec![Parked::Again; entries.len()];
-    for (i, kept, seq, operation, key, fingerprint) in rows {
+    for (i, kept, passed, seq, operation, key, fingerprint) in rows {
         let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
             continue;
         };
-        *slot = match (kept, seq, operation, key, fingerprint) {
+        *slot = match (kept, passed, seq, operation, key, fingerprint) {
             (true, ..) => Parked::Kept,
-            (false, Some(seq), Some(op), Some(key), Some(fp)) => Parked::Found(seq, op, key, fp),
+            (false, true, ..) => Parked::Passed,
+            (false, false, Some(seq), Some(op), Some(key), Some(fp)) => {
+                Parked::Found(seq, op, key, fp)
+            }
             _ => Parked::Again,
         };
     }
@@ -282,11 +305,16 @@ pub(crate) async fn fetch(
 /// Records the turn at `place` as held by the delivery that ran it and did not complete
 /// (retrying, pending, dead-lettered): operators see what blocks the entity, a skip
 /// waits for its live lease, and the sweep moves on past it once a copy completes
-/// without its owner's move (a crash).
+/// without its owner's move (a crash). Its waiting row, if it had one, is done with:
+/// its retry copy or dead letter is safe (the sweep would publish the row again and
+/// again, and run it ahead of its retry delay).
 pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
     let (scope, ordering_key, seq) = &done.place;
     sqlx::query(
-        "UPDATE ordering_positions
+        "WITH gone AS (
+             DELETE FROM ordering_waiting
+              WHERE scope = $1 AND operation = $4 AND idempotency_key = $5)
+         UPDATE ordering_positions
             SET holder_operation = $4, holder_key = $5, held_since = now()
           WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3
             AND holder_key IS DISTINCT FROM $5",
@@ -302,7 +330,9 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
 }
 
 /// Whether the record of `(scope, operation, idempotency key)` decides a delivery
-/// without a turn: completed (a duplicate), or failed for good.
+/// without a turn: completed (a duplicate), or failed for good. A delivery behind its
+/// position is decided by it (run on to its claim, or `sequence_passed`): its waiting
+/// row, if one is behind the position too, goes (the sweep would publish it for ever).
 pub(crate) async fn decided(
     pool: &PgPool,
     scope: &str,
@@ -310,7 +340,12 @@ pub(crate) async fn decided(
     idempotency_key: &str,
 ) -> Result<bool, StoreError> {
     let decided = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM processed_operations o
+        "WITH gone AS (
+             DELETE FROM ordering_waiting w USING ordering_positions p
+              WHERE w.scope = $1 AND w.operation = $2 AND w.idempotency_key = $3
+                AND p.scope = w.scope AND p.ordering_key = w.ordering_key
+                AND w.seq < p.next_seq)
+         SELECT EXISTS (SELECT 1 FROM processed_operations o
                          WHERE o.scope = $1 AND o.operation = $2 AND o.idempotency_key = $3
                            AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))",
     )

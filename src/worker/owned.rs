@@ -148,6 +148,16 @@ impl Owner {
                             return Ok(Stand::Waiting);
                         }
                         Parked::Again => {}
+                        // The database's position is at its number or past it: decided
+                        // again from it.
+                        Parked::Passed => {
+                            let first = entry.ordered.first;
+                            let next = self
+                                .loads
+                                .call((entity.0.clone(), entity.1.clone(), first))
+                                .await??;
+                            positions.loaded(entity, next);
+                        }
                         Parked::Found(at, operation, key, fingerprint)
                             if operation == who.0 && key == who.1 =>
                         {
@@ -160,7 +170,8 @@ impl Owner {
                                 return Ok(Stand::Conflict);
                             }
                             if at != seq {
-                                return Ok(Stand::Taken);
+                                // Its key waits with another number: as the gate, a copy.
+                                return Ok(Stand::Waiting);
                             }
                             // A copy of a parked delivery: the sweep republished it, its
                             // turn may have come. Decided again from the position read
@@ -295,6 +306,11 @@ impl Positions {
             return Look::Behind;
         }
         if seq > p.next {
+            // Parked against a position not confirmed since a move was fenced out, it
+            // could wait behind a position that passed it.
+            if p.checked.is_none() && !from_row {
+                return Look::Load;
+            }
             return Look::Park;
         }
         match &p.running {
@@ -317,9 +333,8 @@ impl Positions {
     fn loaded(&self, entity: &Entity, next: i64) {
         let mut entities = self.lock();
         if !entities.contains_key(entity) && entities.len() >= MAX_ENTITIES {
-            entities.retain(|_, p| {
-                p.running.is_some() || !p.waiters.is_empty() || !p.parked.is_empty()
-            });
+            // What this process parked is read back by the sweep if forgotten.
+            entities.retain(|_, p| p.running.is_some() || !p.waiters.is_empty());
         }
         let p = entities.entry(entity.clone()).or_insert_with(|| Position {
             next,
