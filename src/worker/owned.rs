@@ -110,14 +110,7 @@ impl Owner {
                     }));
                 }
                 Look::Behind | Look::Taken => {
-                    let key = &entry.key;
-                    let decided = owner::decided(
-                        self.store.pool(),
-                        key.scope(),
-                        key.operation(),
-                        key.idempotency_key(),
-                    )
-                    .await?;
+                    let decided = self.decided(&entry.key).await?;
                     return Ok(match (decided, look) {
                         (true, _) => Stand::Decided,
                         (false, Look::Behind) => Stand::Passed,
@@ -129,14 +122,7 @@ impl Owner {
                     // move is on its way: decided once that one ended.
                     let _ = ended.await;
                 }
-                Look::Load => {
-                    let first = entry.ordered.first;
-                    let next = self
-                        .loads
-                        .call((entity.0.clone(), entity.1.clone(), first))
-                        .await??;
-                    positions.loaded(entity, next);
-                }
+                Look::Load => self.read(positions, entity, entry.ordered.first).await?,
                 Look::Park if parked || from_row => return Ok(Stand::Waiting),
                 Look::Park => {
                     let found = self.parks.call(entry.clone()).await??;
@@ -151,12 +137,7 @@ impl Owner {
                         // The database's position is at its number or past it: decided
                         // again from it.
                         Parked::Passed => {
-                            let first = entry.ordered.first;
-                            let next = self
-                                .loads
-                                .call((entity.0.clone(), entity.1.clone(), first))
-                                .await??;
-                            positions.loaded(entity, next);
+                            self.read(positions, entity, entry.ordered.first).await?;
                         }
                         Parked::Found(at, operation, key, fingerprint)
                             if operation == who.0 && key == who.1 =>
@@ -177,23 +158,10 @@ impl Owner {
                             // turn may have come. Decided again from the position read
                             // afresh; parked already, it is acked if still early.
                             parked = true;
-                            let first = entry.ordered.first;
-                            let next = self
-                                .loads
-                                .call((entity.0.clone(), entity.1.clone(), first))
-                                .await??;
-                            positions.loaded(entity, next);
+                            self.read(positions, entity, entry.ordered.first).await?;
                         }
                         Parked::Found(..) => {
-                            let key = &entry.key;
-                            let decided = owner::decided(
-                                self.store.pool(),
-                                key.scope(),
-                                key.operation(),
-                                key.idempotency_key(),
-                            )
-                            .await?;
-                            return Ok(match decided {
+                            return Ok(match self.decided(&entry.key).await? {
                                 true => Stand::Decided,
                                 false => Stand::Taken,
                             });
@@ -202,6 +170,31 @@ impl Owner {
                 }
             }
         }
+    }
+}
+
+impl Owner {
+    /// Reads `entity`'s position from the database into `positions` (created at
+    /// `first` when it has none).
+    async fn read(
+        &self,
+        positions: &Positions,
+        entity: &Entity,
+        first: i64,
+    ) -> Result<(), Failure> {
+        let item = (entity.0.clone(), entity.1.clone(), first);
+        let next = self.loads.call(item).await??;
+        positions.loaded(entity, next);
+        Ok(())
+    }
+
+    /// Whether the record of `key` decides its delivery without a turn
+    /// ([`owner::decided`]).
+    async fn decided(&self, key: &Key) -> Result<bool, Failure> {
+        let pool = self.store.pool();
+        let (scope, operation, idempotency_key) =
+            (key.scope(), key.operation(), key.idempotency_key());
+        Ok(owner::decided(pool, scope, operation, idempotency_key).await?)
     }
 }
 
