@@ -301,8 +301,9 @@ async fn release(
 
 /// Moves, in the batch's transaction, the positions of the turns held in memory (owned
 /// order) that the batch completed, and releases the deliveries parked at their next
-/// numbers. Unlike the gate's, these moves lock nothing that parks wait on (a park
-/// only inserts its row), so the batch moves them all.
+/// numbers. All of them, unlike the gate's one: measured, 0.59–0.61 of the unordered
+/// pace against 0.52–0.60 with the moves after the commit. Their positions stay locked
+/// until the commit; a park that raises one's `last_seq` waits for it.
 async fn move_owned(
     store: &Store,
     ctx: &mut Context,
