@@ -4,6 +4,7 @@
 //! Each takes the items that arrived together, one round trip.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use sqlx::PgPool;
 
@@ -48,9 +49,11 @@ pub(crate) enum Parked {
 }
 
 /// Each entity's position, created at `first` when it has none: `(scope, ordering key,
-/// first)` in, `next_seq` out, in order. A position read is marked as moved now: gc
-/// takes positions that have not moved for the retention, and a turn is about to run
-/// from this one with nothing written before it.
+/// first)` in, `next_seq` out, in order. A position read that has not moved for an
+/// hour is marked as moved then: gc takes positions that have not moved for the
+/// retention, and a turn is about to run from this one with nothing written before it.
+/// Nothing else is written: a batch's move holds its positions' locks until its commit,
+/// and a read of one of them must not wait for it (or lock others in another order).
 pub(crate) async fn load(
     pool: &PgPool,
     items: &[(String, String, i64)],
@@ -58,21 +61,28 @@ pub(crate) async fn load(
     let scopes: Vec<&str> = items.iter().map(|(s, _, _)| s.as_str()).collect();
     let keys: Vec<&str> = items.iter().map(|(_, k, _)| k.as_str()).collect();
     let firsts: Vec<i64> = items.iter().map(|(_, _, f)| *f).collect();
-    // A row created by the statement is not in its own snapshot: read from what it
-    // returns. One created meanwhile by another transaction is in neither: its first.
+    // A row created or touched by the statement is not in its own snapshot: read from
+    // what those return. One created meanwhile by another transaction is in none: its
+    // first.
     let rows: Vec<(i64, i64)> = sqlx::query_as(
         "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
                                    WITH ORDINALITY AS t(s, k, f, i)),
          created AS (
              INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
              SELECT DISTINCT ON (t.s, t.k) t.s, t.k, t.f, t.f - 1 FROM t ORDER BY t.s, t.k
-             ON CONFLICT (scope, ordering_key)
-                DO UPDATE SET moved_at = greatest(ordering_positions.moved_at,
-                                                  now() - interval '1 hour')
-             RETURNING scope, ordering_key, next_seq)
-         SELECT t.i, coalesce(c.next_seq, t.f)
+             ON CONFLICT (scope, ordering_key) DO NOTHING
+             RETURNING scope, ordering_key, next_seq),
+         touched AS (
+             UPDATE ordering_positions p SET moved_at = now() - interval '1 hour'
+               FROM (SELECT DISTINCT s, k FROM t) u
+              WHERE p.scope = u.s AND p.ordering_key = u.k
+                AND p.moved_at < now() - interval '1 hour'
+             RETURNING p.scope, p.ordering_key, p.next_seq)
+         SELECT t.i, coalesce(c.next_seq, u.next_seq, p.next_seq, t.f)
            FROM t
-           LEFT JOIN created c ON c.scope = t.s AND c.ordering_key = t.k",
+           LEFT JOIN created c ON c.scope = t.s AND c.ordering_key = t.k
+           LEFT JOIN touched u ON u.scope = t.s AND u.ordering_key = t.k
+           LEFT JOIN ordering_positions p ON p.scope = t.s AND p.ordering_key = t.k",
     )
     .bind(&scopes)
     .bind(&keys)
@@ -90,9 +100,11 @@ pub(crate) async fn load(
 
 /// Keeps early entries in `ordering_waiting` (their bodies sealed under data
 /// protection), answering for each whether it was kept or what row stood in its way.
+/// `retention`: gc's of positions (the store's).
 pub(crate) async fn park(
     pool: &PgPool,
     keys: Option<&Keys>,
+    retention: Duration,
     entries: &[Entry],
 ) -> Result<Vec<Parked>, StoreError> {
     let text = |f: &dyn Fn(&Entry) -> String| entries.iter().map(f).collect::<Vec<String>>();
@@ -138,12 +150,16 @@ pub(crate) async fn park(
              ON CONFLICT DO NOTHING
              RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256),
          grown AS (
-             -- As the gate's parks: last_seq at the highest number waiting keeps gc off
-             -- the position.
+             -- As the gate's parks, last_seq at the highest number waiting keeps gc off
+             -- the position, but only where gc could be deleting it now (moved longer
+             -- than half the retention ago): a gc that missed this row must have begun
+             -- half a retention after this statement. A write on a position a batch
+             -- is moving waits for that batch's commit, and costs half the park.
              UPDATE ordering_positions p SET last_seq = m.top
                FROM (SELECT scope, ordering_key, max(seq) AS top FROM kept
                       GROUP BY scope, ordering_key) m
-              WHERE p.scope = m.scope AND p.ordering_key = m.ordering_key AND p.last_seq < m.top)
+              WHERE p.scope = m.scope AND p.ordering_key = m.ordering_key AND p.last_seq < m.top
+                AND p.moved_at < now() - $10 * interval '1 millisecond' / 2)
          SELECT t.i, k.seq IS NOT NULL, NOT EXISTS (SELECT 1 FROM early e WHERE e.i = t.i),
                 x.seq, x.operation, x.idempotency_key, x.payload_sha256
            FROM t
@@ -151,16 +167,22 @@ pub(crate) async fn park(
                            AND k.idempotency_key = t.idem AND k.seq = t.n
                            AND k.payload_sha256 = t.fp
            LEFT JOIN LATERAL (
+                 -- Only for an entry not kept (rare): each branch on an index of its own.
                  SELECT w.seq, w.operation, w.idempotency_key, w.payload_sha256
                    FROM ordering_waiting w
-                  WHERE w.scope = t.s AND ((w.operation = t.op AND w.idempotency_key = t.idem)
-                                           OR (w.ordering_key = t.k AND w.seq = t.n))
+                  WHERE k.seq IS NULL AND w.scope = t.s AND w.operation = t.op
+                    AND w.idempotency_key = t.idem
+                 UNION ALL
+                 SELECT w.seq, w.operation, w.idempotency_key, w.payload_sha256
+                   FROM ordering_waiting w
+                  WHERE k.seq IS NULL AND w.scope = t.s AND w.ordering_key = t.k AND w.seq = t.n
                  UNION ALL
                  SELECT o.seq, o.operation, o.idempotency_key, o.payload_sha256
                    FROM kept o
-                  WHERE o.scope = t.s AND ((o.operation = t.op AND o.idempotency_key = t.idem)
-                                           OR (o.ordering_key = t.k AND o.seq = t.n))
-                  LIMIT 1) x ON k.seq IS NULL",
+                  WHERE k.seq IS NULL AND o.scope = t.s
+                    AND ((o.operation = t.op AND o.idempotency_key = t.idem)
+                         OR (o.ordering_key = t.k AND o.seq = t.n))
+                  LIMIT 1) x ON true",
     )
     .bind(&scopes)
     .bind(&ordering_keys)
@@ -171,6 +193,7 @@ pub(crate) async fn park(
     .bind(&queues)
     .bind(&bodies)
     .bind(&properties)
+    .bind(crate::db::millis(retention))
     .fetch_all(pool)
     .await?;
     let mut answers = vec![Parked::Again; entries.len()];

@@ -63,7 +63,7 @@ impl Owner {
         let s = store.clone();
         let parks = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Entry]>| {
             let s = s.clone();
-            async move { owner::park(s.pool(), s.keys(), &items).await }
+            async move { owner::park(s.pool(), s.keys(), s.config().retention, &items).await }
         });
         let s = store.clone();
         let moves = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Done]>| {
@@ -100,15 +100,7 @@ impl Owner {
         loop {
             let look = positions.look(entity, seq, &who, from_row);
             match look {
-                Look::Run => {
-                    return Ok(Stand::Run(Turn {
-                        positions: positions.clone(),
-                        entity: entity.clone(),
-                        seq,
-                        who,
-                        ended: false,
-                    }));
-                }
+                Look::Run => return Ok(Stand::Run(Turn::new(positions, entity, seq, who))),
                 Look::Behind | Look::Taken => {
                     let decided = self.decided(&entry.key).await?;
                     return Ok(match (decided, look) {
@@ -348,13 +340,7 @@ impl Positions {
         let p = entities.get_mut(entity)?;
         if seq == p.next && p.running.is_none() {
             p.running = Some((seq, who.clone()));
-            return Some(Turn {
-                positions: self.clone(),
-                entity: entity.clone(),
-                seq,
-                who: who.clone(),
-                ended: false,
-            });
+            return Some(Turn::new(self, entity, seq, who.clone()));
         }
         // At the position, it waits for the turn running before it (its move read the
         // waiting rows before this one's park committed): fetched when that one ends.
@@ -411,6 +397,17 @@ pub(crate) struct Turn {
 }
 
 impl Turn {
+    /// The turn of `who` at `seq`, which `positions` marked as running.
+    fn new(positions: &Arc<Positions>, entity: &Entity, seq: i64, who: Who) -> Self {
+        Self {
+            positions: positions.clone(),
+            entity: entity.clone(),
+            seq,
+            who,
+            ended: false,
+        }
+    }
+
     /// The turn's place and who runs it.
     pub(super) fn done(&self) -> Done {
         Done {
