@@ -135,15 +135,26 @@ fn worker_args<'a>(mode: &'a str, owned: bool, more: &[&'a str]) -> Vec<&'a str>
     args
 }
 
+/// What befalls the process that applied last, a third of the way through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blow {
+    /// SIGKILLed, and another process started.
+    Kill,
+    /// Its broker connection closed by the broker: the process lives on and connects
+    /// again (under owned order, with its positions forgotten, as a standby).
+    CloseConnection,
+}
+
 /// 40 accounts × 15 entries, each account's entries shuffled, published round-robin;
-/// three processes; the one that applied last is SIGKILLed after a third is applied
-/// (`owned`: the queue's single active consumer, whose standby takes over) and another
-/// started. Every account's entries are applied once each, in version order.
+/// three processes; the one that applied last is dealt `blow` after a third is applied
+/// (`owned`: the queue's single active consumer, whose standby takes over). Every
+/// account's entries are applied once each, in version order.
 async fn shuffled_in_order_across_a_kill(
     o: PgPoolOptions,
     c: PgConnectOptions,
     mode: &str,
     owned: bool,
+    blow: Blow,
 ) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);
@@ -151,27 +162,52 @@ async fn shuffled_in_order_across_a_kill(
     prepare_as(&pool, &url, &q, owned).await;
     const ACCOUNTS: usize = 40;
     const VERSIONS: i64 = 15;
+    // Under a closed connection, the last 5 rounds are published after the blow (see
+    // below): they hold the last 5 versions, so that a third can be applied before.
+    let late = match blow {
+        Blow::Kill => 0,
+        Blow::CloseConnection => 5,
+    };
+    let before = (VERSIONS - late) as usize;
     let mut rng = rand::rng();
-    let mut per_account: Vec<Vec<i64>> = (0..ACCOUNTS)
+    let per_account: Vec<Vec<i64>> = (0..ACCOUNTS)
         .map(|_| {
             let mut v: Vec<i64> = (1..=VERSIONS).collect();
-            v.shuffle(&mut rng);
+            v[..before].shuffle(&mut rng);
+            v[before..].shuffle(&mut rng);
             v
         })
         .collect();
     // The three consume before anything is published, so that the broker spreads the
     // entries over them: published first, they could all go to one, and the kill to a
     // process that held none.
-    let args = worker_args(mode, owned, &["--work-ms", "2"]);
+    // A closed connection takes rabbitmqctl about a second: the run must last longer
+    // (leased: an account's 15 entries one after another, 300 ms each; transactional:
+    // a batch's handlers one after another, 30 ms each).
+    let work_ms = match (blow, mode) {
+        (Blow::Kill, _) => "2",
+        (Blow::CloseConnection, "transactional") => "30",
+        (Blow::CloseConnection, _) => "300",
+    };
+    let args = worker_args(mode, owned, &["--work-ms", work_ms]);
     let mut workers: Vec<WorkerProcess> = (0..3)
         .map(|_| spawn_accounts_worker(&url, &q.name, &args))
         .collect();
     wait_for_consumers(&q, 3).await;
-    for round in 0..VERSIONS as usize {
-        for (a, versions) in per_account.iter_mut().enumerate() {
-            q.publish(&entry(&format!("a{a}"), versions[round])).await;
+    // Under a closed connection, the process lives on and runs the turns it reads back
+    // from their rows (no broker needed): the late rounds come after the blow, so that
+    // its successor takes deliveries while it still runs its turns.
+    let publish_rounds = |rounds: std::ops::Range<usize>| {
+        let (q, per_account) = (&q, &per_account);
+        async move {
+            for round in rounds {
+                for (a, versions) in per_account.iter().enumerate() {
+                    q.publish(&entry(&format!("a{a}"), versions[round])).await;
+                }
+            }
         }
-    }
+    };
+    publish_rounds(0..before).await;
     let total = (ACCOUNTS as i64) * VERSIONS;
     wait_until(SETTLE, "a third applied", || async {
         applied_count(&pool).await >= total / 3
@@ -198,14 +234,29 @@ async fn shuffled_in_order_across_a_kill(
         .iter()
         .position(|w| w.child.id() == u32::try_from(last).ok())
         .expect("the last entry's process is one of the three");
-    let mut victim = workers.swap_remove(at);
-    signal(&victim, "KILL");
-    let _ = victim.child.wait().await;
+    let mut _d = None;
+    match blow {
+        Blow::Kill => {
+            let mut victim = workers.swap_remove(at);
+            signal(&victim, "KILL");
+            let _ = victim.child.wait().await;
+            _d = Some(spawn_accounts_worker(&url, &q.name, &args));
+        }
+        Blow::CloseConnection => {
+            let pid = workers[at].pid();
+            let closed = tokio::task::spawn_blocking(move || {
+                close_broker_connections_of("accounts_worker", pid)
+            })
+            .await
+            .unwrap();
+            assert!(closed >= 1, "closed the active process's connection");
+        }
+    }
     assert!(
         applied_count(&pool).await < total,
-        "the kill came after the end"
+        "the blow came after the end"
     );
-    let _d = spawn_accounts_worker(&url, &q.name, &args);
+    publish_rounds(before..VERSIONS as usize).await;
     wait_until(SETTLE, "every entry applied and acked", || async {
         applied_count(&pool).await >= total && all_settled(&q).await && waiting(&pool).await == 0
     })
@@ -231,9 +282,20 @@ async fn shuffled_in_order_across_a_kill(
         0,
         "two entries of one account ran at once"
     );
-    // More than one process applied entries: the order held across them.
+    // More than one process applied entries: the order held across them. (After a
+    // closed connection, the process that lived on may have run every turn left from
+    // its rows and its successor's parks.)
     let pids = pids().await;
-    assert!(pids >= 2, "{pids} process(es) applied entries");
+    println!("{pids} process(es) applied entries");
+    if blow == Blow::Kill {
+        assert!(pids >= 2, "{pids} process(es) applied entries");
+    } else {
+        // Its second session: it connected again (a standby, or active once more).
+        wait_until(SETTLE, "the closed process consuming again", || async {
+            workers[at].log_count("owned_order=true") >= 2
+        })
+        .await;
+    }
     // Which path ordered the entries: the gate's function is called at every entry;
     // owned order never calls it. Counted once every session of the workers ended (a
     // session's counts reach the statistics when it ends, at the latest).
@@ -276,7 +338,7 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_leased(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "leased", false).await;
+    shuffled_in_order_across_a_kill(o, c, "leased", false, Blow::Kill).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -284,7 +346,7 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_transacti
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "transactional", false).await;
+    shuffled_in_order_across_a_kill(o, c, "transactional", false, Blow::Kill).await;
 }
 
 /// The same under owned order (a single active consumer keeping the positions), the
@@ -294,7 +356,7 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_takeover_lease
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "leased", true).await;
+    shuffled_in_order_across_a_kill(o, c, "leased", true, Blow::Kill).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -302,7 +364,26 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_takeover_trans
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "transactional", true).await;
+    shuffled_in_order_across_a_kill(o, c, "transactional", true, Blow::Kill).await;
+}
+
+/// Owned order across a broker connection the broker closes under the active process:
+/// the process lives on, its in-flight turns end against positions another process
+/// now owns, and it comes back as a standby with nothing remembered.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_applies_shuffled_sequences_in_order_across_a_closed_connection_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    shuffled_in_order_across_a_kill(o, c, "leased", true, Blow::CloseConnection).await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_applies_shuffled_sequences_in_order_across_a_closed_connection_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    shuffled_in_order_across_a_kill(o, c, "transactional", true, Blow::CloseConnection).await;
 }
 
 /// A turn handed in process to a worker that died comes back through a sweep. A

@@ -568,41 +568,6 @@ async fn two_worker_processes_on_one_queue_book_each_event_once(
     assert_eq!(owners, 2, "both workers took part");
 }
 
-/// Closes the broker connections of one worker process (by its connection name), as
-/// `rabbitmqctl close_all_connections` would, without disturbing parallel tests.
-fn close_broker_connections_of(pid: u32) -> usize {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args(["-q", "list_connections", "pid", "client_properties"])
-        .output()
-        .expect("rabbitmqctl");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let name = format!("orders_worker-{pid}");
-    // The name followed by a non-digit, so pid 12 does not match orders_worker-123.
-    let names_worker = |line: &str| {
-        line.match_indices(&name)
-            .any(|(i, _)| !line[i + name.len()..].starts_with(|c: char| c.is_ascii_digit()))
-    };
-    let mut closed = 0;
-    for line in text.lines().filter(|l| names_worker(l)) {
-        let Some(conn) = line.split_whitespace().next() else {
-            continue;
-        };
-        let status = std::process::Command::new("rabbitmqctl")
-            .args([
-                "-q",
-                "close_connection",
-                conn,
-                "test: connection closed under load",
-            ])
-            .status()
-            .expect("rabbitmqctl");
-        if status.success() {
-            closed += 1;
-        }
-    }
-    closed
-}
-
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn broker_connection_closed_under_load_loses_and_repeats_nothing(
     pool_options: PgPoolOptions,
@@ -633,9 +598,10 @@ async fn broker_connection_closed_under_load_loses_and_repeats_nothing(
             ledger(&pool).await.len() >= (drops + 1) * EVENTS / 4
         })
         .await;
-        let closed = tokio::task::spawn_blocking(move || close_broker_connections_of(pid))
-            .await
-            .unwrap();
+        let closed =
+            tokio::task::spawn_blocking(move || close_broker_connections_of("orders_worker", pid))
+                .await
+                .unwrap();
         assert!(closed >= 1, "closed the worker's connection");
         drops += 1;
     }

@@ -599,6 +599,41 @@ pub async fn idem_cli(database_url: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// Closes the broker connections of one worker process (named `<program>-<pid>`), as
+/// `rabbitmqctl close_all_connections` would, without disturbing parallel tests.
+pub fn close_broker_connections_of(program: &str, pid: u32) -> usize {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "pid", "client_properties"])
+        .output()
+        .expect("rabbitmqctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let name = format!("{program}-{pid}");
+    // The name followed by a non-digit, so pid 12 does not match <program>-123.
+    let names_worker = |line: &str| {
+        line.match_indices(&name)
+            .any(|(i, _)| !line[i + name.len()..].starts_with(|c: char| c.is_ascii_digit()))
+    };
+    let mut closed = 0;
+    for line in text.lines().filter(|l| names_worker(l)) {
+        let Some(conn) = line.split_whitespace().next() else {
+            continue;
+        };
+        let status = std::process::Command::new("rabbitmqctl")
+            .args([
+                "-q",
+                "close_connection",
+                conn,
+                "test: connection closed under load",
+            ])
+            .status()
+            .expect("rabbitmqctl");
+        if status.success() {
+            closed += 1;
+        }
+    }
+    closed
+}
+
 /// Sends a signal to a child process.
 pub fn signal(worker: &WorkerProcess, signal: &str) {
     let pid = worker.pid();
