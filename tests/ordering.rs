@@ -149,7 +149,7 @@ enum Blow {
 /// three processes; the one that applied last is dealt `blow` after a third is applied
 /// (`owned`: the queue's single active consumer, whose standby takes over). Every
 /// account's entries are applied once each, in version order.
-async fn shuffled_in_order_across_a_kill(
+async fn shuffled_in_order_across_a_blow(
     o: PgPoolOptions,
     c: PgConnectOptions,
     mode: &str,
@@ -338,7 +338,7 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_leased(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "leased", false, Blow::Kill).await;
+    shuffled_in_order_across_a_blow(o, c, "leased", false, Blow::Kill).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -346,7 +346,7 @@ async fn shuffled_sequences_apply_in_order_across_processes_and_a_kill_transacti
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "transactional", false, Blow::Kill).await;
+    shuffled_in_order_across_a_blow(o, c, "transactional", false, Blow::Kill).await;
 }
 
 /// The same under owned order (a single active consumer keeping the positions), the
@@ -356,7 +356,7 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_takeover_lease
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "leased", true, Blow::Kill).await;
+    shuffled_in_order_across_a_blow(o, c, "leased", true, Blow::Kill).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -364,7 +364,7 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_takeover_trans
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "transactional", true, Blow::Kill).await;
+    shuffled_in_order_across_a_blow(o, c, "transactional", true, Blow::Kill).await;
 }
 
 /// Owned order across a broker connection the broker closes under the active process:
@@ -375,7 +375,7 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_closed_connect
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "leased", true, Blow::CloseConnection).await;
+    shuffled_in_order_across_a_blow(o, c, "leased", true, Blow::CloseConnection).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -383,7 +383,7 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_closed_connect
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    shuffled_in_order_across_a_kill(o, c, "transactional", true, Blow::CloseConnection).await;
+    shuffled_in_order_across_a_blow(o, c, "transactional", true, Blow::CloseConnection).await;
 }
 
 /// A turn handed in process to a worker that died comes back through a sweep. A

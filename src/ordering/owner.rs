@@ -154,7 +154,8 @@ pub(crate) async fn park(
              -- the position, but only where gc could be deleting it now (moved longer
              -- than half the retention ago): a gc that missed this row must have begun
              -- half a retention after this statement. A write on a position a batch
-             -- is moving waits for that batch's commit, and costs half the park.
+             -- is moving waits for that batch's commit, and was a third of the park's
+             -- time (docs/PERFORMANCE.md).
              UPDATE ordering_positions p SET last_seq = m.top
                FROM (SELECT scope, ordering_key, max(seq) AS top FROM kept
                       GROUP BY scope, ordering_key) m
