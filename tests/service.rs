@@ -365,24 +365,6 @@ fn queue_config(queue: &TestQueue, shutdown_timeout: Duration) -> WorkerConfig {
     }
 }
 
-/// The broker's connections whose client-provided name is `name`: their pids
-/// (`rabbitmqctl`); `None` without rabbitmqctl.
-fn connection_pids(name: &str) -> Option<Vec<String>> {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args(["-q", "list_connections", "pid", "client_properties"])
-        .output()
-        .ok()
-        .filter(|out| out.status.success())?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let named = format!("{{\"connection_name\",\"{name}\"}}");
-    Some(
-        text.lines()
-            .filter(|l| l.contains(&named))
-            .filter_map(|l| l.split('\t').next().map(str::to_owned))
-            .collect(),
-    )
-}
-
 fn service_config() -> ServiceConfig {
     ServiceConfig {
         amqp_url: amqp_url(),

@@ -599,25 +599,30 @@ pub async fn idem_cli(database_url: &str, args: &[&str]) -> String {
     stdout
 }
 
-/// Closes the broker connections of one worker process (named `<program>-<pid>`), as
-/// `rabbitmqctl close_all_connections` would, without disturbing parallel tests.
-pub fn close_broker_connections_of(program: &str, pid: u32) -> usize {
+/// The broker's connections whose client-provided name is `name`: their pids
+/// (`rabbitmqctl`); `None` without rabbitmqctl.
+pub fn connection_pids(name: &str) -> Option<Vec<String>> {
     let out = std::process::Command::new("rabbitmqctl")
         .args(["-q", "list_connections", "pid", "client_properties"])
         .output()
-        .expect("rabbitmqctl");
+        .ok()
+        .filter(|out| out.status.success())?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let name = format!("{program}-{pid}");
-    // The name followed by a non-digit, so pid 12 does not match <program>-123.
-    let names_worker = |line: &str| {
-        line.match_indices(&name)
-            .any(|(i, _)| !line[i + name.len()..].starts_with(|c: char| c.is_ascii_digit()))
-    };
+    let named = format!("{{\"connection_name\",\"{name}\"}}");
+    Some(
+        text.lines()
+            .filter(|l| l.contains(&named))
+            .filter_map(|l| l.split('\t').next().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// Closes the broker connections of one worker process (named `<program>-<pid>`), as
+/// `rabbitmqctl close_all_connections` would, without disturbing parallel tests.
+pub fn close_broker_connections_of(program: &str, pid: u32) -> usize {
+    let pids = connection_pids(&format!("{program}-{pid}")).expect("rabbitmqctl");
     let mut closed = 0;
-    for line in text.lines().filter(|l| names_worker(l)) {
-        let Some(conn) = line.split_whitespace().next() else {
-            continue;
-        };
+    for conn in &pids {
         let status = std::process::Command::new("rabbitmqctl")
             .args([
                 "-q",
