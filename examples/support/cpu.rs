@@ -2,8 +2,8 @@
 //! all zero): RabbitMQ's VM, Postgres's processes, the bench itself, and one process
 //! it started (a server under test).
 
-/// CPU clock ticks (10 ms each) used so far. Processes that exit between two
-/// readings take their ticks with them: a bench keeps its connections open.
+/// CPU clock ticks (10 ms each) used so far. Postgres's backends that exited count
+/// (their postmaster reaped them), as do this process's children it waited for.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuTicks {
     pub rabbitmq: u64,
@@ -12,6 +12,8 @@ pub struct CpuTicks {
     pub this: u64,
     /// The process whose pid [`CpuTicks::now`] was given.
     pub other: u64,
+    /// This process's children that it waited for (a bench's workers, once stopped).
+    pub children: u64,
 }
 
 impl CpuTicks {
@@ -23,6 +25,8 @@ impl CpuTicks {
         let Ok(dir) = std::fs::read_dir("/proc") else {
             return ticks;
         };
+        // Postgres's pids, to tell the postmaster (whose parent is not one of them).
+        let mut postgres: Vec<(String, String, u64, u64)> = Vec::new();
         for entry in dir.flatten() {
             let pid = entry.file_name();
             let Some(pid) = pid
@@ -40,19 +44,31 @@ impl CpuTicks {
             };
             let comm = &stat[open + 1..close];
             let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-            // utime and stime are fields 14 and 15 of the line, 12 and 13 after comm.
-            let used = fields
-                .get(11..13)
-                .map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum())
-                .unwrap_or(0);
+            // utime and stime are fields 14 and 15 of the line, 12 and 13 after comm;
+            // the reaped children's cutime and cstime follow.
+            let sum = |range: std::ops::Range<usize>| -> u64 {
+                fields
+                    .get(range)
+                    .map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum())
+                    .unwrap_or(0)
+            };
+            let (used, reaped) = (sum(11..13), sum(13..15));
             if pid == me {
                 ticks.this += used;
+                ticks.children += reaped;
             } else if other.as_deref() == Some(pid) {
                 ticks.other += used;
             } else if comm.starts_with("beam") {
-                ticks.rabbitmq += used;
+                ticks.rabbitmq += used + reaped;
             } else if comm.starts_with("postgres") || comm.starts_with("postmaster") {
-                ticks.postgres += used;
+                let parent = fields.get(1).map_or(String::new(), |p| (*p).to_owned());
+                postgres.push((pid.to_owned(), parent, used, reaped));
+            }
+        }
+        for (_, parent, used, reaped) in &postgres {
+            ticks.postgres += used;
+            if !postgres.iter().any(|(pid, ..)| pid == parent) {
+                ticks.postgres += reaped;
             }
         }
         ticks
@@ -69,6 +85,7 @@ impl CpuTicks {
             postgres: us(self.postgres, now.postgres),
             this: us(self.this, now.this),
             other: us(self.other, now.other),
+            children: us(self.children, now.children),
         }
     }
 }
@@ -80,4 +97,5 @@ pub struct CpuPerOp {
     pub postgres: f64,
     pub this: f64,
     pub other: f64,
+    pub children: f64,
 }
