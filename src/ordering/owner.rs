@@ -247,7 +247,12 @@ pub(crate) async fn move_on<'e>(
                                    WITH ORDINALITY AS t(s, k, n, op, idem, i)),
          moved AS (
              UPDATE ordering_positions p
-                SET next_seq = t.n + 1, last_seq = greatest(p.last_seq, t.n), moved_at = now(),
+                -- moved_at only once it is a second old: with no indexed column
+                -- changed, a move is a HOT update (no new entries in the positions'
+                -- indexes; each move was two, and bloated them).
+                SET next_seq = t.n + 1, last_seq = greatest(p.last_seq, t.n),
+                    moved_at = CASE WHEN p.moved_at < now() - interval '1 second' THEN now()
+                                    ELSE p.moved_at END,
                     holder_operation = NULL, holder_key = NULL, held_since = NULL
                FROM t
               WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.n
