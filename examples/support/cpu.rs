@@ -1,6 +1,6 @@
 //! CPU time used by the processes a bench drives, read from `/proc` (Linux; elsewhere
-//! all zero): RabbitMQ's VM, Postgres's processes, the bench itself, and one process
-//! it started (a server under test).
+//! all zero): RabbitMQ's VM, Postgres's processes, the bench itself, one process it
+//! started (a server under test), and the processes it started and waited for.
 
 /// CPU clock ticks (10 ms each) used so far. Postgres's backends that exited count
 /// (their postmaster reaped them), as do this process's children it waited for.
