@@ -451,6 +451,56 @@ async fn a_turn_handed_to_a_worker_that_died_comes_back_at_the_next_redelivery(
     .await;
 }
 
+/// Owned order: a turn handed in process to an owner that died is published again by
+/// the next owner as soon as the queue is its own (its first delivery), not by a sweep
+/// (a minute here), and no redelivery wakes one: the handed delivery was acked when it
+/// was parked.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_next(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-takeover").await;
+    prepare_as(&pool, &url, &q, true).await;
+    let args = worker_args("transactional", true, &["--sweep-every-ms", "60000"]);
+    let first = spawn_accounts_worker(&url, &q.name, &args);
+    q.publish(&entry("x", 2)).await;
+    wait_until(SETTLE, "x's 2 waiting", || async {
+        waiting(&pool).await == 1 && all_settled(&q).await
+    })
+    .await;
+    drop(first);
+    // What the owner that died leaves: 1 completed, the position moved to 2 and x's 2
+    // handed to it in process a moment ago (not stale for a sweep).
+    sqlx::query("UPDATE ordering_positions SET next_seq = 2")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE ordering_waiting SET released_at = now(), releases = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let next = spawn_accounts_worker(&url, &q.name, &args);
+    q.publish(&entry("y", 1)).await;
+    wait_until(
+        Duration::from_secs(20),
+        "x's 2 and y's 1 applied",
+        || async {
+            let applied = applied(&pool).await;
+            applied.get("x") == Some(&vec![2]) && applied.get("y") == Some(&vec![1])
+        },
+    )
+    .await;
+    assert!(next.log_contains("owned order: took over the turns a previous owner was handed"));
+    assert!(!next.log_contains("ordering sweep released waiting deliveries"));
+    wait_until(SETTLE, "nothing left waiting", || async {
+        waiting(&pool).await == 0 && all_settled(&q).await
+    })
+    .await;
+}
+
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries
 /// wait (no retry tier, no dead letter), while account `b` runs to its end. `idem ops
 /// ordering list` says what blocks `a`; once the failure is fixed and the dead letter

@@ -331,6 +331,44 @@ pub(crate) async fn fetch(
     Ok(places.iter().map(|place| found.remove(place)).collect())
 }
 
+/// The turns a previous owner of `queue` was handed in process and did not complete
+/// (it died, or lost its consumer): rows at their entity's turn, with no holder,
+/// released (or parked, for a turn it was to fetch) more than `before` ago, and not run
+/// under a live lease, released again to be published. Called once `before` after a
+/// session's first delivery: what was handed before it is the previous owner's, as the
+/// broker gives a single-active-consumer queue to the next consumer only once the
+/// last one is gone. What the stale sweep would publish a second or more later.
+pub(crate) async fn taken_over(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    queue: &str,
+    before: Duration,
+) -> Result<Vec<Released>, StoreError> {
+    let rows: Vec<WaitingRow> = sqlx::query_as(
+        "UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+           FROM ordering_positions p
+          WHERE w.queue = $1 AND p.scope = w.scope AND p.ordering_key = w.ordering_key
+            AND w.seq = p.next_seq AND p.holder_key IS NULL
+            AND coalesce(w.released_at, w.waiting_since) < now() - $2 * interval '1 millisecond'
+            AND NOT EXISTS (
+                SELECT 1 FROM processed_operations o
+                 WHERE o.scope = w.scope AND o.operation = w.operation
+                   AND o.idempotency_key = w.idempotency_key
+                   AND o.status IN ('processing', 'pending')
+                   AND o.lease_expires_at > now())
+         RETURNING w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key, w.queue,
+                   w.body, w.properties, true",
+    )
+    .bind(queue)
+    .bind(crate::db::millis(before))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|row| readable(row, keys))
+        .collect())
+}
+
 /// Records the turn at `place` as held by the delivery that ran it and did not complete
 /// (retrying, pending, dead-lettered): operators see what blocks the entity, a skip
 /// waits for its live lease, and the sweep moves on past it once a copy completes

@@ -27,7 +27,7 @@ use crate::dead_letter::Reason;
 use crate::fault::Fault;
 use crate::handler::{Envelope, Handler};
 use crate::metrics;
-use crate::ordering::{Entered, Entry, Gate, Ordered, Released, table};
+use crate::ordering::{Entered, Entry, Gate, Ordered, Released, owner, table};
 use crate::store::{Store, StoreError};
 use crate::{topology, trace};
 
@@ -343,6 +343,35 @@ pub(super) async fn publish(channel: &Channel, released: &Released) {
             seq = released.seq,
             "a waiting delivery's turn came but it was not published; the sweep tries again"
         ),
+    }
+}
+
+/// How long after an owned queue's first delivery [`take_over`] looks: a statement the
+/// previous owner had in flight when it died commits within it.
+const TAKEOVER_AFTER: Duration = Duration::from_millis(200);
+
+/// On an owned queue, once after a session's first delivery: publishes to `queue` the
+/// turns a previous owner was handed in process and never completed
+/// ([`owner::taken_over`]). Its deliveries come back from the broker, but a turn handed
+/// from a waiting row was acked when it was parked: without this, its entity waits for
+/// the sweep, a second or more after the release went stale.
+pub(super) async fn take_over(store: Store, channel: Channel, queue: String) {
+    tokio::time::sleep(TAKEOVER_AFTER).await;
+    match owner::taken_over(store.pool(), store.keys(), &queue, TAKEOVER_AFTER).await {
+        Ok(released) => {
+            if !released.is_empty() {
+                info!(
+                    queue = %queue,
+                    released = released.len(),
+                    "owned order: took over the turns a previous owner was handed"
+                );
+            }
+            for r in &released {
+                publish(&channel, r).await;
+            }
+        }
+        // The sweep releases them once stale.
+        Err(error) => warn!(error = %crate::text::error_line(&error), "owned order: takeover"),
     }
 }
 

@@ -18,6 +18,7 @@ use tracing::{info, warn};
 
 use super::acks::Acks;
 use super::follow_ups::FollowUpChannel;
+use super::ordered;
 use super::owned::Positions;
 use super::route::{Routes, Unrouted};
 use super::settle::Links;
@@ -181,6 +182,9 @@ impl Session {
         self.broker.set(&config.queue, true);
 
         let consuming = Instant::now();
+        // Owned order: what a previous owner of the queue left handed is taken over
+        // once this session's first delivery shows the queue is this process's.
+        let mut take_over = config.single_active_consumer;
         let lost = |error: Failure| SessionError {
             lived: Some(consuming.elapsed()),
             error,
@@ -227,6 +231,10 @@ impl Session {
                 _permit: permit,
             };
             self.spawn(tasks, links.clone(), delivery, ticket);
+            if std::mem::take(&mut take_over) {
+                let (store, queue) = (self.unrouted.store.clone(), config.queue.clone());
+                tasks.spawn(ordered::take_over(store, publish.clone(), queue));
+            }
         }
 
         info!(queue = %config.queue, "shutting down: no new deliveries, waiting for handlers in flight");
