@@ -501,6 +501,73 @@ async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_ne
     .await;
 }
 
+/// Owned order, leased mode: a turn's move is in its handler's commit while at most half
+/// the queue's runs are taken, else batched right after the commit. A process that
+/// aborts between that commit and its ack (failpoint `after-complete`) tells them
+/// apart: at concurrency 4 the position has moved with the record, at concurrency 1 it
+/// has not. Either way the next process moves on from the redelivery (the record
+/// decides it: applied once) and runs the account's next entry.
+async fn owned_leased_move_across_a_crash_after_the_commit(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+    concurrency: &str,
+    moved_in_commit: bool,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new(&format!("ordering-move-c{concurrency}")).await;
+    prepare_as(&pool, &url, &q, true).await;
+    let args = worker_args("leased", true, &["--concurrency", concurrency]);
+    let crash = [("IDEM_FAILPOINT", "after-complete")];
+    let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
+    q.publish(&entry("x", 1)).await;
+    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
+        .await
+        .expect("the worker reaches the failpoint")
+        .unwrap();
+    assert!(!status.success(), "aborted after the commit: {status:?}");
+    assert_eq!(applied(&pool).await.get("x"), Some(&vec![1]));
+    let next_seq = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT next_seq FROM ordering_positions WHERE ordering_key = 'account-x'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(next_seq().await, if moved_in_commit { 2 } else { 1 });
+    let _next = spawn_accounts_worker(&url, &q.name, &args);
+    q.publish(&entry("x", 2)).await;
+    wait_until(
+        SETTLE,
+        "x's 1 and 2 applied once each, in order",
+        || async {
+            applied(&pool).await.get("x") == Some(&vec![1, 2])
+                && next_seq().await == 3
+                && waiting(&pool).await == 0
+                && all_settled(&q).await
+        },
+    )
+    .await;
+    assert_eq!(applied(&pool).await.get("x"), Some(&vec![1, 2]));
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_leased_turn_moves_in_its_handlers_commit_while_few_run(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    owned_leased_move_across_a_crash_after_the_commit(o, c, "4", true).await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_leased_turn_moves_after_its_commit_under_load(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    owned_leased_move_across_a_crash_after_the_commit(o, c, "1", false).await;
+}
+
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries
 /// wait (no retry tier, no dead letter), while account `b` runs to its end. `idem ops
 /// ordering list` says what blocks `a`; once the failure is fixed and the dead letter
