@@ -386,6 +386,27 @@ async fn owned_order_applies_shuffled_sequences_in_order_across_a_closed_connect
     shuffled_in_order_across_a_blow(o, c, "transactional", true, Blow::CloseConnection).await;
 }
 
+/// Waits (20 s at most: less than the tests' sweep interval) for x's 2 and y's 1, which a
+/// sweep or a takeover brings back.
+async fn x2_and_y1_applied(pool: &PgPool) {
+    wait_until(
+        Duration::from_secs(20),
+        "x's 2 and y's 1 applied",
+        || async {
+            let applied = applied(pool).await;
+            applied.get("x") == Some(&vec![2]) && applied.get("y") == Some(&vec![1])
+        },
+    )
+    .await;
+}
+
+async fn nothing_left_waiting(pool: &PgPool, q: &TestQueue) {
+    wait_until(SETTLE, "nothing left waiting", || async {
+        waiting(pool).await == 0 && all_settled(q).await
+    })
+    .await;
+}
+
 /// A turn handed in process to a worker that died comes back through a sweep. A
 /// redelivery (what the dead worker held, given back by the broker) wakes the sweep of a
 /// worker that remains: the turn comes back about a second after its release went
@@ -434,21 +455,10 @@ async fn a_turn_handed_to_a_worker_that_died_comes_back_at_the_next_redelivery(
     .await
     .unwrap();
     consumer.close(200, "a consumer goes".into()).await.unwrap();
-    wait_until(
-        Duration::from_secs(20),
-        "x's 2 and y's 1 applied",
-        || async {
-            let applied = applied(&pool).await;
-            applied.get("x") == Some(&vec![2]) && applied.get("y") == Some(&vec![1])
-        },
-    )
-    .await;
+    x2_and_y1_applied(&pool).await;
     assert!(worker.log_contains("ordering sweep released waiting deliveries"));
     assert!(worker.log_contains("redelivered=true"));
-    wait_until(SETTLE, "nothing left waiting", || async {
-        waiting(&pool).await == 0 && all_settled(&q).await
-    })
-    .await;
+    nothing_left_waiting(&pool, &q).await;
 }
 
 /// Owned order: a turn handed in process to an owner that died is published again by
@@ -484,21 +494,10 @@ async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_ne
         .unwrap();
     let next = spawn_accounts_worker(&url, &q.name, &args);
     q.publish(&entry("y", 1)).await;
-    wait_until(
-        Duration::from_secs(20),
-        "x's 2 and y's 1 applied",
-        || async {
-            let applied = applied(&pool).await;
-            applied.get("x") == Some(&vec![2]) && applied.get("y") == Some(&vec![1])
-        },
-    )
-    .await;
+    x2_and_y1_applied(&pool).await;
     assert!(next.log_contains("owned order: took over the turns a previous owner was handed"));
     assert!(!next.log_contains("ordering sweep released waiting deliveries"));
-    wait_until(SETTLE, "nothing left waiting", || async {
-        waiting(&pool).await == 0 && all_settled(&q).await
-    })
-    .await;
+    nothing_left_waiting(&pool, &q).await;
 }
 
 /// Owned order, leased mode: a turn's move is in its handler's commit while at most half
