@@ -67,11 +67,11 @@ pub struct WorkerConfig {
     /// over when it stops or dies. On such a queue, order per entity is *owned*
     /// (docs/DESIGN.md, "Owned order"): the consuming process keeps the positions of
     /// its entities in memory, so a turn takes no lock and no write before it runs: on
-    /// the shuffled bench, ordered deliveries ran at 0.53–0.58 of the unordered pace in
-    /// transactional mode and 0.59–0.78 in leased mode, against 0.39–0.54 through the
-    /// gate (docs/PERFORMANCE.md), within one process's capacity. A queue declared
-    /// without it cannot take it later
-    /// (406 PRECONDITION_FAILED: delete the queue, or use another). Off by default.
+    /// the shuffled bench (one worker SIGKILLed), ordered deliveries ran at 0.48–0.58 of
+    /// the unordered pace in transactional mode and 0.76–0.87 in leased mode, against
+    /// 0.35–0.50 through the gate (docs/PERFORMANCE.md), within one process's capacity.
+    /// A queue declared without it cannot take it later (406 PRECONDITION_FAILED:
+    /// delete the queue, or use another). Off by default.
     pub single_active_consumer: bool,
     /// When several handlers of a [`crate::Service`] share the queue, where the message
     /// type that picks one is read (the AMQP `type` property unless told otherwise).
