@@ -334,8 +334,8 @@ pub(crate) async fn fetch(
 /// The turns a previous owner of `queue` was handed in process and did not complete
 /// (it died, or lost its consumer): rows at their entity's turn, with no holder,
 /// released (or parked, for a turn it was to fetch) more than `before` ago, and not run
-/// under a live lease, released again to be published. Called once `before` after a
-/// session's first delivery: what was handed before it is the previous owner's, as the
+/// under a live lease, released again to be published. `before`: the time since a
+/// session's first delivery; what was handed before it is the previous owner's, as the
 /// broker gives a single-active-consumer queue to the next consumer only once the
 /// last one is gone. What the stale sweep would publish a second or more later.
 pub(crate) async fn taken_over(

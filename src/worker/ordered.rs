@@ -7,7 +7,7 @@
 //! behind, and keeps the gauges.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Channel};
@@ -350,14 +350,17 @@ pub(super) async fn publish(channel: &Channel, released: &Released) {
 /// previous owner had in flight when it died commits within it.
 const TAKEOVER_AFTER: Duration = Duration::from_millis(200);
 
-/// On an owned queue, once after a session's first delivery: publishes to `queue` the
-/// turns a previous owner was handed in process and never completed
-/// ([`owner::taken_over`]). Its deliveries come back from the broker, but a turn handed
-/// from a waiting row was acked when it was parked: without this, its entity waits for
-/// the sweep, a second or more after the release went stale.
-pub(super) async fn take_over(store: Store, channel: Channel, queue: String) {
-    tokio::time::sleep(TAKEOVER_AFTER).await;
-    match owner::taken_over(store.pool(), store.keys(), &queue, TAKEOVER_AFTER).await {
+/// On an owned queue, once after a session's first delivery (`first`, when it came):
+/// publishes to `queue` the turns a previous owner was handed in process before then
+/// and never completed ([`owner::taken_over`]). Its deliveries come back from the
+/// broker, but a turn handed from a waiting row was acked when it was parked: without
+/// this, its entity waits for the sweep, a second or more after the release went stale.
+pub(super) async fn take_over(store: Store, channel: Channel, queue: String, first: Instant) {
+    tokio::time::sleep_until((first + TAKEOVER_AFTER).into()).await;
+    // Counted back from the statement to the first delivery (a pool that makes it wait
+    // must not let in what this process released since).
+    let since_first = first.elapsed();
+    match owner::taken_over(store.pool(), store.keys(), &queue, since_first).await {
         Ok(released) => {
             if !released.is_empty() {
                 info!(

@@ -233,7 +233,8 @@ impl Session {
             self.spawn(tasks, links.clone(), delivery, ticket);
             if std::mem::take(&mut take_over) {
                 let (store, queue) = (self.unrouted.store.clone(), config.queue.clone());
-                tasks.spawn(ordered::take_over(store, publish.clone(), queue));
+                let first = Instant::now();
+                tasks.spawn(ordered::take_over(store, publish.clone(), queue, first));
             }
         }
 
