@@ -107,13 +107,13 @@ pub(crate) async fn park(
     retention: Duration,
     entries: &[Entry],
 ) -> Result<Vec<Parked>, StoreError> {
-    let text = |f: &dyn Fn(&Entry) -> String| entries.iter().map(f).collect::<Vec<String>>();
-    let scopes = text(&|e| e.key.scope().to_owned());
-    let ordering_keys = text(&|e| e.ordered.key.clone());
-    let operations = text(&|e| e.key.operation().to_owned());
-    let idempotency_keys = text(&|e| e.key.idempotency_key().to_owned());
-    let fingerprints = text(&|e| e.fingerprint.clone());
-    let queues = text(&|e| e.queue.clone());
+    let text = |f: for<'a> fn(&'a Entry) -> &'a str| entries.iter().map(f).collect::<Vec<_>>();
+    let scopes = text(|e| e.key.scope());
+    let ordering_keys = text(|e| &e.ordered.key);
+    let operations = text(|e| e.key.operation());
+    let idempotency_keys = text(|e| e.key.idempotency_key());
+    let fingerprints = text(|e| &e.fingerprint);
+    let queues = text(|e| &e.queue);
     let seqs: Vec<i64> = entries
         .iter()
         .map(|e| e.ordered.sequence.unwrap_or_default())
@@ -123,16 +123,7 @@ pub(crate) async fn park(
         .map(|e| protect::seal_body(keys, &e.body))
         .collect();
     let properties: Vec<&[u8]> = entries.iter().map(|e| e.properties.as_slice()).collect();
-    type Row = (
-        i64,
-        bool,
-        bool,
-        Option<i64>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-    );
-    let rows: Vec<Row> = sqlx::query_as(
+    let rows: Vec<ParkRow> = sqlx::query_as(
         "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
                                          $5::text[], $6::text[], $7::text[], $8::bytea[],
                                          $9::bytea[])
@@ -198,20 +189,34 @@ pub(crate) async fn park(
     .fetch_all(pool)
     .await?;
     let mut answers = vec![Parked::Again; entries.len()];
-    for (i, kept, passed, seq, operation, key, fingerprint) in rows {
-        let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
-            continue;
-        };
-        *slot = match (kept, passed, seq, operation, key, fingerprint) {
-            (true, ..) => Parked::Kept,
-            (false, true, ..) => Parked::Passed,
-            (false, false, Some(seq), Some(op), Some(key), Some(fp)) => {
-                Parked::Found(seq, op, key, fp)
-            }
-            _ => Parked::Again,
-        };
+    for row in rows {
+        if let Some(slot) = index(row.0).and_then(|i| answers.get_mut(i)) {
+            *slot = parked(row);
+        }
     }
     Ok(answers)
+}
+
+/// A row of [`park`]: the entry's ordinal, whether it was kept, whether the position
+/// passed it, and the row in its way (`seq`, operation, idempotency key, fingerprint).
+type ParkRow = (
+    i64,
+    bool,
+    bool,
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// What a row of [`park`] says of its entry.
+fn parked((_, kept, passed, seq, operation, key, fingerprint): ParkRow) -> Parked {
+    match (kept, passed, seq, operation, key, fingerprint) {
+        (true, ..) => Parked::Kept,
+        (false, true, ..) => Parked::Passed,
+        (false, false, Some(seq), Some(op), Some(key), Some(fp)) => Parked::Found(seq, op, key, fp),
+        _ => Parked::Again,
+    }
 }
 
 /// A row of [`move_on`]: the item's ordinal, and the row released at the next number
