@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::table::{self, Entry, Released, WaitingRow};
+use super::table::{Entry, Released, WaitingRow, readable};
 use crate::protect::{self, Keys};
 use crate::store::StoreError;
 
@@ -427,21 +427,6 @@ pub(crate) async fn decided(
     .fetch_one(pool)
     .await?;
     Ok(decided)
-}
-
-/// A released row read back, or `None` (logged) when it cannot be: a body sealed under
-/// a key no longer configured stays released, and the sweep shows its entity stalled.
-fn readable(row: WaitingRow, keys: Option<&Keys>) -> Option<Released> {
-    let (scope, key, seq) = (row.0.clone(), row.1.clone(), row.2);
-    table::released(row, keys)
-        .map_err(|error| {
-            tracing::warn!(
-                error = %crate::text::error_line(&error),
-                scope = %scope, ordering_key = %key, seq,
-                "a waiting delivery cannot be read back; its entity stays stalled"
-            )
-        })
-        .ok()
 }
 
 /// A 1-based ordinal as an index.

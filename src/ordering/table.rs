@@ -214,27 +214,29 @@ pub(crate) async fn release<'e>(
     .bind(!in_commit)
     .fetch_all(executor)
     .await?;
-    // Each row on its own: one that cannot be opened (a body sealed under a key no
-    // longer configured) must not hold back the others. It stays released; the entity
-    // shows as stalled.
+    // Each row on its own: one that cannot be opened must not hold back the others.
     Ok(rows
         .into_iter()
-        .filter_map(|row| {
-            let (scope, key, seq) = (row.0.clone(), row.1.clone(), row.2);
-            released(row, keys)
-                .map_err(|error| {
-                    tracing::warn!(
-                        error = %crate::text::error_line(&error),
-                        scope = %scope, ordering_key = %key, seq,
-                        "a waiting delivery cannot be read back; its entity stays stalled"
-                    )
-                })
-                .ok()
-        })
+        .filter_map(|row| readable(row, keys))
         .collect())
 }
 
-pub(crate) fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
+/// A released row read back, or `None` (logged) when it cannot be: a body sealed under
+/// a key no longer configured stays released, and the sweep shows its entity stalled.
+pub(crate) fn readable(row: WaitingRow, keys: Option<&Keys>) -> Option<Released> {
+    let (scope, key, seq) = (row.0.clone(), row.1.clone(), row.2);
+    released(row, keys)
+        .map_err(|error| {
+            tracing::warn!(
+                error = %crate::text::error_line(&error),
+                scope = %scope, ordering_key = %key, seq,
+                "a waiting delivery cannot be read back; its entity stays stalled"
+            )
+        })
+        .ok()
+}
+
+fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError> {
     let (scope, ordering_key, seq, operation, idempotency_key, queue, body, properties, turn) = row;
     let properties = serde_json::from_slice(&properties)
         .map_err(|error| StoreError::UnknownClaimRow(format!("waiting properties: {error}")))?;
