@@ -11,7 +11,8 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 use super::batch::Batcher;
 use super::decision::{self, Decided, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
-use super::ordered;
+use super::ordered::{self, Entity};
+use super::owned::{Owner, Turn};
 use super::parse::{Parsed, parse};
 use super::settle::{Incoming, Links, Settler, Source};
 use super::transactional::{TxAnswer, TxRequest};
@@ -218,32 +219,11 @@ pub(crate) async fn walk<H: Handler>(
     if keeps_out(circuit, admission) {
         return Ok(Decided::paused(parsed.key));
     }
-    let (mut entity, mut turn) = (None, None);
-    if let Some(ordering) = runtime.handler.ordering(&message) {
-        let taken = (parsed.key.scope().to_owned(), ordering.key.clone());
-        let owner = runtime.owner.as_ref().zip(incoming.positions.as_ref());
-        match (owner, ordering.sequence) {
-            // Owned order: numbered deliveries of a queue with a single active consumer.
-            (Some((owner, positions)), Some(_)) => {
-                match ordered::enter_owned(runtime, owner, positions, incoming, &parsed, ordering)
-                    .await?
-                {
-                    Ok(held) => turn = held,
-                    Err(verdict) => return Ok(Decided::with_key(verdict, parsed.key, None)),
-                }
-            }
-            _ => {
-                if !incoming.holds_turn
-                    && let Some(verdict) =
-                        ordered::enter(runtime, incoming, &parsed, ordering).await?
-                {
-                    return Ok(Decided::with_key(verdict, parsed.key, None));
-                }
-                parsed.entity = Some(taken.clone());
-                entity = Some(taken);
-            }
-        }
-    }
+    let Entered { entity, turn } =
+        match enter_order(runtime, incoming, &mut parsed, &message).await? {
+            Ok(entered) => entered,
+            Err(verdict) => return Ok(Decided::with_key(verdict, parsed.key, None)),
+        };
     // With a single active consumer, deliveries are taken up to the prefetch: the runs
     // are held to the concurrency here (after the early ones were parked).
     let running = match &incoming.positions {
@@ -279,21 +259,68 @@ pub(crate) async fn walk<H: Handler>(
     decided.handed = handed;
     drop(running);
     if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
-        // Moved on before the ack (in transactional mode, in the batch's commit, which
-        // handed what it released): after it, a crash would leave nobody to move it.
-        match (
-            ordered::moves_on(decided.verdict.outcome),
-            decided.handed.take(),
-        ) {
-            (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next)).await?),
-            (true, None) => decided.handed = Some(turn.complete(owner).await?),
-            (false, handed) => {
-                decided.handed = handed;
-                decided.owned = Some(turn);
-            }
-        }
+        move_owned(owner, turn, &mut decided).await?;
     }
     Ok(decided)
+}
+
+/// Where a delivery let into its entity's order stands: the entity whose turn it
+/// holds under the gate, or its turn held in memory under owned order (neither for a
+/// handler that orders nothing).
+#[derive(Default)]
+struct Entered {
+    entity: Option<Entity>,
+    turn: Option<Turn>,
+}
+
+/// Lets a delivery into its entity's order, if its handler orders it; a verdict when
+/// it does not run now (early and parked, passed, in conflict).
+async fn enter_order<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    parsed: &mut Parsed,
+    message: &H::Message,
+) -> Result<Result<Entered, Verdict>, Failure> {
+    let Some(ordering) = runtime.handler.ordering(message) else {
+        return Ok(Ok(Entered::default()));
+    };
+    let owner = runtime.owner.as_ref().zip(incoming.positions.as_ref());
+    if let (Some((owner, positions)), Some(_)) = (owner, ordering.sequence) {
+        // Owned order: numbered deliveries of a queue with a single active consumer.
+        let entered =
+            ordered::enter_owned(runtime, owner, positions, incoming, parsed, ordering).await?;
+        return Ok(entered.map(|turn| Entered { entity: None, turn }));
+    }
+    let entity = (parsed.key.scope().to_owned(), ordering.key.clone());
+    if !incoming.holds_turn
+        && let Some(verdict) = ordered::enter(runtime, incoming, parsed, ordering).await?
+    {
+        return Ok(Err(verdict));
+    }
+    parsed.entity = Some(entity.clone());
+    Ok(Ok(Entered {
+        entity: Some(entity),
+        turn: None,
+    }))
+}
+
+/// Moves an owned turn's entity on before the ack, when its run completed (in
+/// transactional mode, in the batch's commit, which handed what it released): after
+/// the ack, a crash would leave nobody to move it. A turn that did not complete stays
+/// with the decision, which records it as its entity's holder.
+async fn move_owned(owner: &Owner, turn: Turn, decided: &mut Decided) -> Result<(), Failure> {
+    match (
+        ordered::moves_on(decided.verdict.outcome),
+        decided.handed.take(),
+    ) {
+        (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next)).await?),
+        (true, None) => decided.handed = Some(turn.complete(owner).await?),
+        (false, handed) => {
+            decided.handed = handed;
+            decided.owned = Some(turn);
+        }
+    }
+    Ok(())
 }
 
 /// Leased mode: claims the key, then runs or reconciles under the lease as the decision

@@ -418,29 +418,10 @@ pub(super) async fn sweep_every(
         if woken {
             idle = 1;
         }
-        let due = counted.is_none_or(|at| at.elapsed() + every >= counted_every);
-        let stats = async {
-            if due {
-                table::stats(store.pool(), stall_after).await.map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-        match stats.await {
-            Ok(None) => {}
-            Ok(Some((stalled, waiting))) => {
-                counted = Some(tokio::time::Instant::now());
-                metrics::ordering_backlog(stalled, waiting);
-                if stalled > 0 {
-                    warn!(
-                        stalled,
-                        stall_after_s = stall_after.as_secs(),
-                        "entities stalled: deliveries wait behind a turn that does not come; \
-                         idem ops ordering"
-                    );
-                }
-            }
-            Err(error) => debug!(error = %crate::text::error_line(&error), "ordering stats"),
+        if counted.is_none_or(|at| at.elapsed() + every >= counted_every)
+            && count_backlog(&store, stall_after).await
+        {
+            counted = Some(tokio::time::Instant::now());
         }
         let entities = match table::unmoved(store.pool(), SWEEP_BATCH, every).await {
             Ok(entities) if entities.is_empty() => {
@@ -456,16 +437,9 @@ pub(super) async fn sweep_every(
                 continue;
             }
         };
-        if channel.as_ref().is_none_or(|c| !c.status().connected()) {
-            channel = match confirming(&publishing).await {
-                Ok(c) => Some(c),
-                Err(error) => {
-                    debug!(error = %crate::text::error_line(&error), "ordering sweep: broker");
-                    continue;
-                }
-            };
-        }
-        let Some(channel) = &channel else { continue };
+        let Some(channel) = reopened(&mut channel, &publishing).await else {
+            continue;
+        };
         match table::release(store.pool(), store.keys(), &entities, false).await {
             Ok(released) => {
                 if !released.is_empty() {
@@ -481,6 +455,47 @@ pub(super) async fn sweep_every(
             Err(error) => warn!(error = %crate::text::error_line(&error), "ordering sweep"),
         }
     }
+}
+
+/// Counts the deliveries waiting and the stalled entities for the gauges, warning of
+/// stalled ones; whether it could.
+async fn count_backlog(store: &Store, stall_after: Duration) -> bool {
+    match table::stats(store.pool(), stall_after).await {
+        Ok((stalled, waiting)) => {
+            metrics::ordering_backlog(stalled, waiting);
+            if stalled > 0 {
+                warn!(
+                    stalled,
+                    stall_after_s = stall_after.as_secs(),
+                    "entities stalled: deliveries wait behind a turn that does not come; \
+                     idem ops ordering"
+                );
+            }
+            true
+        }
+        Err(error) => {
+            debug!(error = %crate::text::error_line(&error), "ordering stats");
+            false
+        }
+    }
+}
+
+/// The sweep's confirming channel, opened again once closed; `None` while the broker
+/// cannot be reached.
+async fn reopened<'c>(
+    channel: &'c mut Option<Channel>,
+    publishing: &Connector,
+) -> Option<&'c Channel> {
+    if channel.as_ref().is_none_or(|c| !c.status().connected()) {
+        match confirming(publishing).await {
+            Ok(c) => *channel = Some(c),
+            Err(error) => {
+                debug!(error = %crate::text::error_line(&error), "ordering sweep: broker");
+                return None;
+            }
+        }
+    }
+    channel.as_ref()
 }
 
 /// Waits `pause`, or [`AFTER_REDELIVERY`] after `redelivered` woke it: whether a

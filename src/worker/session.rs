@@ -149,29 +149,12 @@ impl Session {
             opened = self.open() => opened,
             _ = shutdown.cancelled() => {
                 // Handlers of a lost session may still run: they finish first.
-                drain(tasks, self.config.shutdown_timeout).await;
+                drain(tasks, config.shutdown_timeout).await;
                 return Ok(());
             }
         };
-        let Open {
-            publishing,
-            consume,
-            publish,
-            mut consumer,
-        } = opened.map_err(|error| SessionError { lived: None, error })?;
-        let frame_max = publishing.configuration().frame_max();
-        let acks = Acks::spawn(consume.clone(), config.batch_linger);
-        let links = Links {
-            publish: publish.clone(),
-            follow_ups: Arc::new(FollowUpChannel::new(publishing.clone())),
-            acks: acks.clone(),
-            frame_max,
-            // Known afresh by every session: while this one had no consumer, another
-            // process may have owned the queue and moved its entities.
-            positions: config
-                .single_active_consumer
-                .then(|| Arc::new(Positions::new(config.concurrency))),
-        };
+        let mut open = opened.map_err(|error| SessionError { lived: None, error })?;
+        let links = self.links(&open);
         info!(
             queue = %config.queue,
             prefetch = config.prefetch,
@@ -180,51 +163,86 @@ impl Session {
             "consuming"
         );
         self.broker.set(&config.queue, true);
-
         let consuming = Instant::now();
+        if let Err(error) = self
+            .consume(shutdown, tasks, permits, &mut open, &links)
+            .await
+        {
+            close_channels(&open.consume, &open.publish).await;
+            return Err(SessionError {
+                lived: Some(consuming.elapsed()),
+                error,
+            });
+        }
+
+        info!(queue = %config.queue, "shutting down: no new deliveries, waiting for handlers in flight");
+        let cancel = open
+            .consume
+            .basic_cancel(open.consumer.tag(), BasicCancelOptions::default());
+        let _ = tokio::time::timeout(Duration::from_secs(1), cancel).await;
+        drain(tasks, config.shutdown_timeout).await;
+        links.acks.flush().await;
+        // Deliveries prefetched but never started are requeued by the broker on close;
+        // the connection is closed once every queue sharing it has drained.
+        close_channels(&open.consume, &open.publish).await;
+        Ok(())
+    }
+
+    /// What the deliveries of a session settle with.
+    fn links(&self, open: &Open) -> Links {
+        Links {
+            publish: open.publish.clone(),
+            follow_ups: Arc::new(FollowUpChannel::new(open.publishing.clone())),
+            acks: Acks::spawn(open.consume.clone(), self.config.batch_linger),
+            frame_max: open.publishing.configuration().frame_max(),
+            // Known afresh by every session: while this one had no consumer, another
+            // process may have owned the queue and moved its entities.
+            positions: self
+                .config
+                .single_active_consumer
+                .then(|| Arc::new(Positions::new(self.config.concurrency))),
+        }
+    }
+
+    /// Takes deliveries, each in a task of its own as a permit frees up and the circuit
+    /// lets it in, until shutdown (`Ok`) or until the session is lost.
+    async fn consume(
+        &self,
+        shutdown: &CancellationToken,
+        tasks: &TaskTracker,
+        permits: &Arc<Semaphore>,
+        open: &mut Open,
+        links: &Links,
+    ) -> Result<(), Failure> {
         // Owned order: what a previous owner of the queue left handed is taken over
         // once this session's first delivery shows the queue is this process's.
-        let mut take_over = config.single_active_consumer;
-        let lost = |error: Failure| SessionError {
-            lived: Some(consuming.elapsed()),
-            error,
-        };
+        let mut take_over = self.config.single_active_consumer;
         loop {
             let permit = tokio::select! {
                 permit = permits.clone().acquire_owned() => match permit {
                     Ok(permit) => permit,
-                    Err(_) => break,
+                    Err(_) => return Ok(()),
                 },
-                _ = shutdown.cancelled() => break,
+                _ = shutdown.cancelled() => return Ok(()),
             };
             let next = tokio::select! {
-                next = consumer.next() => next,
-                _ = shutdown.cancelled() => break,
+                next = open.consumer.next() => next,
+                _ = shutdown.cancelled() => return Ok(()),
             };
-            let delivery = match delivered(next) {
-                Ok(delivery) => delivery,
-                Err(error) => {
-                    close_channels(&consume, &publish).await;
-                    return Err(lost(error));
-                }
-            };
-            let (admission, turn) = match self.admitted(shutdown, &consume).await {
+            let delivery = delivered(next)?;
+            let (admission, turn) = match self.admitted(shutdown, &open.consume).await {
                 Admitted::Run(admission, turn) => (admission, turn),
-                Admitted::Shutdown => break,
-                Admitted::ChannelLost => {
-                    close_channels(&consume, &publish).await;
-                    return Err(lost(Failure::ConsumerCancelled));
-                }
+                Admitted::Shutdown => return Ok(()),
+                Admitted::ChannelLost => return Err(Failure::ConsumerCancelled),
             };
-            if !publishing.status().connected() || !publish.status().connected() {
+            if !open.publishing.status().connected() || !open.publish.status().connected() {
                 // Settling needs it: this delivery is left unacked (the close gives it
                 // back), the decided acks go out first, and a new session opens a new
                 // publishing connection.
-                acks.flush().await;
-                close_channels(&consume, &publish).await;
-                return Err(lost(Failure::PublisherLost));
+                links.acks.flush().await;
+                return Err(Failure::PublisherLost);
             }
-            acks.delivered(delivery.delivery_tag);
+            links.acks.delivered(delivery.delivery_tag);
             let ticket = Ticket {
                 admission,
                 _turn: turn,
@@ -232,21 +250,16 @@ impl Session {
             };
             self.spawn(tasks, links.clone(), delivery, ticket);
             if std::mem::take(&mut take_over) {
-                let (store, queue) = (self.unrouted.store.clone(), config.queue.clone());
+                let (store, queue) = (self.unrouted.store.clone(), self.config.queue.clone());
                 let first = Instant::now();
-                tasks.spawn(ordered::take_over(store, publish.clone(), queue, first));
+                tasks.spawn(ordered::take_over(
+                    store,
+                    open.publish.clone(),
+                    queue,
+                    first,
+                ));
             }
         }
-
-        info!(queue = %config.queue, "shutting down: no new deliveries, waiting for handlers in flight");
-        let cancel = consume.basic_cancel(consumer.tag(), BasicCancelOptions::default());
-        let _ = tokio::time::timeout(Duration::from_secs(1), cancel).await;
-        drain(tasks, config.shutdown_timeout).await;
-        acks.flush().await;
-        // Deliveries prefetched but never started are requeued by the broker on close;
-        // the connection is closed once every queue sharing it has drained.
-        close_channels(&consume, &publish).await;
-        Ok(())
     }
 }
 
