@@ -464,7 +464,8 @@ async fn a_turn_handed_to_a_worker_that_died_comes_back_at_the_next_redelivery(
 /// Owned order: a turn handed in process to an owner that died is published again by
 /// the next owner as soon as the queue is its own (its first delivery), not by a sweep
 /// (a minute here), and no redelivery wakes one: the handed delivery was acked when it
-/// was parked.
+/// was parked. So is one that ran long enough there to be recorded as its entity's
+/// holder (z's 2).
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_next(
     o: PgPoolOptions,
@@ -477,13 +478,15 @@ async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_ne
     let args = worker_args("transactional", true, &["--sweep-every-ms", "60000"]);
     let first = spawn_accounts_worker(&url, &q.name, &args);
     q.publish(&entry("x", 2)).await;
-    wait_until(SETTLE, "x's 2 waiting", || async {
-        waiting(&pool).await == 1 && all_settled(&q).await
+    q.publish(&entry("z", 2)).await;
+    wait_until(SETTLE, "x's and z's 2 waiting", || async {
+        waiting(&pool).await == 2 && all_settled(&q).await
     })
     .await;
     drop(first);
     // What the owner that died leaves: 1 completed, the position moved to 2 and x's 2
-    // handed to it in process a moment ago (not stale for a sweep).
+    // handed to it in process a moment ago (not stale for a sweep); z's 2 too, which
+    // ran long enough to be recorded as z's holder.
     sqlx::query("UPDATE ordering_positions SET next_seq = 2")
         .execute(&pool)
         .await
@@ -492,9 +495,22 @@ async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_ne
         .execute(&pool)
         .await
         .unwrap();
+    sqlx::query(
+        "UPDATE ordering_positions p
+            SET holder_operation = w.operation, holder_key = w.idempotency_key, held_since = now()
+           FROM ordering_waiting w
+          WHERE w.ordering_key = p.ordering_key AND p.ordering_key = 'account-z'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let next = spawn_accounts_worker(&url, &q.name, &args);
     q.publish(&entry("y", 1)).await;
     x2_and_y1_applied(&pool).await;
+    wait_until(Duration::from_secs(20), "z's 2 applied", || async {
+        applied(&pool).await.get("z") == Some(&vec![2])
+    })
+    .await;
     assert!(next.log_contains("owned order: took over the turns a previous owner was handed"));
     assert!(!next.log_contains("ordering sweep released waiting deliveries"));
     nothing_left_waiting(&pool, &q).await;
@@ -758,6 +774,93 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].reason.as_deref(), Some("sequence_passed"));
     assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
+}
+
+/// Under owned order, a turn that runs long is written down as its entity's holder:
+/// account `h`'s 1 is held in its handler (the test locks `account_entries` against its
+/// insert) with 2 parked behind it; the listing says `running` with 1's key, and a skip
+/// is refused (it would run 2 beside 1). Once the lock goes, 1 and 2 apply in order and
+/// the move clears the holder.
+async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new(&format!("ordering-long-{mode}")).await;
+    prepare_as(&pool, &url, &q, true).await;
+    let worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, true, &[]));
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE account_entries IN EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    q.publish(&entry("h", 1)).await;
+    q.publish(&entry("h", 2)).await;
+    let listed = || async {
+        let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
+        serde_json::from_str::<serde_json::Value>(&listed).unwrap()
+    };
+    wait_until(SETTLE, "1 listed as running", || async {
+        listed().await[0]["blocked_by"] == "running"
+    })
+    .await;
+    let position = listed().await;
+    assert_eq!(position[0]["next_seq"], 1, "{position}");
+    assert_eq!(
+        position[0]["holder"]["idempotency_key"], "h-v1",
+        "{position}"
+    );
+    let (code, _) = run_idem(
+        &url,
+        &[
+            "ops",
+            "ordering",
+            "skip",
+            "--scope",
+            "acme",
+            "--key",
+            "account-h",
+            "--note",
+            "x",
+        ],
+    )
+    .await;
+    assert_ne!(code, 0, "the skip of a running turn is refused");
+    let next: i64 = sqlx::query_scalar(
+        "SELECT next_seq FROM ordering_positions WHERE ordering_key = 'account-h'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(next, 1, "nothing skipped");
+    lock.rollback().await.unwrap();
+    wait_until(SETTLE, "1 and 2 applied", || async {
+        applied(&pool).await.get("h").is_some_and(|v| v.len() == 2) && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["h"], vec![1, 2]);
+    let holder: Option<String> = sqlx::query_scalar(
+        "SELECT holder_key FROM ordering_positions WHERE ordering_key = 'account-h'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(holder, None, "the move cleared the holder");
+    drop(worker);
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_long_turn_is_listed_running_and_not_skipped_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    long_owned_turn(o, c, "leased").await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_long_turn_is_listed_running_and_not_skipped_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    long_owned_turn(o, c, "transactional").await;
 }
 
 /// Account `g` gets 1, 2, 4, 5: 4 and 5 wait behind the gap; after the stall time the

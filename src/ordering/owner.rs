@@ -337,7 +337,8 @@ pub(crate) async fn fetch(
 }
 
 /// The turns a previous owner of `queue` was handed in process and did not complete
-/// (it died, or lost its consumer): rows at their entity's turn, with no holder,
+/// (it died, or lost its consumer): rows at their entity's turn, with no holder (or
+/// held by themselves: a turn handed in process that ran long, see [`running`]),
 /// released (or parked, for a turn it was to fetch) more than `before` ago, and not run
 /// under a live lease, released again to be published. `before`: the time since a
 /// session's first delivery; what was handed before it is the previous owner's, as the
@@ -353,7 +354,9 @@ pub(crate) async fn taken_over(
         "UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
            FROM ordering_positions p
           WHERE w.queue = $1 AND p.scope = w.scope AND p.ordering_key = w.ordering_key
-            AND w.seq = p.next_seq AND p.holder_key IS NULL
+            AND w.seq = p.next_seq
+            AND (p.holder_key IS NULL
+                 OR (p.holder_operation = w.operation AND p.holder_key = w.idempotency_key))
             AND coalesce(w.released_at, w.waiting_since) < now() - $2 * interval '1 millisecond'
             AND NOT EXISTS (
                 SELECT 1 FROM processed_operations o
@@ -390,6 +393,27 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
             SET holder_operation = $4, holder_key = $5, held_since = now()
           WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3
             AND holder_key IS DISTINCT FROM $5",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .bind(seq)
+    .bind(&done.operation)
+    .bind(&done.idempotency_key)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Records the turn at `place` as held by the delivery running it, which has run for a
+/// while ([`MARK_AFTER`](crate::worker)): the listing shows it running and a skip is
+/// refused, as under the gate. Only while the position is at its number with no holder:
+/// a move that committed first (the turn ended) or a holder written since wins.
+pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
+    let (scope, ordering_key, seq) = &done.place;
+    sqlx::query(
+        "UPDATE ordering_positions
+            SET holder_operation = $4, holder_key = $5, held_since = now()
+          WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3 AND holder_key IS NULL",
     )
     .bind(scope)
     .bind(ordering_key)

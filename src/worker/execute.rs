@@ -240,20 +240,26 @@ pub(crate) async fn walk<H: Handler>(
     {
         parsed.owned = Some(held.done());
     }
-    let (verdict, handed) = match &runtime.transactions {
-        Some(transactions) => {
-            drop(message); // the batch deserializes its own
-            let request = TxRequest {
-                claim: request,
-                value: parsed.value.clone(),
-                trace: trace::outgoing(&span, incoming.trace.as_ref()),
-                envelope: incoming.envelope.clone(),
-                entity: parsed.entity.clone(),
-                owned: parsed.owned.clone(),
-            };
-            in_transaction(runtime, transactions, incoming, request, retries).await?
+    let run = async {
+        match &runtime.transactions {
+            Some(transactions) => {
+                drop(message); // the batch deserializes its own
+                let request = TxRequest {
+                    claim: request,
+                    value: parsed.value.clone(),
+                    trace: trace::outgoing(&span, incoming.trace.as_ref()),
+                    envelope: incoming.envelope.clone(),
+                    entity: parsed.entity.clone(),
+                    owned: parsed.owned.clone(),
+                };
+                in_transaction(runtime, transactions, incoming, request, retries).await
+            }
+            None => leased(runtime, incoming, &parsed, message, &request, retries).await,
         }
-        None => leased(runtime, incoming, &parsed, message, &request, retries).await?,
+    };
+    let (verdict, handed) = match (&turn, &runtime.owner) {
+        (Some(held), Some(owner)) => owner.marked_if_long(held, run).await?,
+        _ => run.await?,
     };
     let mut decided = Decided::with_key(verdict, parsed.key, entity);
     decided.handed = handed;

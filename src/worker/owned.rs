@@ -37,6 +37,11 @@ use crate::store::Store;
 /// the entity; an entity moving faster never pays it).
 pub(super) const FRESH: Duration = Duration::from_secs(1);
 
+/// How long an owned turn runs before it is written down as its entity's holder: from
+/// then on operators see it running (`idem ops ordering`), and a skip of it is refused
+/// as under the gate. Shorter turns, nearly all, write nothing at their start.
+pub(super) const MARK_AFTER: Duration = Duration::from_secs(1);
+
 /// Most entities kept in memory: past it, those idle are forgotten (read again when
 /// their next delivery comes).
 const MAX_ENTITIES: usize = 100_000;
@@ -166,6 +171,25 @@ impl Owner {
 }
 
 impl Owner {
+    /// Runs `run`, the run of `turn`; one that takes longer than [`MARK_AFTER`] is
+    /// recorded as its entity's holder meanwhile (fenced: only while the position is at
+    /// its number and has no holder). Its completion's move clears the holder.
+    pub(super) async fn marked_if_long<F: Future>(&self, turn: &Turn, run: F) -> F::Output {
+        let mut run = std::pin::pin!(run);
+        tokio::select! {
+            biased;
+            out = &mut run => return out,
+            () = tokio::time::sleep(MARK_AFTER) => {}
+        }
+        let mark = async {
+            if let Err(error) = owner::running(self.store.pool(), &turn.done()).await {
+                warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
+            }
+        };
+        let (out, ()) = tokio::join!(run, mark);
+        out
+    }
+
     /// Reads `entity`'s position from the database into `positions` (created at
     /// `first` when it has none).
     async fn read(
