@@ -712,53 +712,17 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     assert_eq!(listed[0]["next_seq"], 3);
     assert_eq!(listed[0]["first_waiting"], 4);
 
-    let (code, _) = run_idem(
-        &url,
-        &[
-            "ops",
-            "ordering",
-            "skip",
-            "--scope",
-            "nobody",
-            "--key",
-            "account-g",
-            "--note",
-            "x",
-        ],
-    )
-    .await;
+    let (code, _) = run_idem(&url, &skip_args("nobody", "account-g", &["--note", "x"])).await;
     assert_ne!(code, 0, "an unknown entity is not skipped");
     let said = idem_cli(
         &url,
-        &[
-            "ops",
-            "ordering",
-            "skip",
-            "--scope",
-            "acme",
-            "--key",
-            "account-g",
-            "--note",
-            "3 was lost upstream",
-        ],
+        &skip_args("acme", "account-g", &["--note", "3 was lost upstream"]),
     )
     .await;
     assert!(said.contains("sequence 3"), "{said}");
     let (code, _) = run_idem(
         &url,
-        &[
-            "ops",
-            "ordering",
-            "skip",
-            "--scope",
-            "acme",
-            "--key",
-            "account-g",
-            "--seq",
-            "3",
-            "--note",
-            "again",
-        ],
+        &skip_args("acme", "account-g", &["--seq", "3", "--note", "again"]),
     )
     .await;
     assert_ne!(code, 0, "a turn listed before it moved is not skipped");
@@ -774,6 +738,13 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].reason.as_deref(), Some("sequence_passed"));
     assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
+}
+
+/// The arguments of `idem ops ordering skip` for `key` of `scope`, and `more`.
+fn skip_args<'a>(scope: &'a str, key: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["ops", "ordering", "skip", "--scope", scope, "--key", key];
+    args.extend_from_slice(more);
+    args
 }
 
 /// Under owned order, a turn that runs long is written down as its entity's holder:
@@ -808,21 +779,7 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
         position[0]["holder"]["idempotency_key"], "h-v1",
         "{position}"
     );
-    let (code, _) = run_idem(
-        &url,
-        &[
-            "ops",
-            "ordering",
-            "skip",
-            "--scope",
-            "acme",
-            "--key",
-            "account-h",
-            "--note",
-            "x",
-        ],
-    )
-    .await;
+    let (code, _) = run_idem(&url, &skip_args("acme", "account-h", &["--note", "x"])).await;
     assert_ne!(code, 0, "the skip of a running turn is refused");
     let next: i64 = sqlx::query_scalar(
         "SELECT next_seq FROM ordering_positions WHERE ordering_key = 'account-h'",

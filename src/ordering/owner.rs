@@ -384,8 +384,9 @@ pub(crate) async fn taken_over(
 /// its retry copy or dead letter is safe (the sweep would publish the row again and
 /// again, and run it ahead of its retry delay).
 pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
-    let (scope, ordering_key, seq) = &done.place;
-    sqlx::query(
+    write_holder(
+        pool,
+        done,
         "WITH gone AS (
              DELETE FROM ordering_waiting
               WHERE scope = $1 AND operation = $4 AND idempotency_key = $5)
@@ -394,14 +395,7 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
           WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3
             AND holder_key IS DISTINCT FROM $5",
     )
-    .bind(scope)
-    .bind(ordering_key)
-    .bind(seq)
-    .bind(&done.operation)
-    .bind(&done.idempotency_key)
-    .execute(pool)
-    .await?;
-    Ok(())
+    .await
 }
 
 /// Records the turn at `place` as held by the delivery running it, which has run for a
@@ -409,19 +403,28 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
 /// refused, as under the gate. Only while the position is at its number with no holder:
 /// a move that committed first (the turn ended) or a holder written since wins.
 pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
-    let (scope, ordering_key, seq) = &done.place;
-    sqlx::query(
+    write_holder(
+        pool,
+        done,
         "UPDATE ordering_positions
             SET holder_operation = $4, holder_key = $5, held_since = now()
           WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3 AND holder_key IS NULL",
     )
-    .bind(scope)
-    .bind(ordering_key)
-    .bind(seq)
-    .bind(&done.operation)
-    .bind(&done.idempotency_key)
-    .execute(pool)
-    .await?;
+    .await
+}
+
+/// Runs `sql`, a write of `done` as its entity's holder: scope, ordering key, number,
+/// operation and idempotency key are `$1` to `$5`.
+async fn write_holder(pool: &PgPool, done: &Done, sql: &'static str) -> Result<(), StoreError> {
+    let (scope, ordering_key, seq) = &done.place;
+    sqlx::query(sql)
+        .bind(scope)
+        .bind(ordering_key)
+        .bind(seq)
+        .bind(&done.operation)
+        .bind(&done.idempotency_key)
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
