@@ -779,8 +779,16 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
         position[0]["holder"]["idempotency_key"], "h-v1",
         "{position}"
     );
-    let (code, _) = run_idem(&url, &skip_args("acme", "account-h", &["--note", "x"])).await;
-    assert_ne!(code, 0, "the skip of a running turn is refused");
+    let refused = idem_command(&url, &skip_args("acme", "account-h", &["--note", "x"]))
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "the skip of a running turn is refused"
+    );
+    assert!(said.contains("runs now"), "{said}");
     let next: i64 = sqlx::query_scalar(
         "SELECT next_seq FROM ordering_positions WHERE ordering_key = 'account-h'",
     )

@@ -399,9 +399,9 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
 }
 
 /// Records the turn at `place` as held by the delivery running it, which has run for a
-/// while ([`MARK_AFTER`](crate::worker)): the listing shows it running and a skip is
-/// refused, as under the gate. Only while the position is at its number with no holder:
-/// a move that committed first (the turn ended) or a holder written since wins.
+/// second (`MARK_AFTER` in `worker/owned.rs`): the listing shows it running and a skip
+/// is refused, as under the gate. Only while the position is at its number with no
+/// holder: a move that committed first (the turn ended) or a holder written since wins.
 pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
     write_holder(
         pool,
