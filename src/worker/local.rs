@@ -4,6 +4,8 @@
 //! tells what it would have told the broker instead of telling it. A dead letter pins
 //! its record as a worker's does, so that a replay finds what it would find.
 
+use std::pin::Pin;
+
 use tracing::Instrument;
 
 use super::background::Wakes;
@@ -89,10 +91,12 @@ impl<H: Handler> Local<H> {
         incoming: &Incoming<'_>,
     ) -> Result<(LocalDecision, Vec<Released>), Failure> {
         let span = execute::delivery_span(&self.runtime, incoming.envelope.redelivered);
-        let decided = match execute::walk(&self.runtime, incoming)
-            .instrument(span)
-            .await
-        {
+        // Boxed: the walk's future is deep (the decision table, ordering, the handler's
+        // own), and unboxed it became part of every future of a user's test that awaits
+        // the kit, past the compiler's default recursion limit in the user's crate.
+        let walk: Pin<Box<dyn Future<Output = _> + Send + '_>> =
+            Box::pin(execute::walk(&self.runtime, incoming).instrument(span));
+        let decided = match walk.await {
             Ok(decided) => decided,
             Err(error) if error.fault() == Fault::Message => {
                 Decided::without_key(execute::message_fault(&error))
