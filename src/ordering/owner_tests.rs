@@ -1,0 +1,85 @@
+//! Owned order's statements against a real Postgres, one fresh database per test.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use super::{Done, move_on};
+
+fn done(ordering_key: &str) -> Done {
+    Done {
+        place: ("s".into(), ordering_key.into(), 1),
+        operation: "accounts.apply".into(),
+        idempotency_key: format!("entry-{ordering_key}"),
+    }
+}
+
+/// A move of several entities locks their positions in (scope, ordering key) order, as
+/// the sweep's release and the gate do, whatever order its array and the table have:
+/// while a sweep holds `a` and the move waits for it, the sweep can still take `b`.
+/// (Before, the move locked `b` first, the sweep then waited for it, and Postgres broke
+/// the deadlock after a second by failing one of them.)
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_move_locks_positions_in_key_order_as_the_sweep_does(pool: PgPool) {
+    // b's row first in the table, and first in the move's array.
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+         VALUES ('s', 'b', 1, 0), ('s', 'a', 1, 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut sweep = pool.begin().await.unwrap();
+    let lock = "SELECT 1 FROM ordering_positions
+                 WHERE scope = 's' AND ordering_key = $1 FOR UPDATE NOWAIT";
+    sqlx::query(lock)
+        .bind("a")
+        .execute(&mut *sweep)
+        .await
+        .unwrap();
+    let moving = tokio::spawn({
+        let pool = pool.clone();
+        async move { move_on(&pool, None, &[done("b"), done("a")]).await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waits: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock'
+                               AND query LIKE '%ordering_positions%')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waits {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the move never waited for a's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query(lock)
+        .bind("b")
+        .execute(&mut *sweep)
+        .await
+        .expect("the move holds b's lock while it waits for a's");
+    sweep.commit().await.unwrap();
+    let moved = tokio::time::timeout(Duration::from_secs(10), moving)
+        .await
+        .expect("the move did not end once the sweep committed")
+        .unwrap()
+        .unwrap();
+    assert!(
+        moved.iter().all(|m| m.moved),
+        "both positions moved: {moved:?}"
+    );
+    let next: Vec<i64> = sqlx::query_scalar(
+        "SELECT next_seq FROM ordering_positions WHERE scope = 's' ORDER BY ordering_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(next, vec![2, 2]);
+}
