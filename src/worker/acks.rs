@@ -70,8 +70,9 @@ impl Acks {
 
 /// How long a decided delivery's ack waits for older deliveries to be decided before it
 /// goes on its own. The bench (`examples/bench.rs`, `idem_ledger`: leased, handlers
-/// completing out of order): 3,670–3,919 msgs/s against 3,551–3,773 with such acks sent
-/// at once, RabbitMQ's CPU 26–42 µs a message against 48–54 (docs/PERFORMANCE.md).
+/// completing out of order), six pairs: 3,670–3,919 msgs/s against 3,535–3,773 with
+/// such acks sent at once, RabbitMQ's CPU 26–44 µs a message against 46–54
+/// (docs/PERFORMANCE.md).
 const HOLD: Duration = Duration::from_millis(10);
 
 /// One channel's deliveries not yet acked or nacked, those of them decided, and since
