@@ -40,7 +40,7 @@ ON CONFLICT ON CONSTRAINT processed_operations_key DO NOTHING
 RETURNING id, scope, operation, idempotency_key, lease_token, lease_expires_at";
 
 /// A batch's existing keys in one statement: take over what may be taken, report the
-/// rest, exactly as [`CLAIM_SQL`] does for one key.
+/// rest, exactly as [`super::claim`]'s `CLAIM_SQL` does for one key.
 static CLAIM_EXISTING_SQL: LazyLock<String> = LazyLock::new(|| {
     let take = take(NO_EXPIRY, "cur.new_trace_id");
     let same_input = same_payload("i.fp", "i.also");

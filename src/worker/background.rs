@@ -100,7 +100,7 @@ impl Background {
             tasks.push(tokio::spawn(relay.run(shutdown.clone())));
         }
         if let Some(every) = config.ordering_sweep_every {
-            let sweep = super::ordered::sweep_every(
+            let sweep = super::sweep::sweep_every(
                 store.clone(),
                 publishing.clone(),
                 every,

@@ -53,6 +53,7 @@ mod route;
 mod service;
 mod session;
 mod settle;
+mod sweep;
 mod transactional;
 mod undecided;
 

@@ -18,10 +18,10 @@ use tracing::{info, warn};
 
 use super::acks::Acks;
 use super::follow_ups::FollowUpChannel;
-use super::ordered;
 use super::owned::Positions;
 use super::route::{Routes, Unrouted};
 use super::settle::Links;
+use super::sweep;
 use super::{Failure, WorkerConfig, drain};
 use crate::connector::Connector;
 use crate::flow::circuit::{Admission, Circuit, Turn};
@@ -252,12 +252,7 @@ impl Session {
             if std::mem::take(&mut take_over) {
                 let (store, queue) = (self.unrouted.store.clone(), self.config.queue.clone());
                 let first = Instant::now();
-                tasks.spawn(ordered::take_over(
-                    store,
-                    open.publish.clone(),
-                    queue,
-                    first,
-                ));
+                tasks.spawn(sweep::take_over(store, open.publish.clone(), queue, first));
             }
         }
     }
