@@ -70,6 +70,15 @@ async fn overlaps(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
+/// The position of `account` (of the accounts example): whose turn it is.
+async fn next_seq(pool: &PgPool, account: &str) -> i64 {
+    sqlx::query_scalar("SELECT next_seq FROM ordering_positions WHERE ordering_key = $1")
+        .bind(account)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 async fn waiting(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM ordering_waiting")
         .fetch_one(pool)
@@ -542,15 +551,10 @@ async fn owned_leased_move_across_a_crash_after_the_commit(
         .unwrap();
     assert!(!status.success(), "aborted after the commit: {status:?}");
     assert_eq!(applied(&pool).await.get("x"), Some(&vec![1]));
-    let next_seq = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT next_seq FROM ordering_positions WHERE ordering_key = 'account-x'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    assert_eq!(next_seq().await, if moved_in_commit { 2 } else { 1 });
+    assert_eq!(
+        next_seq(&pool, "account-x").await,
+        if moved_in_commit { 2 } else { 1 }
+    );
     let _next = spawn_accounts_worker(&url, &q.name, &args);
     q.publish(&entry("x", 2)).await;
     wait_until(
@@ -558,7 +562,7 @@ async fn owned_leased_move_across_a_crash_after_the_commit(
         "x's 1 and 2 applied once each, in order",
         || async {
             applied(&pool).await.get("x") == Some(&vec![1, 2])
-                && next_seq().await == 3
+                && next_seq(&pool, "account-x").await == 3
                 && waiting(&pool).await == 0
                 && all_settled(&q).await
         },
@@ -789,13 +793,7 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
         "the skip of a running turn is refused"
     );
     assert!(said.contains("runs now"), "{said}");
-    let next: i64 = sqlx::query_scalar(
-        "SELECT next_seq FROM ordering_positions WHERE ordering_key = 'account-h'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(next, 1, "nothing skipped");
+    assert_eq!(next_seq(&pool, "account-h").await, 1, "nothing skipped");
     lock.rollback().await.unwrap();
     wait_until(SETTLE, "1 and 2 applied", || async {
         applied(&pool).await.get("h").is_some_and(|v| v.len() == 2) && all_settled(&q).await

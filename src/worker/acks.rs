@@ -135,10 +135,7 @@ async fn run(channel: Channel, mut rx: mpsc::UnboundedReceiver<Command>, linger:
                 deadline = None;
             }
         }
-        let wake = match (deadline, pending.kept_until()) {
-            (Some(at), Some(kept)) => Some(at.min(kept)),
-            (at, kept) => at.or(kept),
-        };
+        let wake = [deadline, pending.kept_until()].into_iter().flatten().min();
         let command = match wake {
             Some(at) => match tokio::time::timeout_at(at, rx.recv()).await {
                 Ok(command) => command,
