@@ -608,6 +608,73 @@ async fn owned_order_a_failing_predecessor_blocks_only_its_account_until_it_is_r
     blocked_until_replayed(o, c, true).await;
 }
 
+/// Owned order in transactional mode runs a completed turn's parked successors in the
+/// same transaction (a chain). Account `c`'s 3 and 2 wait when its 1 comes: all three
+/// records are written by one transaction. Account `a`'s 4 fails for good: a chain that
+/// meets it stops there (the batch runs again without chains), 1 to 3 run, 4 is
+/// dead-lettered and 5 waits; replayed once fixed, 4 and 5 run in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-chains").await;
+    prepare_as(&pool, &url, &q, true).await;
+    sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('a', 'a-v4')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let _w = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", true, &[]));
+    for (account, v) in [("a", 2), ("a", 4), ("c", 3), ("a", 5), ("a", 3), ("c", 2)] {
+        q.publish(&entry(account, v)).await;
+    }
+    wait_until(SETTLE, "the early entries parked", || async {
+        waiting(&pool).await == 6 && all_settled(&q).await
+    })
+    .await;
+    // c first: a batch whose chain fails runs again without any chain.
+    q.publish(&entry("c", 1)).await;
+    wait_until(SETTLE, "c done", || async {
+        applied(&pool).await.get("c").is_some_and(|v| v.len() == 3) && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["c"], vec![1, 2, 3]);
+    // now() is the start of the transaction: one value for c's three records.
+    let commits: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT created_at) FROM processed_operations
+          WHERE idempotency_key LIKE 'c-v%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(commits, 1, "c's 1, 2 and 3 committed together");
+    q.publish(&entry("a", 1)).await;
+    wait_until(SETTLE, "a blocked at 4", || async {
+        applied(&pool).await.get("a").is_some_and(|v| v.len() == 3)
+            && all_settled(&q).await
+            && q.counts(&q.dlq()).await.0 == 1
+    })
+    .await;
+    assert_eq!(applied(&pool).await["a"], vec![1, 2, 3]);
+    assert_eq!(waiting(&pool).await, 1, "a's 5 waits");
+
+    sqlx::query("DELETE FROM account_failures")
+        .execute(&pool)
+        .await
+        .unwrap();
+    idem_cli(&url, &["dlq", "replay", "--queue", &q.name]).await;
+    wait_until(SETTLE, "a done", || async {
+        applied(&pool).await.get("a").is_some_and(|v| v.len() == 5)
+            && all_settled(&q).await
+            && waiting(&pool).await == 0
+    })
+    .await;
+    assert_eq!(applied(&pool).await["a"], (1..=5).collect::<Vec<_>>());
+    assert_eq!(q.counts(&q.dlq()).await.0, 0);
+}
+
 async fn blocked_until_replayed(o: PgPoolOptions, c: PgConnectOptions, owned: bool) {
     let pool = o.connect_with(c.clone()).await.unwrap();
     let url = database_url(&c);

@@ -29,8 +29,10 @@ pub(crate) struct Moved {
     /// The position was at the turn's number and moved past it; false: it was not
     /// (an operator skipped it, or another process moved it): read it again.
     pub(crate) moved: bool,
-    /// The delivery parked at the next number, released to run now.
-    pub(crate) next: Option<Released>,
+    /// The delivery parked at the next number, released to run now; asked for rows
+    /// ahead ([`move_on`]'s `ahead`), the rows parked at the numbers after the turn, up
+    /// to that many, in order and not released (a chain reads them).
+    pub(crate) next: Vec<Released>,
 }
 
 /// What [`park`] found for one early entry.
@@ -235,7 +237,10 @@ type MovedRow = (
 
 /// Moves each entity past its completed turn, fenced (only where the position is at
 /// that number), with the turn's waiting row if it had one, and releases the row parked
-/// at the next number. On `executor`: the pool, or a transaction.
+/// at the next number. On `executor`: the pool, or a transaction. With `ahead` above
+/// 0 it releases nothing and reads instead the rows parked at the next `ahead` numbers
+/// (a transactional batch runs them in the same commit: `worker/transactional/chain.rs`,
+/// which ends with [`chain_end`]).
 ///
 /// The positions are locked first, in (scope, ordering key) order, as the sweep's
 /// release (`idem_ordering_release`) and the gate lock theirs: an update joined to its
@@ -247,6 +252,7 @@ pub(crate) async fn move_on<'e>(
     executor: impl sqlx::PgExecutor<'e>,
     keys: Option<&Keys>,
     done: &[Done],
+    ahead: i64,
 ) -> Result<Vec<Moved>, StoreError> {
     let scopes: Vec<&str> = done.iter().map(|d| d.place.0.as_str()).collect();
     let ordering_keys: Vec<&str> = done.iter().map(|d| d.place.1.as_str()).collect();
@@ -280,18 +286,34 @@ pub(crate) async fn move_on<'e>(
          released AS (
              UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
                FROM moved m
-              WHERE w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
+              WHERE $6 = 0 AND w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
              RETURNING m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
-                       w.queue, w.body, w.properties)
-         SELECT m.i, r.scope, r.ordering_key, r.seq, r.operation, r.idempotency_key, r.queue,
-                r.body, r.properties
-           FROM moved m LEFT JOIN released r ON r.i = m.i",
+                       w.queue, w.body, w.properties),
+         -- The rows at the numbers right after the turn, up to the first gap.
+         ahead AS (
+             SELECT m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
+                    w.queue, w.body, w.properties
+               FROM moved m CROSS JOIN LATERAL (
+                     SELECT w.*, row_number() OVER (ORDER BY w.seq) AS r
+                       FROM ordering_waiting w
+                      WHERE w.scope = m.s AND w.ordering_key = m.k
+                        AND w.seq > m.n AND w.seq <= m.n + $6) w
+              WHERE $6 > 0 AND w.seq = m.n + w.r)
+         -- Each moved turn once (no row of its own: nothing released or ahead), then
+         -- its rows; no join between them (a nested loop read every row for each turn).
+         SELECT i, NULL::text, NULL::text, NULL::int8, NULL::text, NULL::text, NULL::text,
+                NULL::bytea, NULL::bytea
+           FROM moved
+         UNION ALL SELECT * FROM released
+         UNION ALL SELECT * FROM ahead
+         ORDER BY 1, 4 NULLS FIRST",
     )
     .bind(&scopes)
     .bind(&ordering_keys)
     .bind(&seqs)
     .bind(&operations)
     .bind(&idempotency_keys)
+    .bind(ahead)
     .fetch_all(executor)
     .await?;
     let mut answers = vec![Moved::default(); done.len()];
@@ -310,7 +332,82 @@ pub(crate) async fn move_on<'e>(
             body,
             properties,
         ) {
-            slot.next = readable((s, k, n, op, idem, q, b, p, true), keys);
+            slot.next
+                .extend(readable((s, k, n, op, idem, q, b, p, true), keys));
+        }
+    }
+    Ok(answers)
+}
+
+/// Where a chain ends: the entity's position, moved past its completed turn to `from`
+/// by [`move_on`] in the same transaction, and the number `to` it moves to now (the
+/// rows `from..to` ran in that transaction).
+#[derive(Debug, Clone)]
+pub(crate) struct ChainEnd {
+    pub(crate) scope: String,
+    pub(crate) ordering_key: String,
+    pub(crate) from: i64,
+    pub(crate) to: i64,
+}
+
+/// Ends chains, in the transaction that ran them (after [`move_on`] with rows ahead):
+/// deletes the rows that ran, moves each position from `from` to `to` (fenced; the
+/// transaction holds its lock since the move) and releases the row parked at `to`,
+/// answered for each end in order.
+pub(crate) async fn chain_end(
+    conn: &mut sqlx::PgConnection,
+    keys: Option<&Keys>,
+    ends: &[ChainEnd],
+) -> Result<Vec<Option<Released>>, StoreError> {
+    let scopes: Vec<&str> = ends.iter().map(|e| e.scope.as_str()).collect();
+    let ordering_keys: Vec<&str> = ends.iter().map(|e| e.ordering_key.as_str()).collect();
+    let froms: Vec<i64> = ends.iter().map(|e| e.from).collect();
+    let tos: Vec<i64> = ends.iter().map(|e| e.to).collect();
+    let rows: Vec<MovedRow> = sqlx::query_as(
+        "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[])
+                                   WITH ORDINALITY AS t(s, k, f, e, i)),
+         gone AS (
+             DELETE FROM ordering_waiting w USING t
+              WHERE w.scope = t.s AND w.ordering_key = t.k AND w.seq >= t.f AND w.seq < t.e),
+         moved AS (
+             UPDATE ordering_positions p
+                SET next_seq = t.e, last_seq = greatest(p.last_seq, t.e - 1)
+               FROM t
+              WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.f AND t.e > t.f
+             RETURNING t.i),
+         released AS (
+             UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+               FROM t
+              WHERE w.scope = t.s AND w.ordering_key = t.k AND w.seq = t.e
+                AND (t.e = t.f OR EXISTS (SELECT 1 FROM moved m WHERE m.i = t.i))
+             RETURNING t.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
+                       w.queue, w.body, w.properties)
+         SELECT i, scope, ordering_key, seq, operation, idempotency_key, queue, body,
+                properties
+           FROM released",
+    )
+    .bind(&scopes)
+    .bind(&ordering_keys)
+    .bind(&froms)
+    .bind(&tos)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut answers = vec![None; ends.len()];
+    for (i, scope, ordering_key, seq, operation, key, queue, body, properties) in rows {
+        let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
+            continue;
+        };
+        if let (Some(s), Some(k), Some(n), Some(op), Some(idem), Some(q), Some(b), Some(p)) = (
+            scope,
+            ordering_key,
+            seq,
+            operation,
+            key,
+            queue,
+            body,
+            properties,
+        ) {
+            *slot = readable((s, k, n, op, idem, q, b, p, true), keys);
         }
     }
     Ok(answers)

@@ -39,7 +39,7 @@ async fn a_move_locks_positions_in_key_order_as_the_sweep_does(pool: PgPool) {
         .unwrap();
     let moving = tokio::spawn({
         let pool = pool.clone();
-        async move { move_on(&pool, None, &[done("b"), done("a")]).await }
+        async move { move_on(&pool, None, &[done("b"), done("a")], 0).await }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {

@@ -107,22 +107,12 @@ impl Store {
         conn: &mut PgConnection,
         inputs: &[ClaimRequest],
     ) -> Result<Vec<Found>, StoreError> {
-        self.prepare().await?;
-        let column = |f: fn(&ClaimRequest) -> &str| -> Vec<&str> { inputs.iter().map(f).collect() };
-        let started = Instant::now();
-        let present: Vec<i32> = sqlx::query_scalar(
-            "SELECT * FROM idem_existing_keys($1::text[], $2::text[], $3::text[])",
-        )
-        .bind(column(|c| c.key.scope()))
-        .bind(column(|c| c.key.operation()))
-        .bind(column(|c| c.key.idempotency_key()))
-        .fetch_all(&mut *conn)
-        .await?;
-        metrics::store_round_trip("find_existing", started);
-        let picked: Vec<usize> = present
+        let picked: Vec<usize> = self
+            .existing_in(&mut *conn, inputs)
+            .await?
             .into_iter()
-            .filter_map(|i| usize::try_from(i - 1).ok())
-            .filter(|&i| i < inputs.len())
+            .enumerate()
+            .filter_map(|(i, present)| present.then_some(i))
             .collect();
         let mut index: HashMap<(&str, &str, &str), usize> = HashMap::new();
         for (i, input) in inputs.iter().enumerate() {
@@ -144,6 +134,37 @@ impl Store {
             }
         }
         Ok(found)
+    }
+
+    /// Which keys of `inputs` have a record, in order, in the batch's transaction,
+    /// writing nothing (`idem_existing_keys`, on a cached plan).
+    pub(crate) async fn existing_in(
+        &self,
+        conn: &mut PgConnection,
+        inputs: &[ClaimRequest],
+    ) -> Result<Vec<bool>, StoreError> {
+        self.prepare().await?;
+        let column = |f: fn(&ClaimRequest) -> &str| -> Vec<&str> { inputs.iter().map(f).collect() };
+        let started = Instant::now();
+        let present: Vec<i32> = sqlx::query_scalar(
+            "SELECT * FROM idem_existing_keys($1::text[], $2::text[], $3::text[])",
+        )
+        .bind(column(|c| c.key.scope()))
+        .bind(column(|c| c.key.operation()))
+        .bind(column(|c| c.key.idempotency_key()))
+        .fetch_all(&mut *conn)
+        .await?;
+        metrics::store_round_trip("find_existing", started);
+        let mut existing = vec![false; inputs.len()];
+        for i in present {
+            if let Some(slot) = usize::try_from(i - 1)
+                .ok()
+                .and_then(|i| existing.get_mut(i))
+            {
+                *slot = true;
+            }
+        }
+        Ok(existing)
     }
 
     /// Inserts the records of keys that had none, each with its outcome, in one

@@ -71,15 +71,27 @@ pub(crate) struct DeadLetterOrder {
     pub(crate) pin: Option<i64>,
 }
 
+/// The turns of an entity that a transactional batch ran after one that completed, in
+/// the same commit (owned order: `transactional/chain.rs`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Chained {
+    /// The number the entity's position moved to.
+    pub(crate) to: i64,
+    /// Each turn that ran, for the log: its key's short hash and its number.
+    pub(crate) ran: Vec<(String, i64)>,
+}
+
 /// How a run of the handler, or a reconciliation, ended once its outcome was written.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Ran {
     /// `completed` committed; `reconciled` when `reconcile` found the effect applied.
     /// `handed`: what the same commit released of its entity's order (its next turn,
     /// handed over), when the release ran in it; `None` leaves the release to be made.
+    /// `chained`: the turns after it that its transactional batch ran in the same commit.
     Completed {
         reconciled: bool,
         handed: Option<Vec<crate::ordering::Released>>,
+        chained: Option<Chained>,
     },
     /// Another worker took the operation over; nothing of this run was written.
     LeaseLost,
@@ -379,6 +391,8 @@ pub(crate) struct Decided {
     pub(crate) entity: Option<Entity>,
     /// What the commit that completed it released of that order (see [`Ran::Completed`]).
     pub(crate) handed: Option<Vec<Released>>,
+    /// The turns after it that the same commit ran (see [`Ran::Completed`]).
+    pub(crate) chained: Option<Chained>,
     /// Under owned order, the turn it holds in memory when it did not complete: left
     /// once it is settled.
     pub(crate) owned: Option<super::owned::Turn>,
@@ -391,6 +405,7 @@ impl Decided {
             key: None,
             entity: None,
             handed: None,
+            chained: None,
             owned: None,
         }
     }
@@ -401,6 +416,7 @@ impl Decided {
             key: Some(key),
             entity,
             handed: None,
+            chained: None,
             owned: None,
         }
     }

@@ -194,6 +194,7 @@ fn decision_completed_run_is_acked() {
     let ran = Ran::Completed {
         reconciled: false,
         handed: None,
+        chained: None,
     };
     assert_eq!(
         after_run(ran, None, retries(&p, 0)),
@@ -202,6 +203,7 @@ fn decision_completed_run_is_acked() {
     let reconciled = Ran::Completed {
         reconciled: true,
         handed: None,
+        chained: None,
     };
     assert_eq!(
         after_run(reconciled, None, retries(&p, 0)),

@@ -9,7 +9,7 @@ use lapin::message::Delivery;
 use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 use super::batch::Batcher;
-use super::decision::{self, Decided, Outcome, Ran, Retries, Step, Verdict};
+use super::decision::{self, Chained, Decided, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
 use super::ordered::{self, Entity};
 use super::owned::{Owner, Turn};
@@ -82,12 +82,13 @@ pub(super) async fn decide<H: Handler>(
         tally: runtime.tally.as_deref(),
     };
     async {
-        let (mut entity, mut handed, mut owned) = (None, None, None);
+        let (mut entity, mut handed, mut owned, mut chained) = (None, None, None, None);
         let settled = match walk(runtime, incoming).await {
             Ok(mut decided) => {
                 entity = decided.entity.take();
                 handed = decided.handed.take();
                 owned = decided.owned.take();
+                chained = decided.chained.take();
                 settle(&settler, decided).await
             }
             Err(error) => Err(error),
@@ -106,6 +107,12 @@ pub(super) async fn decide<H: Handler>(
         // made now. A turn handed over in that commit is run whatever became of the ack.
         let next = ordered::released_by(runtime, outcome, entity, handed).await;
         settler.count(outcome.as_str());
+        // The turns its batch ran after it, in the same commit (owned order's chains):
+        // executed, each logged and counted as a delivery of its own.
+        for (key, seq) in chained.map(|c| c.ran).unwrap_or_default() {
+            settler.count(Outcome::Executed.as_str());
+            info!(outcome = Outcome::Executed.as_str(), chained_key = %key, seq, "delivery decided (chained)");
+        }
         let span = Span::current();
         trace::attribute(&span, "idem.outcome", outcome.as_str());
         if settler.dead_lettered.load(Ordering::Relaxed) {
@@ -254,15 +261,18 @@ pub(crate) async fn walk<H: Handler>(
                 };
                 in_transaction(runtime, transactions, incoming, request, retries).await
             }
-            None => leased(runtime, incoming, &parsed, message, &request, retries).await,
+            None => leased(runtime, incoming, &parsed, message, &request, retries)
+                .await
+                .map(|(verdict, handed)| (verdict, handed, None)),
         }
     };
-    let (verdict, handed) = match (&turn, &runtime.owner) {
+    let (verdict, handed, chained) = match (&turn, &runtime.owner) {
         (Some(held), Some(owner)) => owner.marked_if_long(held, run).await?,
         _ => run.await?,
     };
     let mut decided = Decided::with_key(verdict, parsed.key, entity);
     decided.handed = handed;
+    decided.chained = chained;
     drop(running);
     if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
         move_owned(owner, turn, &mut decided).await?;
@@ -315,11 +325,12 @@ async fn enter_order<H: Handler>(
 /// the ack, a crash would leave nobody to move it. A turn that did not complete stays
 /// with the decision, which records it as its entity's holder.
 async fn move_owned(owner: &Owner, turn: Turn, decided: &mut Decided) -> Result<(), Failure> {
+    let to = decided.chained.as_ref().map(|chained| chained.to);
     match (
         ordered::moves_on(decided.verdict.outcome),
         decided.handed.take(),
     ) {
-        (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next)).await?),
+        (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next), to).await?),
         (true, None) => decided.handed = Some(turn.complete(owner).await?),
         (false, handed) => {
             decided.handed = handed;
@@ -459,8 +470,8 @@ async fn in_transaction<H: Handler>(
     incoming: &Incoming<'_>,
     request: TxRequest,
     retries: Retries<'_>,
-) -> Result<(Verdict, Option<Vec<Released>>), Failure> {
-    let mut handed = None;
+) -> Result<(Verdict, Option<Vec<Released>>, Option<Chained>), Failure> {
+    let (mut handed, mut chained) = (None, None);
     let mut immediate = runtime.config.retry.immediate_backoff();
     let circuit = runtime.circuit.as_deref();
     loop {
@@ -478,8 +489,11 @@ async fn in_transaction<H: Handler>(
                     .send(incoming.follow_ups, follow_ups)
                     .await;
                 handed = handed_over(&mut ran);
+                if let Ran::Completed { chained: ran, .. } = &mut ran {
+                    chained = ran.take();
+                }
                 if counted(circuit, incoming.admission, &ran).await {
-                    return Ok((decision::paused(), handed));
+                    return Ok((decision::paused(), handed, chained));
                 }
                 decision::after_run(ran, immediate.next(), retries)
             }
@@ -488,11 +502,11 @@ async fn in_transaction<H: Handler>(
             Err(error) => return Err(error.into()),
         };
         match step {
-            Step::Settle(verdict) => return Ok((verdict, handed)),
+            Step::Settle(verdict) => return Ok((verdict, handed, chained)),
             Step::ClaimAgain { after } => {
                 tokio::time::sleep(after).await;
                 if keeps_out(circuit, incoming.admission) {
-                    return Ok((decision::paused(), handed));
+                    return Ok((decision::paused(), handed, chained));
                 }
             }
             // The batch runs and reconciles what it takes; it never hands a lease out.

@@ -157,11 +157,11 @@ async fn record<H: Handler>(
                     }
                     (None, Some(done)) => {
                         let done = std::slice::from_ref(done);
-                        owner::move_on(&mut *tx, store.keys(), done)
+                        owner::move_on(&mut *tx, store.keys(), done, 0)
                             .await
                             .map(|moved| {
                                 let moved = moved.into_iter().next().filter(|m| m.moved)?;
-                                Some(moved.next.into_iter().collect())
+                                Some(moved.next)
                             })
                     }
                     (None, None) => Ok(None),
@@ -185,7 +185,11 @@ async fn record<H: Handler>(
         },
     };
     let ran = match completed {
-        Ok(true) => Ran::Completed { reconciled, handed },
+        Ok(true) => Ran::Completed {
+            reconciled,
+            handed,
+            chained: None,
+        },
         Ok(false) => Ran::LeaseLost,
         Err(error) if error.fault() == Fault::Message => {
             let why = format!("the result could not be stored: {}", error.describe());

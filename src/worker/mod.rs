@@ -297,25 +297,30 @@ impl<H: Handler> Runtime<H> {
         circuit: Option<Arc<Circuit>>,
     ) -> Self {
         let handler = Arc::new(handler);
-        let transactions =
-            (config.mode == Mode::Transactional).then(|| {
-                let handler = handler.clone();
-                // At most 64 deliveries per transaction: the second pass gives each handler
-                // a savepoint, and past 64 subtransactions Postgres's snapshots slow down
-                // for every session of the database.
-                let config = WorkerConfig {
-                    batch_size: config.batch_size.min(transactional::MAX_BATCH),
-                    ..config.clone()
-                };
-                let handoff = config.outbox.handoff;
-                let batching = Arc::new(transactional::Batching::default());
-                batched(&store, &config, move |store, requests| {
-                    let (handler, batching) = (handler.clone(), batching.clone());
-                    async move {
-                        transactional::run(&*handler, &store, &requests, handoff, &batching).await
-                    }
-                })
-            });
+        let transactions = (config.mode == Mode::Transactional).then(|| {
+            let handler = handler.clone();
+            // At most 64 deliveries per transaction: the second pass gives each handler
+            // a savepoint, and past 64 subtransactions Postgres's snapshots slow down
+            // for every session of the database.
+            let config = WorkerConfig {
+                batch_size: config.batch_size.min(transactional::MAX_BATCH),
+                ..config.clone()
+            };
+            let handoff = config.outbox.handoff;
+            let batching = Arc::new(transactional::Batching::default());
+            let owned: Option<Arc<str>> = config
+                .single_active_consumer
+                .then(|| config.queue.as_str().into());
+            batched(&store, &config, move |store, requests| {
+                let (handler, batching) = (handler.clone(), batching.clone());
+                let owned = owned.clone();
+                async move {
+                    let owned = owned.as_deref();
+                    transactional::run(&*handler, &store, &requests, handoff, &batching, owned)
+                        .await
+                }
+            })
+        });
         Self {
             transactions,
             claims: batched(&store, &config, |store, requests| async move {

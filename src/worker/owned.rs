@@ -73,7 +73,7 @@ impl Owner {
         let s = store.clone();
         let moves = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Done]>| {
             let s = s.clone();
-            async move { owner::move_on(s.pool(), s.keys(), &items).await }
+            async move { owner::move_on(s.pool(), s.keys(), &items, 0).await }
         });
         let s = store.clone();
         let fetches = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Place]>| {
@@ -375,9 +375,9 @@ impl Positions {
     }
 
     /// The turn of `who` at `seq` ended: `moved` whether its completion moved the
-    /// position past it (`None`: it did not complete). Whether a row this process
-    /// parked waits at the next number.
-    fn end(&self, entity: &Entity, seq: i64, who: &Who, moved: Option<bool>) -> bool {
+    /// position past it, to `to` (`None`: it did not complete). Whether a row this
+    /// process parked waits at `to`.
+    fn end(&self, entity: &Entity, seq: i64, who: &Who, moved: Option<bool>, to: i64) -> bool {
         let mut entities = self.lock();
         let Some(p) = entities.get_mut(entity) else {
             return false;
@@ -393,7 +393,7 @@ impl Positions {
         }
         match moved {
             Some(true) => {
-                p.next = p.next.max(seq + 1);
+                p.next = p.next.max(to);
                 p.checked = Some(Instant::now());
                 let next = p.next;
                 p.parked = p.parked.split_off(&next);
@@ -446,24 +446,28 @@ impl Turn {
     /// the delivery parked at the next number, released to run next.
     pub(super) async fn complete(self, owner: &Owner) -> Result<Vec<Released>, Failure> {
         let moved = owner.moves.call(self.done()).await??;
-        let next = moved.moved.then(|| moved.next.into_iter().collect());
-        self.moved(owner, next).await
+        let next = moved.moved.then_some(moved.next);
+        self.moved(owner, next, None).await
     }
 
     /// Its completion moved the position past it (`next`: what that move released), or
     /// was fenced out (`None`: an operator's skip, or another process, moved it): the
-    /// memory follows. The delivery parked at the next number, released to run next
-    /// (one this process parked while the move ran is fetched now).
+    /// memory follows. `to`: where the position moved, when the same commit ran the
+    /// turns after it (a chain); else the number after it. The delivery parked at that
+    /// number, released to run next (one this process parked while the move ran is
+    /// fetched now).
     pub(super) async fn moved(
         mut self,
         owner: &Owner,
         next: Option<Vec<Released>>,
+        to: Option<i64>,
     ) -> Result<Vec<Released>, Failure> {
         self.ended = true;
         let moved = next.is_some();
+        let to = to.unwrap_or(self.seq + 1);
         let parked_next = self
             .positions
-            .end(&self.entity, self.seq, &self.who, Some(moved));
+            .end(&self.entity, self.seq, &self.who, Some(moved), to);
         if !moved {
             debug!(entity = ?self.entity, seq = self.seq, "owned order: the position moved without this process; read again");
         }
@@ -471,7 +475,7 @@ impl Turn {
         if !next.is_empty() || !parked_next {
             return Ok(next);
         }
-        let place = (self.entity.0.clone(), self.entity.1.clone(), self.seq + 1);
+        let place = (self.entity.0.clone(), self.entity.1.clone(), to);
         Ok(owner.fetches.call(place).await??.into_iter().collect())
     }
 
@@ -491,14 +495,18 @@ impl Turn {
             warn!(error = %crate::text::error_line(&error), "owned order: the blocked turn's holder not recorded");
         }
         self.ended = true;
-        self.positions.end(&self.entity, self.seq, &self.who, None);
+        let next = self.seq + 1;
+        self.positions
+            .end(&self.entity, self.seq, &self.who, None, next);
     }
 }
 
 impl Drop for Turn {
     fn drop(&mut self) {
         if !self.ended {
-            self.positions.end(&self.entity, self.seq, &self.who, None);
+            let next = self.seq + 1;
+            self.positions
+                .end(&self.entity, self.seq, &self.who, None, next);
         }
     }
 }

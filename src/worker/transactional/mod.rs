@@ -35,6 +35,7 @@ use outcome::{answer_of, first_lease, new_record, refused, write_taken};
 use run::RunIn;
 
 mod batched;
+mod chain;
 mod outcome;
 mod run;
 
@@ -80,18 +81,35 @@ pub(super) enum TxAnswer {
     Refused(String),
 }
 
+/// What every pass over a worker's batches runs with.
+struct Setup<'a> {
+    /// The outbox's hand-off to its publisher (`OutboxConfig::handoff`).
+    handoff: Duration,
+    batching: &'a Batching,
+    /// The queue, when it has a single active consumer (owned order): a completed turn
+    /// runs the turns parked after it in the same transaction (`chain.rs`).
+    owned: Option<&'a str>,
+}
+
 /// Decides a batch of deliveries in one transaction, starting it again after races.
+/// `owned`: the queue, when it has a single active consumer (see [`Setup`]).
 pub(super) async fn run<H: Handler>(
     handler: &H,
     store: &Store,
     requests: &[TxRequest],
     handoff: Duration,
     batching: &Batching,
+    owned: Option<&str>,
 ) -> Result<Vec<TxAnswer>, StoreError> {
     let mut pass = Pass::Optimistic;
     let mut last = None;
+    let setup = Setup {
+        handoff,
+        batching,
+        owned,
+    };
     for round in 0..PASSES {
-        match once(handler, store, requests, pass, handoff, batching).await {
+        match once(handler, store, requests, pass, &setup).await {
             Ok(Ended::Committed(answers)) => return Ok(answers),
             Ok(Ended::HandlerFailed) => pass = Pass::Careful,
             // Neither the data nor an outage (a handler that ignored a failed statement
@@ -191,9 +209,9 @@ async fn once<H: Handler>(
     store: &Store,
     requests: &[TxRequest],
     pass: Pass,
-    handoff: Duration,
-    batching: &Batching,
+    setup: &Setup<'_>,
 ) -> Result<Ended, StoreError> {
+    let (handoff, batching) = (setup.handoff, setup.batching);
     let distinct = distinct(requests);
     let mut answers: Vec<Option<TxAnswer>> = requests.iter().map(|_| None).collect();
     let claims: Vec<ClaimRequest> = distinct
@@ -251,7 +269,20 @@ async fn once<H: Handler>(
     if let Some(raced) = write(store, &mut ctx, requests, runs, &mut answers).await? {
         return Ok(raced);
     }
-    release(store, &mut ctx, requests, &mut answers).await?;
+    // Chains run only in the optimistic pass: one that fails sends the batch here again.
+    let chains = setup.owned.filter(|_| pass == Pass::Optimistic);
+    let released = release(
+        handler,
+        store,
+        &mut ctx,
+        requests,
+        &mut answers,
+        chains,
+        handoff,
+    );
+    if let Some(again) = released.await? {
+        return Ok(again);
+    }
     failpoint::hit("before-commit");
     ctx.commit().await?;
     failpoint::hit("after-complete");
@@ -270,18 +301,27 @@ async fn once<H: Handler>(
 /// positions until its commit, and their parks and other batches' releases would queue
 /// behind it (the shuffled bench: 1,200 msgs/s against 1,800, docs/PERFORMANCE.md).
 /// Otherwise each delivery's task moves its entity on after the commit.
-async fn release(
+///
+/// `chains`: the queue, where completed owned turns run their chains (see
+/// [`move_owned`]); `Some(Ended)` when one sends the batch to run again.
+async fn release<H: Handler>(
+    handler: &H,
     store: &Store,
     ctx: &mut Context,
     requests: &[TxRequest],
     answers: &mut [Option<TxAnswer>],
-) -> Result<(), StoreError> {
+    chains: Option<&str>,
+    handoff: Duration,
+) -> Result<Option<Ended>, StoreError> {
     let completed: Vec<(usize, &Entity)> = completed(answers)
         .filter_map(|i| requests[i].entity.as_ref().map(|entity| (i, entity)))
         .collect();
-    move_owned(store, ctx, requests, answers).await?;
+    let moved = move_owned(handler, store, ctx, requests, answers, chains, handoff);
+    if let Some(again) = moved.await? {
+        return Ok(Some(again));
+    }
     let [(i, entity)] = completed[..] else {
-        return Ok(());
+        return Ok(None);
     };
     // One entity: everything released is its.
     let entities = std::slice::from_ref(entity);
@@ -289,7 +329,7 @@ async fn release(
     if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i] {
         *handed = Some(released);
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Moves, in the batch's transaction, the positions of the turns held in memory (owned
@@ -298,27 +338,47 @@ async fn release(
 /// pace against 0.52–0.60 with the moves after the commit. Their positions stay locked
 /// until the commit; a park that raises one's `last_seq` (one idle for half the
 /// retention) waits for it.
-async fn move_owned(
+///
+/// With `chains` (the queue), the move reads the rows parked after each turn instead of
+/// releasing the next, and the turns they hold run in this transaction (`chain.rs`).
+async fn move_owned<H: Handler>(
+    handler: &H,
     store: &Store,
     ctx: &mut Context,
     requests: &[TxRequest],
     answers: &mut [Option<TxAnswer>],
-) -> Result<(), StoreError> {
+    chains: Option<&str>,
+    handoff: Duration,
+) -> Result<Option<Ended>, StoreError> {
     let (at, done): (Vec<usize>, Vec<Done>) = completed(answers)
         .filter_map(|i| requests[i].owned.clone().map(|done| (i, done)))
         .unzip();
     if done.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
-    let moved = owner::move_on(ctx.tx().await?, store.keys(), &done).await?;
-    for (i, moved) in at.into_iter().zip(moved) {
-        if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i]
-            && moved.moved
-        {
-            *handed = Some(moved.next.into_iter().collect());
+    let ahead = if chains.is_some() { chain::AHEAD } else { 0 };
+    let moved = owner::move_on(ctx.tx().await?, store.keys(), &done, ahead).await?;
+    let mut heads = Vec::new();
+    for ((i, done), moved) in at.into_iter().zip(done).zip(moved) {
+        if !moved.moved {
+            continue;
+        }
+        if chains.is_some() && !moved.next.is_empty() {
+            heads.push(chain::Head {
+                at: i,
+                done,
+                ahead: moved.next,
+            });
+        } else if let Some(TxAnswer::Ran(Ran::Completed { handed, .. }, _)) = &mut answers[i] {
+            *handed = Some(moved.next);
         }
     }
-    Ok(())
+    match chains {
+        Some(queue) if !heads.is_empty() => {
+            chain::run(handler, store, ctx, queue, handoff, heads, answers).await
+        }
+        _ => Ok(None),
+    }
 }
 
 /// The indices of the batch's deliveries that ran and completed.

@@ -182,6 +182,7 @@ pub(super) fn answer_of(lease: Lease, result: RunResult) -> TxAnswer {
             Ran::Completed {
                 reconciled,
                 handed: None,
+                chained: None,
             },
             follow_ups,
         ),
