@@ -110,7 +110,7 @@ pub(super) async fn decide<H: Handler>(
         // The turns its batch ran after it, in the same commit (owned order's chains):
         // executed, each logged and counted as a delivery of its own.
         for (key, seq) in chained.map(|c| c.ran).unwrap_or_default() {
-            settler.count(Outcome::Executed.as_str());
+            settler.count_other(Outcome::Executed.as_str());
             info!(outcome = Outcome::Executed.as_str(), chained_key = %key, seq, "delivery decided (chained)");
         }
         let span = Span::current();
