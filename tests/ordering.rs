@@ -1298,3 +1298,146 @@ async fn waiting_deliveries_are_sealed_rotated_and_counted_by_an_erasure(
     .await;
     assert_eq!(applied(&pool).await["p"], vec![1, 2, 3, 4]);
 }
+
+#[derive(serde::Deserialize)]
+struct Relayed {
+    event_id: String,
+    account: String,
+    version: i64,
+}
+
+/// Notes each entry in `relayed`, in order per account, and stages one follow-up per
+/// entry to `out`.
+struct Relay {
+    out: String,
+}
+
+impl idem::Handler for Relay {
+    type Message = Relayed;
+    type Output = ();
+    const OPERATION: &'static str = "relay.entry";
+
+    fn scope(&self, _: &Relayed) -> String {
+        "acme".into()
+    }
+
+    fn idempotency_key(&self, m: &Relayed) -> String {
+        m.event_id.clone()
+    }
+
+    fn ordering(&self, m: &Relayed) -> Option<idem::Ordered> {
+        Some(idem::Ordered::by(format!("account-{}", m.account)).sequence(m.version))
+    }
+
+    async fn handle(&self, m: Relayed, ctx: &mut idem::Context) -> Result<(), idem::HandlerError> {
+        sqlx::query("INSERT INTO relayed (account, version) VALUES ($1, $2)")
+            .bind(&m.account)
+            .bind(m.version)
+            .execute(ctx.tx().await?)
+            .await?;
+        let body = json!({"relayed": m.event_id});
+        let message = idem::FollowUp::json("", self.out.as_str(), &body)
+            .map_err(idem::HandlerError::permanent)?;
+        ctx.publish(message).await?;
+        Ok(())
+    }
+}
+
+/// A chain's turns stage their follow-ups in the transaction of the turn that led them
+/// (all four records in one commit): the worker that committed them publishes each once
+/// (no relay runs).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_chains_follow_ups_are_published_by_its_worker_once_each(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE relayed (applied bigint GENERATED ALWAYS AS IDENTITY,
+                               account text NOT NULL, version bigint NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let q = TestQueue::new("ordering-relay").await;
+    let out = q.beside("out").await;
+    let topology = idem::Topology {
+        queue: q.name.clone(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: RETRY_DELAYS_MS[..2]
+            .iter()
+            .map(|&ms| Duration::from_millis(ms))
+            .collect(),
+        subscriptions: Vec::new(),
+        single_active_consumer: true,
+    };
+    topology.declare(&q.connection).await.unwrap();
+    let channel = q.connection.create_channel().await.unwrap();
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(out.name.as_str().into(), durable, Default::default())
+        .await
+        .unwrap();
+    let relay = Relay {
+        out: out.name.clone(),
+    };
+    let (shutdown, task) = start_in_process(&pool, &q, relay, |config| {
+        config.mode = idem::Mode::Transactional;
+        config.single_active_consumer = true;
+        // No relay: only the worker that committed them can publish them.
+        config.outbox.relay = false;
+    })
+    .await;
+    let body =
+        |v: i64| json!({"event_id": format!("r-v{v}"), "account": "r", "version": v}).to_string();
+    for v in [4, 2, 3] {
+        q.publish(body(v).as_bytes()).await;
+    }
+    wait_until(SETTLE, "2 to 4 parked", || async {
+        waiting(&pool).await == 3 && all_settled(&q).await
+    })
+    .await;
+    q.publish(body(1).as_bytes()).await;
+    wait_until(SETTLE, "four follow-ups", || async {
+        q.counts(&out.name).await.0 == 4 && waiting(&pool).await == 0
+    })
+    .await;
+    let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM relayed ORDER BY applied")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(versions, vec![1, 2, 3, 4]);
+    let commits: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT created_at) FROM processed_operations WHERE scope = 'acme'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(commits, 1, "1 to 4 committed together");
+    let mut relayed: Vec<String> = q
+        .drain(&out.name)
+        .await
+        .iter()
+        .map(|m| m.body_text())
+        .collect();
+    relayed.sort();
+    let expected: Vec<String> = (1..=4)
+        .map(|v| json!({"relayed": format!("r-v{v}")}).to_string())
+        .collect();
+    assert_eq!(relayed, expected);
+    wait_until(SETTLE, "the four follow-ups dispatched", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(0)
+            == 4
+    })
+    .await;
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
