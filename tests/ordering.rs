@@ -1304,6 +1304,9 @@ struct Relayed {
     event_id: String,
     account: String,
     version: i64,
+    /// Answer an output Postgres refuses (a NUL in its text).
+    #[serde(default)]
+    nul: bool,
 }
 
 /// Notes each entry in `relayed`, in order per account, and stages one follow-up per
@@ -1314,7 +1317,7 @@ struct Relay {
 
 impl idem::Handler for Relay {
     type Message = Relayed;
-    type Output = ();
+    type Output = serde_json::Value;
     const OPERATION: &'static str = "relay.entry";
 
     fn scope(&self, _: &Relayed) -> String {
@@ -1329,7 +1332,11 @@ impl idem::Handler for Relay {
         Some(idem::Ordered::by(format!("account-{}", m.account)).sequence(m.version))
     }
 
-    async fn handle(&self, m: Relayed, ctx: &mut idem::Context) -> Result<(), idem::HandlerError> {
+    async fn handle(
+        &self,
+        m: Relayed,
+        ctx: &mut idem::Context,
+    ) -> Result<serde_json::Value, idem::HandlerError> {
         sqlx::query("INSERT INTO relayed (account, version) VALUES ($1, $2)")
             .bind(&m.account)
             .bind(m.version)
@@ -1339,28 +1346,28 @@ impl idem::Handler for Relay {
         let message = idem::FollowUp::json("", self.out.as_str(), &body)
             .map_err(idem::HandlerError::permanent)?;
         ctx.publish(message).await?;
-        Ok(())
+        Ok(json!({"note": if m.nul { "a\u{0}b" } else { "ok" }}))
     }
 }
 
-/// A chain's turns stage their follow-ups in the transaction of the turn that led them
-/// (all four records in one commit): the worker that committed them publishes each once
-/// (no relay runs).
-#[sqlx::test(migrator = "idem::db::MIGRATOR")]
-async fn owned_order_a_chains_follow_ups_are_published_by_its_worker_once_each(
-    o: PgPoolOptions,
-    c: PgConnectOptions,
+/// A worker of [`Relay`] on `q` (declared with a single active consumer), in
+/// transactional mode, without an outbox relay (only the worker that committed a
+/// follow-up can publish it); its follow-ups go to `out`.
+async fn relay_worker(
+    pool: &PgPool,
+    q: &TestQueue,
+    out: &TestQueue,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<Result<(), idem::WorkerError>>,
 ) {
-    let pool = o.connect_with(c).await.unwrap();
     sqlx::query(
         "CREATE TABLE relayed (applied bigint GENERATED ALWAYS AS IDENTITY,
                                account text NOT NULL, version bigint NOT NULL)",
     )
-    .execute(&pool)
+    .execute(pool)
     .await
     .unwrap();
-    let q = TestQueue::new("ordering-relay").await;
-    let out = q.beside("out").await;
     let topology = idem::Topology {
         queue: q.name.clone(),
         queue_type: idem::QueueType::Classic,
@@ -1384,23 +1391,41 @@ async fn owned_order_a_chains_follow_ups_are_published_by_its_worker_once_each(
     let relay = Relay {
         out: out.name.clone(),
     };
-    let (shutdown, task) = start_in_process(&pool, &q, relay, |config| {
+    start_in_process(pool, q, relay, |config| {
         config.mode = idem::Mode::Transactional;
         config.single_active_consumer = true;
-        // No relay: only the worker that committed them can publish them.
         config.outbox.relay = false;
     })
-    .await;
-    let body =
-        |v: i64| json!({"event_id": format!("r-v{v}"), "account": "r", "version": v}).to_string();
+    .await
+}
+
+/// The entry `v` of account `r` for [`Relay`].
+fn relayed(v: i64, nul: bool) -> Vec<u8> {
+    json!({"event_id": format!("r-v{v}"), "account": "r", "version": v, "nul": nul})
+        .to_string()
+        .into_bytes()
+}
+
+/// A chain's turns stage their follow-ups in the transaction of the turn that led them
+/// (all four records in one commit): the worker that committed them publishes each once
+/// (no relay runs).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_chains_follow_ups_are_published_by_its_worker_once_each(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c).await.unwrap();
+    let q = TestQueue::new("ordering-relay").await;
+    let out = q.beside("out").await;
+    let (shutdown, task) = relay_worker(&pool, &q, &out).await;
     for v in [4, 2, 3] {
-        q.publish(body(v).as_bytes()).await;
+        q.publish(&relayed(v, false)).await;
     }
     wait_until(SETTLE, "2 to 4 parked", || async {
         waiting(&pool).await == 3 && all_settled(&q).await
     })
     .await;
-    q.publish(body(1).as_bytes()).await;
+    q.publish(&relayed(1, false)).await;
     wait_until(SETTLE, "four follow-ups", || async {
         q.counts(&out.name).await.0 == 4 && waiting(&pool).await == 0
     })
@@ -1438,6 +1463,46 @@ async fn owned_order_a_chains_follow_ups_are_published_by_its_worker_once_each(
             == 4
     })
     .await;
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
+
+/// A chained turn whose outcome Postgres refuses (a NUL in its output) is refused on its
+/// own: the batch runs again without chains, the turns before it complete, and it is
+/// dead-lettered, not the turn that led the chain.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_chained_turn_postgres_refuses_is_refused_alone(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c).await.unwrap();
+    let q = TestQueue::new("ordering-refused").await;
+    let out = q.beside("out").await;
+    let (shutdown, task) = relay_worker(&pool, &q, &out).await;
+    q.publish(&relayed(3, true)).await;
+    q.publish(&relayed(2, false)).await;
+    wait_until(SETTLE, "2 and 3 parked", || async {
+        waiting(&pool).await == 2 && all_settled(&q).await
+    })
+    .await;
+    q.publish(&relayed(1, false)).await;
+    wait_until(SETTLE, "3 dead-lettered", || async {
+        q.counts(&q.dlq()).await.0 == 1 && all_settled(&q).await && waiting(&pool).await == 0
+    })
+    .await;
+    let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM relayed ORDER BY applied")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(versions, vec![1, 2]);
+    let dead = q.drain(&q.dlq()).await;
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0].body_text().contains("r-v3"),
+        "{}",
+        dead[0].body_text()
+    );
+    assert_eq!(dead[0].reason.as_deref(), Some("permanent_failure"));
     shutdown.cancel();
     task.await.unwrap().unwrap();
 }

@@ -30,8 +30,10 @@ pub(crate) struct Moved {
     /// (an operator skipped it, or another process moved it): read it again.
     pub(crate) moved: bool,
     /// The delivery parked at the next number, released to run now; asked for rows
-    /// ahead ([`move_on`]'s `ahead`), the rows parked at the numbers after the turn, up
-    /// to that many, in order and not released (a chain reads them).
+    /// ahead ([`move_on`]'s `ahead`), the rows parked at the numbers right after the
+    /// turn, up to that many and to the first gap, in order and not released (a chain
+    /// reads them). A row that cannot be read back (its key is not given) is left out,
+    /// as a gap: released later, it waits for the sweep as before.
     pub(crate) next: Vec<Released>,
 }
 
@@ -283,8 +285,12 @@ pub(crate) async fn move_on<'e>(
          gone AS (
              DELETE FROM ordering_waiting w USING moved m
               WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem),
+         -- The clock, not the transaction's start (now()): a batch's transaction can
+         -- run long, and a release dated at its start would look stale to the sweep
+         -- as soon as it committed.
          released AS (
-             UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+             UPDATE ordering_waiting w
+                SET released_at = clock_timestamp(), releases = w.releases + 1
                FROM moved m
               WHERE $6 = 0 AND w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
              RETURNING m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
@@ -375,8 +381,10 @@ pub(crate) async fn chain_end(
                FROM t
               WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.f AND t.e > t.f
              RETURNING t.i),
+         -- The clock, not the transaction's start: see move_on.
          released AS (
-             UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+             UPDATE ordering_waiting w
+                SET released_at = clock_timestamp(), releases = w.releases + 1
                FROM t
               WHERE w.scope = t.s AND w.ordering_key = t.k AND w.seq = t.e
                 AND (t.e = t.f OR EXISTS (SELECT 1 FROM moved m WHERE m.i = t.i))

@@ -4,7 +4,9 @@
 //! at its entity's position runs like an unordered one; one that came early is parked
 //! in `ordering_waiting` (batched) and acked; a completion moves the position, fenced
 //! (`WHERE next_seq = n`), and releases the row parked at the next number, which runs
-//! next in the same task. Nothing is written at the start of a turn.
+//! next in the same task (in transactional mode, the turns parked right after it run
+//! in its batch's transaction first: `transactional/chain.rs`). Nothing is written at
+//! the start of a turn.
 //!
 //! The memory is a cache of the positions, kept per broker session (a process that
 //! lost its consumer and got it back starts empty). Every decision it cannot make alone

@@ -64,7 +64,8 @@ pub(super) struct TxRequest {
     /// Under owned order, the turn it holds in memory: a completed run moves its
     /// position in the batch's commit (fenced), and its answer carries the delivery
     /// parked at the next number (`Ran::Completed::handed`; `None` when the fence
-    /// failed).
+    /// failed), or, in the optimistic pass, the turns parked after it run in the same
+    /// transaction and what waits where they end (`chain.rs`).
     pub(super) owned: Option<Done>,
 }
 
@@ -284,7 +285,14 @@ async fn once<H: Handler>(
         return Ok(again);
     }
     failpoint::hit("before-commit");
-    ctx.commit().await?;
+    match ctx.commit().await {
+        // A refusal at the commit (a deferred constraint) in a pass that ran chains: run
+        // again without them, so that a chained turn's writes are not blamed on its head.
+        Err(error) if ran_chains(&answers) && crate::fault::classify(&error) == Fault::Message => {
+            return Ok(Ended::HandlerFailed);
+        }
+        committed => committed?,
+    }
     failpoint::hit("after-complete");
     // Copies of a key in the batch: decided again once this commit is visible.
     let answers = answers
@@ -375,10 +383,24 @@ async fn move_owned<H: Handler>(
     }
     match chains {
         Some(queue) if !heads.is_empty() => {
-            chain::run(handler, store, ctx, queue, handoff, heads, answers).await
+            match chain::run(handler, store, ctx, queue, handoff, heads, answers).await {
+                // What Postgres refuses of a chained turn (a NUL in its output) is not its
+                // head's fault: the batch runs again without chains, and the turn on its
+                // own is refused then.
+                Err(error) if error.fault() == Fault::Message => Ok(Some(Ended::HandlerFailed)),
+                ran => ran,
+            }
         }
         _ => Ok(None),
     }
+}
+
+/// Whether a chain ran a turn in this pass (`chain.rs`).
+fn ran_chains(answers: &[Option<TxAnswer>]) -> bool {
+    answers.iter().any(|answer| {
+        matches!(answer, Some(TxAnswer::Ran(Ran::Completed { chained: Some(c), .. }, _))
+            if !c.ran.is_empty())
+    })
 }
 
 /// The indices of the batch's deliveries that ran and completed.
