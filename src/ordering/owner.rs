@@ -237,6 +237,28 @@ type MovedRow = (
     Option<Vec<u8>>,
 );
 
+/// A [`MovedRow`]'s ordinal, and the waiting row it carries read back (unsealed), if
+/// it carries one.
+fn read_back(row: MovedRow, keys: Option<&Keys>) -> (i64, Option<Released>) {
+    let (i, scope, ordering_key, seq, operation, key, queue, body, properties) = row;
+    let released = match (
+        scope,
+        ordering_key,
+        seq,
+        operation,
+        key,
+        queue,
+        body,
+        properties,
+    ) {
+        (Some(s), Some(k), Some(n), Some(op), Some(idem), Some(q), Some(b), Some(p)) => {
+            readable((s, k, n, op, idem, q, b, p, true), keys)
+        }
+        _ => None,
+    };
+    (i, released)
+}
+
 /// Moves each entity past its completed turn, fenced (only where the position is at
 /// that number), with the turn's waiting row if it had one, and releases the row parked
 /// at the next number. On `executor`: the pool, or a transaction. With `ahead` above
@@ -323,23 +345,11 @@ pub(crate) async fn move_on<'e>(
     .fetch_all(executor)
     .await?;
     let mut answers = vec![Moved::default(); done.len()];
-    for (i, scope, ordering_key, seq, operation, key, queue, body, properties) in rows {
-        let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
-            continue;
-        };
-        slot.moved = true;
-        if let (Some(s), Some(k), Some(n), Some(op), Some(idem), Some(q), Some(b), Some(p)) = (
-            scope,
-            ordering_key,
-            seq,
-            operation,
-            key,
-            queue,
-            body,
-            properties,
-        ) {
-            slot.next
-                .extend(readable((s, k, n, op, idem, q, b, p, true), keys));
+    for row in rows {
+        let (i, released) = read_back(row, keys);
+        if let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) {
+            slot.moved = true;
+            slot.next.extend(released);
         }
     }
     Ok(answers)
@@ -401,21 +411,10 @@ pub(crate) async fn chain_end(
     .fetch_all(&mut *conn)
     .await?;
     let mut answers = vec![None; ends.len()];
-    for (i, scope, ordering_key, seq, operation, key, queue, body, properties) in rows {
-        let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) else {
-            continue;
-        };
-        if let (Some(s), Some(k), Some(n), Some(op), Some(idem), Some(q), Some(b), Some(p)) = (
-            scope,
-            ordering_key,
-            seq,
-            operation,
-            key,
-            queue,
-            body,
-            properties,
-        ) {
-            *slot = readable((s, k, n, op, idem, q, b, p, true), keys);
+    for row in rows {
+        let (i, released) = read_back(row, keys);
+        if let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) {
+            *slot = released;
         }
     }
     Ok(answers)
