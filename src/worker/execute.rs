@@ -215,7 +215,8 @@ pub(crate) async fn walk<H: Handler>(
     span.record("scope", parsed.key.scope());
     span.record("key", parsed.key.short_hash());
     trace::attribute(&span, "idem.key", parsed.key.short_hash());
-    let request = claim_request(&parsed, incoming, &span);
+    let trace_id = trace::trace_id(&span, incoming.trace.as_ref());
+    let request = claim_request(&parsed, incoming.properties(), trace_id);
     parsed.correlation_id = request.origin.correlation_id.clone();
     let retries = Retries {
         policy: &runtime.config.retry,
@@ -438,8 +439,12 @@ async fn counted(circuit: Option<&Circuit>, admission: Admission, ran: &Ran) -> 
 /// What the delivery's claim asks for: its key and fingerprint, and where it came from
 /// (kept for inspection only: a NUL in a message id or correlation id, which Postgres
 /// text cannot hold, must not fail the claim, nor the claims of the batch around it).
-fn claim_request(parsed: &Parsed, incoming: &Incoming<'_>, span: &Span) -> ClaimRequest {
-    let properties = incoming.properties();
+/// `properties`: the message's; `trace_id`: the trace its claim runs in, if any.
+pub(super) fn claim_request(
+    parsed: &Parsed,
+    properties: &lapin::BasicProperties,
+    trace_id: Option<String>,
+) -> ClaimRequest {
     let kept = |text: &Option<lapin::types::ShortString>| {
         text.as_ref().map(|s| storable(s.as_str()).into_owned())
     };
@@ -449,7 +454,7 @@ fn claim_request(parsed: &Parsed, incoming: &Incoming<'_>, span: &Span) -> Claim
         origin: Origin {
             message_id: kept(properties.message_id()),
             correlation_id: kept(properties.correlation_id()),
-            trace_id: trace::trace_id(span, incoming.trace.as_ref()),
+            trace_id,
         },
     }
 }

@@ -24,9 +24,10 @@ use super::{Ended, Owner, Pass, RunResult, TxAnswer, TxRequest};
 use crate::handler::{Context, Handler};
 use crate::ordering::Released;
 use crate::ordering::owner::{ChainEnd, Done};
-use crate::store::{ClaimRequest, Origin, Store, StoreError, storable};
+use crate::store::{ClaimRequest, Store, StoreError};
 use crate::trace::{self, TraceContext};
 use crate::worker::decision::{Chained, Ran};
+use crate::worker::execute::claim_request;
 use crate::worker::ordered::envelope_of;
 use crate::worker::parse::parse;
 
@@ -48,8 +49,28 @@ pub(super) struct Head {
 /// One entity's chain: its head, and the requests of the rows that run after it.
 struct Chain {
     at: usize,
-    end: ChainEnd,
+    scope: String,
+    ordering_key: String,
+    /// The number after its head's: the first that runs in it.
+    from: i64,
     runs: Vec<(TxRequest, i64)>,
+}
+
+impl Chain {
+    /// The number its entity's position moves to: past its last run.
+    fn to(&self) -> i64 {
+        self.from + self.runs.len() as i64
+    }
+
+    /// Where it ends, for [`crate::ordering::owner::chain_end`].
+    fn end(&self) -> ChainEnd {
+        ChainEnd {
+            scope: self.scope.clone(),
+            ordering_key: self.ordering_key.clone(),
+            from: self.from,
+            to: self.to(),
+        }
+    }
 }
 
 /// Runs the chains of `heads` on the batch's transaction (`ctx`), writes their outcomes,
@@ -90,7 +111,6 @@ pub(super) async fn run<H: Handler>(
                 .collect();
             let stop = known.iter().position(|&k| k).unwrap_or(known.len());
             chain.runs.truncate(stop);
-            chain.end.to = chain.end.from + chain.runs.len() as i64;
         }
     }
     let mut results = Vec::new();
@@ -117,8 +137,21 @@ pub(super) async fn run<H: Handler>(
     if inserted.iter().any(Option::is_none) {
         return Ok(Some(Ended::Raced));
     }
-    let ends: Vec<ChainEnd> = chains.iter().map(|c| c.end.clone()).collect();
+    let ends: Vec<ChainEnd> = chains.iter().map(Chain::end).collect();
     let released = crate::ordering::owner::chain_end(ctx.tx().await?, store.keys(), &ends).await?;
+    hand_to_heads(chains, results, released, answers);
+    Ok(None)
+}
+
+/// Each head's answer carries what its chain did: the row released where it ended
+/// (`handed`), the turns it ran and where the position moved (`chained`), and their
+/// follow-ups, published with the head's.
+fn hand_to_heads(
+    chains: Vec<Chain>,
+    results: Vec<Vec<RunResult>>,
+    released: Vec<Option<Released>>,
+    answers: &mut [Option<TxAnswer>],
+) {
     for ((chain, ran), next) in chains.into_iter().zip(results).zip(released) {
         let Some(TxAnswer::Ran(
             Ran::Completed {
@@ -139,7 +172,7 @@ pub(super) async fn run<H: Handler>(
             }
         }
         *chained = Some(Chained {
-            to: chain.end.to,
+            to: chain.to(),
             ran: chain
                 .runs
                 .iter()
@@ -147,7 +180,6 @@ pub(super) async fn run<H: Handler>(
                 .collect(),
         });
     }
-    Ok(None)
 }
 
 /// The chain of `head`: the rows right after its number, of this handler and queue,
@@ -175,12 +207,9 @@ fn chain_of<H: Handler>(
     }
     Chain {
         at: head.at,
-        end: ChainEnd {
-            scope,
-            ordering_key,
-            from,
-            to: from + runs.len() as i64,
-        },
+        scope,
+        ordering_key,
+        from,
         runs,
     }
 }
@@ -199,20 +228,9 @@ fn request_of<H: Handler>(handler: &H, store: &Store, row: &Released) -> Option<
         return None;
     }
     let trace = TraceContext::from_properties(&row.properties);
-    let kept = |text: &Option<lapin::types::ShortString>| {
-        text.as_ref().map(|s| storable(s.as_str()).into_owned())
-    };
-    let origin = Origin {
-        message_id: kept(row.properties.message_id()),
-        correlation_id: kept(row.properties.correlation_id()),
-        trace_id: trace::trace_id(&Span::none(), trace.as_ref()),
-    };
+    let trace_id = trace::trace_id(&Span::none(), trace.as_ref());
     Some(TxRequest {
-        claim: ClaimRequest {
-            key: parsed.key,
-            fingerprint: parsed.fingerprint,
-            origin,
-        },
+        claim: claim_request(&parsed, &row.properties, trace_id),
         value: parsed.value,
         trace,
         envelope: Arc::new(envelope_of(row)),
