@@ -828,6 +828,21 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
     let url = database_url(&c);
     let q = TestQueue::new(&format!("ordering-long-{mode}")).await;
     prepare_as(&pool, &url, &q, true).await;
+    // The position is there and locked, as a batch's move holds it until its commit:
+    // the marks tried meanwhile (after 1 s and 2 s of the turn) must not wait for it, and
+    // the next one, once the lock is gone, records the holder.
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+         VALUES ('acme', 'account-h', 1, 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut moving = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM ordering_positions WHERE ordering_key = 'account-h' FOR UPDATE")
+        .execute(&mut *moving)
+        .await
+        .unwrap();
     let worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, true, &[]));
     let mut lock = pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE account_entries IN EXCLUSIVE MODE")
@@ -836,6 +851,34 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
         .unwrap();
     q.publish(&entry("h", 1)).await;
     q.publish(&entry("h", 2)).await;
+    let scalar = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    wait_until(SETTLE, "the handler held for 2.5 s", || {
+        scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock'
+                               AND query LIKE 'INSERT INTO account_entries%'
+                               AND now() - query_start > interval '2500 ms')",
+        )
+    })
+    .await;
+    assert!(
+        !scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock'
+                               AND query LIKE '%FOR NO KEY UPDATE SKIP LOCKED%')"
+        )
+        .await,
+        "a mark waits for the locked position"
+    );
+    moving.commit().await.unwrap();
     let listed = || async {
         let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
         serde_json::from_str::<serde_json::Value>(&listed).unwrap()

@@ -175,21 +175,39 @@ impl Owner {
 impl Owner {
     /// Runs `run`, the run of `turn`; one that takes longer than [`MARK_AFTER`] is
     /// recorded as its entity's holder meanwhile (fenced: only while the position is at
-    /// its number and has no holder). Its completion's move clears the holder.
+    /// its number and has no holder). Its completion's move clears the holder. A mark
+    /// that finds the position locked (a move in flight) looks again after another
+    /// [`MARK_AFTER`], while the run lasts.
     pub(super) async fn marked_if_long<F: Future>(&self, turn: &Turn, run: F) -> F::Output {
         let mut run = std::pin::pin!(run);
-        tokio::select! {
-            biased;
-            out = &mut run => return out,
-            () = tokio::time::sleep(MARK_AFTER) => {}
-        }
-        let mark = async {
-            if let Err(error) = owner::running(self.store.pool(), &turn.done()).await {
-                warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut run => return out,
+                () = tokio::time::sleep(MARK_AFTER) => {}
             }
-        };
-        let (out, ()) = tokio::join!(run, mark);
-        out
+            let done = turn.done();
+            let mut mark = std::pin::pin!(owner::running(self.store.pool(), &done));
+            let looked = tokio::select! {
+                biased;
+                looked = &mut mark => looked,
+                out = &mut run => {
+                    // The mark is let finish: a statement dropped half-sent would cost
+                    // its connection.
+                    let _ = mark.await;
+                    return out;
+                }
+            };
+            match looked {
+                Ok(false) => continue,
+                Ok(true) => break,
+                Err(error) => {
+                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
+                    break;
+                }
+            }
+        }
+        run.await
     }
 
     /// Reads `entity`'s position from the database into `positions` (created at
