@@ -2,6 +2,8 @@
 //! applied by three `accounts_worker` processes in version order, one of them
 //! SIGKILLed mid-run; the same load without ordering, for the ratio; and a single hot
 //! account of 10,000 entries in order, against one handler at concurrency 1.
+//! `--pairs N` repeats the shuffled runs N times, alternating which goes first, and
+//! prints the medians: one pair is noisy on a shared machine.
 //! `--unshuffled` publishes each account's entries in order; `--estimate` adds a run that
 //! estimates a design of owned entities (docs/PERFORMANCE.md, "Order per entity").
 //!
@@ -69,6 +71,12 @@ struct Args {
     /// the goal's figures are with it).
     #[arg(long)]
     no_kill: bool,
+    /// Shuffled runs, ordered and unordered, this many times each, in pairs, the first
+    /// of each pair alternating (ordered first, then unordered first): one pair's ratio
+    /// moved by ±0.15 between runs on a shared two-core machine. Prints each pair, then
+    /// the medians.
+    #[arg(long, default_value_t = 1)]
+    pairs: usize,
     /// Publish each account's entries in version order, not shuffled: what ordering
     /// costs when few entries come early (few wait in Postgres), against the same load
     /// without ordering.
@@ -136,6 +144,16 @@ impl Ran {
     }
 }
 
+/// The median of `values` (the mean of the middle two of an even count).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 async fn run(args: Args) -> anyhow::Result<bool> {
     let server: PgConnectOptions = args.database_url.parse().context("DATABASE_URL")?;
     let name = format!(
@@ -195,22 +213,68 @@ impl Bench {
             return Ok(hot.in_order && hot.once && one.once);
         }
         let kill = !a.no_kill;
-        let ordered = self.shuffled("ordered", "version", kill, &[]).await?;
-        let unordered = self.shuffled("unordered", "none", kill, &[]).await?;
-        let mut ok = ordered.in_order && ordered.once && unordered.once;
-        let ratio = ordered.rate() / unordered.rate();
+        let pairs = a.pairs.max(1);
+        let (mut ordered_rates, mut unordered_rates, mut ratios) = (vec![], vec![], vec![]);
+        let (mut in_order, mut once) = (true, true);
+        for pair in 0..pairs {
+            // Run names are account and event prefixes: each run's own.
+            let name = |run: &str| match pair {
+                0 => run.to_string(),
+                n => format!("{run}{}", n + 1),
+            };
+            let (ordered, unordered) = if pair % 2 == 0 {
+                let ordered = self
+                    .shuffled(&name("ordered"), "version", kill, &[])
+                    .await?;
+                (
+                    ordered,
+                    self.shuffled(&name("unordered"), "none", kill, &[]).await?,
+                )
+            } else {
+                let unordered = self.shuffled(&name("unordered"), "none", kill, &[]).await?;
+                (
+                    self.shuffled(&name("ordered"), "version", kill, &[])
+                        .await?,
+                    unordered,
+                )
+            };
+            let ratio = ordered.rate() / unordered.rate();
+            if pairs > 1 {
+                println!(
+                    "ordering_bench pair={} first={} ordered_msgs_per_s={:.0} \
+                     unordered_msgs_per_s={:.0} ratio={ratio:.2}",
+                    pair + 1,
+                    ["ordered", "unordered"][pair % 2],
+                    ordered.rate(),
+                    unordered.rate(),
+                );
+            }
+            in_order &= ordered.in_order;
+            once &= ordered.once && unordered.once;
+            ordered_rates.push(ordered.rate());
+            unordered_rates.push(unordered.rate());
+            ratios.push(ratio);
+        }
+        let mut ok = in_order && once;
+        let unordered_rate = median(&mut unordered_rates);
+        let (low, high) = (
+            ratios.iter().copied().fold(f64::MAX, f64::min),
+            ratios.iter().copied().fold(f64::MIN, f64::max),
+        );
         let mut line = format!(
             "ordering_bench: mode={} accounts={} versions={} workers={} kill={kill} \
-             ordered_msgs_per_s={:.0} unordered_msgs_per_s={:.0} ratio={ratio:.2} in_order={} once={}",
+             ordered_msgs_per_s={:.0} unordered_msgs_per_s={unordered_rate:.0} ratio={:.2} \
+             in_order={in_order} once={once}",
             a.mode,
             a.accounts,
             a.versions,
             a.workers,
-            ordered.rate(),
-            unordered.rate(),
-            ordered.in_order,
-            ordered.once && unordered.once,
+            median(&mut ordered_rates),
+            median(&mut ratios),
         );
+        if pairs > 1 {
+            line += &format!(" pairs={pairs} (medians) ratio_min={low:.2} ratio_max={high:.2}");
+        }
         if a.hot > 0 {
             let hot = self.hot("hot", "version", a.workers, 0).await?;
             let one = self.hot("one", "none", 1, 1).await?;
@@ -231,7 +295,7 @@ impl Bench {
             line += &format!(
                 " estimate_msgs_per_s={:.0} estimate_ratio={:.2}",
                 moved.rate(),
-                moved.rate() / unordered.rate()
+                moved.rate() / unordered_rate
             );
         }
         println!("{line}");
