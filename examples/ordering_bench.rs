@@ -273,6 +273,8 @@ impl Bench {
             median(&mut ratios),
         );
         if pairs > 1 {
+            // The rates are each run's median; the ratio is the median of the pairs'
+            // ratios (not the rates' quotient).
             line += &format!(" pairs={pairs} (medians) ratio_min={low:.2} ratio_max={high:.2}");
         }
         if a.hot > 0 {

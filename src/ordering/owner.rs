@@ -524,8 +524,8 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
 /// second (`MARK_AFTER` in `worker/owned.rs`): the listing shows it running and a skip
 /// is refused, as under the gate. Only while the position is at its number with no
 /// holder: a move that committed first (the turn ended) or a holder written since wins.
-/// False when the position is locked (its move, or another write, is in flight): the
-/// mark does not wait for it. A transactional batch holds its turns' positions from its
+/// False when the position is locked (its move, or another write, is in flight), or
+/// gone: the mark does not wait for it. A transactional batch holds its turns' positions from its
 /// move to its commit, and marks that waited for them held a connection each, 47 ms on
 /// average, to find the turn moved (docs/PERFORMANCE.md).
 pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<bool, StoreError> {

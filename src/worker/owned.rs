@@ -32,7 +32,7 @@ use super::{Failure, WorkerConfig};
 use crate::key::Key;
 use crate::ordering::owner::{self, Done, Moved, Parked, Place};
 use crate::ordering::{Entry, Released};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// How long a position read or moved by this process is taken as true for a turn: older,
 /// it is read again before a delivery takes the turn (one round trip after a pause of
@@ -194,15 +194,14 @@ impl Owner {
                 out = &mut run => {
                     // The mark is let finish: a statement dropped half-sent would cost
                     // its connection.
-                    let _ = mark.await;
+                    not_marked(mark.await);
                     return out;
                 }
             };
             match looked {
                 Ok(false) => continue,
-                Ok(true) => break,
-                Err(error) => {
-                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
+                done => {
+                    not_marked(done);
                     break;
                 }
             }
@@ -528,5 +527,12 @@ impl Drop for Turn {
             self.positions
                 .end(&self.entity, self.seq, &self.who, None, next);
         }
+    }
+}
+
+/// Warns of a long turn's mark that failed (the turn runs on; only the listing misses it).
+fn not_marked(mark: Result<bool, StoreError>) {
+    if let Err(error) = mark {
+        warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
     }
 }
