@@ -122,8 +122,12 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     }
     stop_all(&args.dir).await;
     let mut services = Vec::new();
+    let queue = format!(
+        "drill.pg.{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
     let result = match start_formation(&args, &mut services).await {
-        Ok(()) => drill(&args, &worker_bin, &mut services).await,
+        Ok(()) => drill(&args, &worker_bin, &queue, &mut services).await,
         Err(error) => Err(error),
     };
     if args.keep {
@@ -136,6 +140,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     }
     stop_all(&args.dir).await;
     drop(services);
+    // The drill's workers went with it (killed on drop): its queues go too.
+    delete_queues(&args.amqp_url, &queue).await;
     if !matches!(result, Ok(true)) {
         print_logs(&args.dir);
     }
@@ -494,11 +500,35 @@ async fn booked(pool: &PgPool) -> i64 {
         .unwrap_or(-1)
 }
 
-async fn drill(args: &Args, worker_bin: &Path, services: &mut Vec<Child>) -> anyhow::Result<bool> {
-    let queue = format!(
-        "drill.pg.{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+/// Deletes the drill's queue, its dead-letter queue and its retry queues; a failure to is
+/// printed, the drill's verdict stands.
+async fn delete_queues(amqp_url: &str, queue: &str) {
+    let deleted = async {
+        let connection = idem::topology::connect(amqp_url, "idem-pg-failover-drill").await?;
+        let channel = connection.create_channel().await?;
+        for name in [
+            queue.to_string(),
+            format!("{queue}.dlq"),
+            format!("{queue}.retry.200ms"),
+            format!("{queue}.retry.1s"),
+        ] {
+            channel
+                .queue_delete(name.as_str().into(), Default::default())
+                .await?;
+        }
+        Ok::<_, lapin::Error>(())
+    };
+    if let Err(error) = deleted.await {
+        eprintln!("the drill's queues not deleted: {error}");
+    }
+}
+
+async fn drill(
+    args: &Args,
+    worker_bin: &Path,
+    queue: &str,
+    services: &mut Vec<Child>,
+) -> anyhow::Result<bool> {
     let mut tries = 0;
     let pool = loop {
         match idem::db::connect_and_migrate(&app_url(), 4).await {
@@ -515,7 +545,7 @@ async fn drill(args: &Args, worker_bin: &Path, services: &mut Vec<Child>) -> any
     };
     let mut workers = Vec::new();
     for i in 0..args.workers {
-        workers.push(spawn_worker(args, worker_bin, &queue, i)?);
+        workers.push(spawn_worker(args, worker_bin, queue, i)?);
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     // The drill's own statements take a restart of a node's Postgres (pg_autoctl makes
@@ -553,7 +583,7 @@ async fn drill(args: &Args, worker_bin: &Path, services: &mut Vec<Child>) -> any
     let mut rejoined = false;
     let started = Instant::now();
     for (i, body) in bodies.iter().enumerate() {
-        publisher.publish(&queue, body).await?;
+        publisher.publish(queue, body).await?;
         // A steady rate, so that the kill falls on a queue with work in it.
         tokio::time::sleep(Duration::from_millis(2)).await;
         if i == kill_at {
@@ -668,7 +698,7 @@ async fn drill(args: &Args, worker_bin: &Path, services: &mut Vec<Child>) -> any
         && resumed.is_some_and(|d| d <= Duration::from_secs(30))
         && (args.asynchronous || (lost == 0 && effects as usize == args.orders));
     println!(
-        "pg_failover_drill: replication={} mode={} killed=node{old} orders={} messages={} effects={effects} duplicate_effects={duplicate_effects} lost={lost} repeated_provider_calls={repeated_calls} resumed_s={resumed_s:.1} rejoined={rejoin} dead_workers={dead_workers} publish_s={:.1} settle_s={:.1} result={}",
+        "pg_failover_drill: replication={} mode={} queue={queue} killed=node{old} orders={} messages={} effects={effects} duplicate_effects={duplicate_effects} lost={lost} repeated_provider_calls={repeated_calls} resumed_s={resumed_s:.1} rejoined={rejoin} dead_workers={dead_workers} publish_s={:.1} settle_s={:.1} result={}",
         if args.asynchronous {
             "asynchronous"
         } else {

@@ -56,5 +56,34 @@ async fn killing_the_primary_loses_and_duplicates_nothing_with_synchronous_repli
         let resumed: f64 = drill.fields["resumed_s"].parse().unwrap();
         assert!(resumed <= 30.0, "{}", drill.summary);
         assert!(drill.success, "{}\n{}", drill.summary, drill.stderr);
+        let queue = &drill.fields["queue"];
+        for name in [
+            queue.clone(),
+            format!("{queue}.dlq"),
+            format!("{queue}.retry.200ms"),
+            format!("{queue}.retry.1s"),
+        ] {
+            assert!(!exists(&name).await, "the drill left {name} behind");
+        }
     }
+}
+
+/// Whether `queue` is on the broker (a passive declare, on a channel of its own: a
+/// missing queue closes it).
+async fn exists(queue: &str) -> bool {
+    let connection = idem::topology::connect(&common::amqp_url(), "test-pg-failover")
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await;
+    declared.is_ok()
 }
