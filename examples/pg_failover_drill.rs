@@ -500,8 +500,8 @@ async fn booked(pool: &PgPool) -> i64 {
         .unwrap_or(-1)
 }
 
-/// Deletes the drill's queue, its dead-letter queue and its retry queues; a failure to is
-/// printed, the drill's verdict stands.
+/// Deletes the drill's queue, its dead-letter queue and its retry queues. If that fails,
+/// it says so; the drill's verdict stands.
 async fn delete_queues(amqp_url: &str, queue: &str) {
     let deleted = async {
         let connection = idem::topology::connect(amqp_url, "idem-pg-failover-drill").await?;

@@ -200,8 +200,8 @@ impl Owner {
             };
             match looked {
                 Ok(false) => continue,
-                done => {
-                    not_marked(done);
+                looked => {
+                    not_marked(looked);
                     break;
                 }
             }
