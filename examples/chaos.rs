@@ -727,20 +727,9 @@ async fn chaos(run: &mut Run, pool: &PgPool) -> anyhow::Result<bool> {
 /// Messages ready in `queue`, if it exists.
 async fn queue_ready(url: &str, queue: &str) -> Option<u32> {
     let connection = connect(url).await.ok()?;
-    let channel = connection.create_channel().await.ok()?;
-    let declared = channel
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await
-        .ok();
+    let counts = idem::topology::queue_counts(&connection, queue).await;
     let _ = connection.close(200, "done".into()).await;
-    declared.map(|q| q.message_count())
+    counts.map(|c| c.ready)
 }
 
 /// Messages ready or unacked in the work queue and its retry queues.

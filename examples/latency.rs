@@ -190,19 +190,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Wait for the worker to declare its queue and consume.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let probe = connection.create_channel().await?;
-        let declared = probe
-            .queue_declare(
-                queue.as_str().into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await;
-        let _ = probe.close(200, "probe".into()).await;
-        if declared.is_ok_and(|q| q.consumer_count() > 0) {
+        let counts = idem::topology::queue_counts(&connection, &queue).await;
+        if counts.is_some_and(|c| c.consumers > 0) {
             break;
         }
         if Instant::now() > deadline {

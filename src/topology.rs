@@ -280,6 +280,36 @@ pub fn dlq_name(queue: &str) -> String {
     format!("{queue}.dlq")
 }
 
+/// What the broker says of a queue: messages ready (not delivered) and consumers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Messages ready to be delivered; unacked deliveries are not counted.
+    pub ready: u32,
+    /// Consumers subscribed to it.
+    pub consumers: u32,
+}
+
+/// The counts of `queue`, or `None` if it does not exist or the broker could not be
+/// asked. A passive declare, so nothing is created; on a channel of its own, since the
+/// broker closes the channel of a passive declare on a missing queue.
+pub async fn queue_counts(connection: &Connection, queue: &str) -> Option<QueueCounts> {
+    let channel = connection.create_channel().await.ok()?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+        .ok()
+        .map(|q| QueueCounts {
+            ready: q.message_count(),
+            consumers: q.consumer_count(),
+        });
+    let _ = channel.close(200, "counted".into()).await;
+    declared
+}
+
 fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }

@@ -74,16 +74,7 @@ async fn exists(queue: &str) -> bool {
     let connection = idem::topology::connect(&common::amqp_url(), "test-pg-failover")
         .await
         .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let declared = channel
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await;
-    declared.is_ok()
+    idem::topology::queue_counts(&connection, queue)
+        .await
+        .is_some()
 }

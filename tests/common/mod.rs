@@ -12,7 +12,7 @@ use idem::replay::DlqMessage;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, LongString};
 use lapin::{BasicProperties, Channel, Connection};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -176,25 +176,9 @@ impl TestQueue {
 
     /// Messages ready and consumers of `queue` (0, 0 if it does not exist yet).
     pub async fn counts(&self, queue: &str) -> (u32, u32) {
-        // A passive declare on a missing queue closes the channel: use a throwaway one.
-        let Ok(channel) = self.connection.create_channel().await else {
-            return (0, 0);
-        };
-        let result = channel
-            .queue_declare(
-                queue.into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        let _ = channel.close(200, "ok".into()).await;
-        match result {
-            Ok(q) => (q.message_count(), q.consumer_count()),
-            Err(_) => (0, 0),
-        }
+        idem::topology::queue_counts(&self.connection, queue)
+            .await
+            .map_or((0, 0), |c| (c.ready, c.consumers))
     }
 
     /// Takes every message out of `queue`, with what its `idem-*` headers say.

@@ -21,8 +21,6 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use idem::tally::{Line, MinuteCount};
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -83,7 +81,9 @@ pub(super) async fn sample_forever(console: Arc<Console>) {
         for queue in &console.queues {
             for name in [queue.clone(), idem::replay::dlq_of(queue)] {
                 let depth = match &connection {
-                    Some(c) => ready(c, &name).await,
+                    Some(c) => idem::topology::queue_counts(c, &name)
+                        .await
+                        .map(|q| q.ready),
                     None => None,
                 };
                 depths.push((name, depth));
@@ -99,23 +99,6 @@ pub(super) async fn sample_forever(console: Arc<Console>) {
             outbox_age_s,
         });
     }
-}
-
-/// Ready messages in `queue` (a passive declare: it creates nothing), on a channel of
-/// its own, since the broker closes the channel when the queue is missing.
-async fn ready(connection: &lapin::Connection, queue: &str) -> Option<u32> {
-    let channel = connection.create_channel().await.ok()?;
-    let options = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let declared = channel
-        .queue_declare(queue.into(), options, FieldTable::default())
-        .await
-        .ok()
-        .map(|q| q.message_count());
-    let _ = channel.close(200, "sampled".into()).await;
-    declared
 }
 
 /// One minute's counts.
