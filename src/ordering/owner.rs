@@ -76,17 +76,25 @@ pub(crate) async fn load(
              SELECT DISTINCT ON (t.s, t.k) t.s, t.k, t.f, t.f - 1 FROM t ORDER BY t.s, t.k
              ON CONFLICT (scope, ordering_key) DO NOTHING
              RETURNING scope, ordering_key, next_seq),
+         -- Each position is read by its key (a subquery per item): a join made the
+         -- planner hash the whole table for a handful of items (docs/PERFORMANCE.md).
+         stale AS (
+             SELECT DISTINCT t.s, t.k FROM t
+              WHERE (SELECT p.moved_at FROM ordering_positions p
+                      WHERE p.scope = t.s AND p.ordering_key = t.k) < now() - interval '1 hour'),
          touched AS (
              UPDATE ordering_positions p SET moved_at = now() - interval '1 hour'
-               FROM (SELECT DISTINCT s, k FROM t) u
+               FROM stale u
               WHERE p.scope = u.s AND p.ordering_key = u.k
                 AND p.moved_at < now() - interval '1 hour'
+                AND EXISTS (SELECT 1 FROM stale)
              RETURNING p.scope, p.ordering_key, p.next_seq)
-         SELECT t.i, coalesce(c.next_seq, u.next_seq, p.next_seq, t.f)
+         SELECT t.i, coalesce(c.next_seq, u.next_seq,
+                              (SELECT p.next_seq FROM ordering_positions p
+                                WHERE p.scope = t.s AND p.ordering_key = t.k), t.f)
            FROM t
            LEFT JOIN created c ON c.scope = t.s AND c.ordering_key = t.k
-           LEFT JOIN touched u ON u.scope = t.s AND u.ordering_key = t.k
-           LEFT JOIN ordering_positions p ON p.scope = t.s AND p.ordering_key = t.k",
+           LEFT JOIN touched u ON u.scope = t.s AND u.ordering_key = t.k",
     )
     .bind(&scopes)
     .bind(&keys)
@@ -134,9 +142,8 @@ pub(crate) async fn park(
                                    WITH ORDINALITY AS t(s, k, n, op, idem, fp, q, body, props, i)),
          early AS (
              SELECT t.* FROM t
-              WHERE NOT EXISTS (SELECT 1 FROM ordering_positions p
-                                 WHERE p.scope = t.s AND p.ordering_key = t.k
-                                   AND p.next_seq >= t.n)),
+              WHERE coalesce((SELECT p.next_seq FROM ordering_positions p
+                               WHERE p.scope = t.s AND p.ordering_key = t.k), t.n - 1) < t.n),
          kept AS (
              INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
                  idempotency_key, payload_sha256, queue, body, properties)
@@ -144,18 +151,25 @@ pub(crate) async fn park(
                FROM early e ORDER BY e.s, e.k, e.n, e.i
              ON CONFLICT DO NOTHING
              RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256),
+         -- As the gate's parks, last_seq at the highest number waiting keeps gc off
+         -- the position, but only where gc could be deleting it now (moved longer
+         -- than half the retention ago): a gc that missed this row must have begun
+         -- half a retention after this statement. A write on a position a batch
+         -- is moving waits for that batch's commit, and was a third of the park's
+         -- time (docs/PERFORMANCE.md). Rarely any: the update runs only if one is
+         -- found, each read by its key (a join read the whole table).
+         old AS (
+             SELECT k.scope, k.ordering_key, max(k.seq) AS top FROM kept k
+              GROUP BY k.scope, k.ordering_key
+             HAVING (SELECT p.moved_at FROM ordering_positions p
+                      WHERE p.scope = k.scope AND p.ordering_key = k.ordering_key)
+                    < now() - $10 * interval '1 millisecond' / 2),
          grown AS (
-             -- As the gate's parks, last_seq at the highest number waiting keeps gc off
-             -- the position, but only where gc could be deleting it now (moved longer
-             -- than half the retention ago): a gc that missed this row must have begun
-             -- half a retention after this statement. A write on a position a batch
-             -- is moving waits for that batch's commit, and was a third of the park's
-             -- time (docs/PERFORMANCE.md).
              UPDATE ordering_positions p SET last_seq = m.top
-               FROM (SELECT scope, ordering_key, max(seq) AS top FROM kept
-                      GROUP BY scope, ordering_key) m
+               FROM old m
               WHERE p.scope = m.scope AND p.ordering_key = m.ordering_key AND p.last_seq < m.top
-                AND p.moved_at < now() - $10 * interval '1 millisecond' / 2)
+                AND p.moved_at < now() - $10 * interval '1 millisecond' / 2
+                AND EXISTS (SELECT 1 FROM old))
          SELECT t.i, k.seq IS NOT NULL, NOT EXISTS (SELECT 1 FROM early e WHERE e.i = t.i),
                 x.seq, x.operation, x.idempotency_key, x.payload_sha256
            FROM t
@@ -271,7 +285,9 @@ fn read_back(row: MovedRow, keys: Option<&Keys>) -> (i64, Option<Released>) {
 /// array locks them in whatever order its plan reads them (the table's, for a hash
 /// join), and a sweep that held one of them while waiting for another made a deadlock
 /// that Postgres broke after `deadlock_timeout` (1 s) by failing one of the two (seen in
-/// 4 of about 25 bench runs, at the kill, when redeliveries wake the sweep).
+/// 4 of about 25 bench runs, at the kill, when redeliveries wake the sweep). Each is
+/// locked by its key, in the order of the sorted keys (a lateral subquery, so a nested
+/// loop): a join hashed the whole table to lock a handful of rows.
 pub(crate) async fn move_on<'e>(
     executor: impl sqlx::PgExecutor<'e>,
     keys: Option<&Keys>,
@@ -288,10 +304,12 @@ pub(crate) async fn move_on<'e>(
                                          $5::text[])
                                    WITH ORDINALITY AS t(s, k, n, op, idem, i)),
          locked AS (
-             SELECT p.scope, p.ordering_key FROM ordering_positions p
-              WHERE (p.scope, p.ordering_key) IN (SELECT t.s, t.k FROM t)
-              ORDER BY p.scope, p.ordering_key
-                FOR UPDATE),
+             SELECT l.scope, l.ordering_key
+               FROM (SELECT DISTINCT t.s, t.k FROM t ORDER BY t.s, t.k) u
+              CROSS JOIN LATERAL (
+                    SELECT p.scope, p.ordering_key FROM ordering_positions p
+                     WHERE p.scope = u.s AND p.ordering_key = u.k
+                       FOR UPDATE) l),
          moved AS (
              UPDATE ordering_positions p
                 -- moved_at only once it is a second old: with no indexed column

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::{Done, move_on, running};
+use super::{Done, Parked, load, move_on, park, running};
+use crate::key::Key;
+use crate::ordering::{Entry, Ordered};
 
 fn done(ordering_key: &str) -> Done {
     Done {
@@ -129,4 +131,77 @@ async fn a_long_turns_mark_skips_a_locked_position_and_is_fenced(pool: PgPool) {
         "fenced: the position is past 1"
     );
     assert!(!running(&pool, &done("gone")).await.unwrap(), "no position");
+}
+
+/// A load reads each position (creating a missing one at its first number) and marks
+/// as moved only a position that has not moved for an hour; a park raises `last_seq`
+/// only where gc could be taking the position (not moved for half the retention), and
+/// answers a number the position has reached as passed. Each is read by its key now, so
+/// these writes are the ones a planner change could lose.
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq, moved_at)
+         VALUES ('s', 'old', 3, 2, now() - interval '2 days'),
+                ('s', 'new', 3, 2, now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let item = |key: &str| ("s".to_string(), key.to_string(), 1);
+    let next = load(&pool, &[item("old"), item("new"), item("missing")])
+        .await
+        .unwrap();
+    assert_eq!(next, vec![3, 3, 1]);
+    let stale: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT ordering_key, moved_at < now() - interval '1 day' FROM ordering_positions
+          ORDER BY ordering_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        stale,
+        vec![
+            ("missing".to_string(), false),
+            ("new".to_string(), false),
+            ("old".to_string(), false),
+        ],
+        "the old position is marked as moved an hour ago, the others left as they are"
+    );
+    sqlx::query("UPDATE ordering_positions SET moved_at = now() - interval '2 days' WHERE ordering_key = 'old'")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let entry = |key: &str, seq: i64| Entry {
+        key: Key::new("s", "accounts.apply", format!("{key}-{seq}")).unwrap(),
+        ordered: Ordered::by(key).sequence(seq),
+        fingerprint: format!("fp-{key}-{seq}"),
+        also: None,
+        queue: "q".into(),
+        body: b"{}".to_vec(),
+        properties: Vec::new(),
+    };
+    let parked = park(
+        &pool,
+        None,
+        Duration::from_secs(24 * 3600),
+        &[entry("old", 5), entry("new", 5), entry("new", 3)],
+    )
+    .await
+    .unwrap();
+    assert_eq!(parked, vec![Parked::Kept, Parked::Kept, Parked::Passed]);
+    let last: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT ordering_key, last_seq FROM ordering_positions
+          WHERE ordering_key IN ('old', 'new') ORDER BY ordering_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        last,
+        vec![("new".to_string(), 2), ("old".to_string(), 5)],
+        "last_seq raised to the highest waiting number where gc could take the position"
+    );
 }
