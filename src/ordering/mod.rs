@@ -23,6 +23,7 @@ use sqlx::PgPool;
 
 use crate::store::StoreError;
 
+pub(crate) mod held;
 pub(crate) mod owner;
 pub(crate) mod table;
 

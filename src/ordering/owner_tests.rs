@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::{Done, Parked, load, move_on, park, running};
+use super::{Done, Parked, load, move_on, park};
 use crate::key::Key;
+use crate::ordering::held::running;
 use crate::ordering::{Entry, Ordered};
 
 fn done(ordering_key: &str) -> Done {

@@ -30,6 +30,7 @@ use super::decision::Outcome;
 use super::ordered::Entity;
 use super::{Failure, WorkerConfig};
 use crate::key::Key;
+use crate::ordering::held;
 use crate::ordering::owner::{self, Done, Moved, Parked, Place};
 use crate::ordering::{Entry, Released};
 use crate::store::{Store, StoreError};
@@ -80,7 +81,7 @@ impl Owner {
         let s = store.clone();
         let fetches = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Place]>| {
             let s = s.clone();
-            async move { owner::fetch(s.pool(), s.keys(), &items).await }
+            async move { held::fetch(s.pool(), s.keys(), &items).await }
         });
         Self {
             store: store.clone(),
@@ -187,7 +188,7 @@ impl Owner {
                 () = tokio::time::sleep(MARK_AFTER) => {}
             }
             let done = turn.done();
-            let mut mark = std::pin::pin!(owner::running(self.store.pool(), &done));
+            let mut mark = std::pin::pin!(held::running(self.store.pool(), &done));
             let looked = tokio::select! {
                 biased;
                 looked = &mut mark => looked,
@@ -224,12 +225,12 @@ impl Owner {
     }
 
     /// Whether the record of `key` decides its delivery without a turn
-    /// ([`owner::decided`]).
+    /// ([`held::decided`]).
     async fn decided(&self, key: &Key) -> Result<bool, Failure> {
         let pool = self.store.pool();
         let (scope, operation, idempotency_key) =
             (key.scope(), key.operation(), key.idempotency_key());
-        Ok(owner::decided(pool, scope, operation, idempotency_key).await?)
+        Ok(held::decided(pool, scope, operation, idempotency_key).await?)
     }
 }
 
@@ -510,7 +511,7 @@ impl Turn {
                 | Outcome::Pending
                 | Outcome::DuplicateFailed
         );
-        if holds && let Err(error) = owner::hold(owner.store.pool(), &self.done()).await {
+        if holds && let Err(error) = held::hold(owner.store.pool(), &self.done()).await {
             warn!(error = %crate::text::error_line(&error), "owned order: the blocked turn's holder not recorded");
         }
         self.ended = true;

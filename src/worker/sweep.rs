@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 use super::ordered::publish;
 use crate::connector::Connector;
 use crate::metrics;
-use crate::ordering::{owner, table};
+use crate::ordering::{held, table};
 use crate::store::Store;
 
 /// How long after an owned queue's first delivery [`take_over`] looks: a statement the
@@ -24,7 +24,7 @@ const TAKEOVER_AFTER: Duration = Duration::from_millis(200);
 
 /// On an owned queue, once after a session's first delivery (`first`, when it came):
 /// publishes to `queue` the turns a previous owner was handed in process before then
-/// and never completed ([`owner::taken_over`]). Its deliveries come back from the
+/// and never completed ([`held::taken_over`]). Its deliveries come back from the
 /// broker, but a turn handed from a waiting row was acked when it was parked: without
 /// this, its entity waits for the sweep, a second or more after the release went stale.
 pub(super) async fn take_over(store: Store, channel: Channel, queue: String, first: Instant) {
@@ -32,7 +32,7 @@ pub(super) async fn take_over(store: Store, channel: Channel, queue: String, fir
     // Counted back from the statement to the first delivery (a pool that makes it wait
     // must not let in what this process released since).
     let since_first = first.elapsed();
-    match owner::taken_over(store.pool(), store.keys(), &queue, since_first).await {
+    match held::taken_over(store.pool(), store.keys(), &queue, since_first).await {
         Ok(released) => {
             if !released.is_empty() {
                 info!(

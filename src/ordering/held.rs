@@ -1,0 +1,175 @@
+//! Owned order's turns that did not end in a move (docs/DESIGN.md, "Owned order"): a
+//! row parked while the move before it ran, fetched; the turns a dead owner was handed,
+//! taken over; a holder recorded for a turn that failed or runs long; a delivery its
+//! record decides without a turn. The moves and parks are in `owner.rs`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use super::owner::{Done, Place};
+use super::table::{Released, WaitingRow, readable};
+use crate::protect::Keys;
+use crate::store::StoreError;
+
+/// Releases the rows parked at each place, where the position is at it: a row parked
+/// while the move before it ran, which that move did not see.
+pub(crate) async fn fetch(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    places: &[Place],
+) -> Result<Vec<Option<Released>>, StoreError> {
+    let scopes: Vec<&str> = places.iter().map(|(s, _, _)| s.as_str()).collect();
+    let ordering_keys: Vec<&str> = places.iter().map(|(_, k, _)| k.as_str()).collect();
+    let seqs: Vec<i64> = places.iter().map(|(_, _, n)| *n).collect();
+    let rows: Vec<WaitingRow> = sqlx::query_as(
+        "UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+           FROM unnest($1::text[], $2::text[], $3::int8[]) AS t(s, k, n)
+          WHERE w.scope = t.s AND w.ordering_key = t.k AND w.seq = t.n
+            AND EXISTS (SELECT 1 FROM ordering_positions p
+                         WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.n)
+         RETURNING w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key, w.queue,
+                   w.body, w.properties, true",
+    )
+    .bind(&scopes)
+    .bind(&ordering_keys)
+    .bind(&seqs)
+    .fetch_all(pool)
+    .await?;
+    let mut found: HashMap<Place, Released> = rows
+        .into_iter()
+        .filter_map(|row| readable(row, keys))
+        .map(|r| ((r.scope.clone(), r.ordering_key.clone(), r.seq), r))
+        .collect();
+    Ok(places.iter().map(|place| found.remove(place)).collect())
+}
+
+/// The turns a previous owner of `queue` was handed in process and did not complete
+/// (it died, or lost its consumer): rows at their entity's turn, with no holder (or
+/// held by themselves: a turn handed in process that ran long, see [`running`]),
+/// released (or parked, for a turn it was to fetch) more than `before` ago, and not run
+/// under a live lease, released again to be published. `before`: the time since a
+/// session's first delivery; what was handed before it is the previous owner's, as the
+/// broker gives a single-active-consumer queue to the next consumer only once the
+/// last one is gone. What the stale sweep would publish a second or more later.
+pub(crate) async fn taken_over(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    queue: &str,
+    before: Duration,
+) -> Result<Vec<Released>, StoreError> {
+    let rows: Vec<WaitingRow> = sqlx::query_as(
+        "UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
+           FROM ordering_positions p
+          WHERE w.queue = $1 AND p.scope = w.scope AND p.ordering_key = w.ordering_key
+            AND w.seq = p.next_seq
+            AND (p.holder_key IS NULL
+                 OR (p.holder_operation = w.operation AND p.holder_key = w.idempotency_key))
+            AND coalesce(w.released_at, w.waiting_since) < now() - $2 * interval '1 millisecond'
+            AND NOT EXISTS (
+                SELECT 1 FROM processed_operations o
+                 WHERE o.scope = w.scope AND o.operation = w.operation
+                   AND o.idempotency_key = w.idempotency_key
+                   AND o.status IN ('processing', 'pending')
+                   AND o.lease_expires_at > now())
+         RETURNING w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key, w.queue,
+                   w.body, w.properties, true",
+    )
+    .bind(queue)
+    .bind(crate::db::millis(before))
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|row| readable(row, keys))
+        .collect())
+}
+
+/// Records the turn at `place` as held by the delivery that ran it and did not complete
+/// (retrying, pending, dead-lettered): operators see what blocks the entity, a skip
+/// waits for its live lease, and the sweep moves on past it once a copy completes
+/// without its owner's move (a crash). Its waiting row, if it had one, is done with:
+/// its retry copy or dead letter is safe (the sweep would publish the row again and
+/// again, and run it ahead of its retry delay).
+pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
+    let (scope, ordering_key, seq) = &done.place;
+    sqlx::query(
+        "WITH gone AS (
+             DELETE FROM ordering_waiting
+              WHERE scope = $1 AND operation = $4 AND idempotency_key = $5)
+         UPDATE ordering_positions
+            SET holder_operation = $4, holder_key = $5, held_since = now()
+          WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3
+            AND holder_key IS DISTINCT FROM $5",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .bind(seq)
+    .bind(&done.operation)
+    .bind(&done.idempotency_key)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Records the turn at `place` as held by the delivery running it, which has run for a
+/// second (`MARK_AFTER` in `worker/owned.rs`): the listing shows it running and a skip
+/// is refused, as under the gate. Only while the position is at its number with no
+/// holder: a move that committed first (the turn ended) or a holder written since wins.
+/// False when the position is locked (its move, or another write, is in flight), or
+/// gone: the mark does not wait for it. A transactional batch holds its turns' positions from its
+/// move to its commit, and marks that waited for them held a connection each, 47 ms on
+/// average, to find the turn moved (docs/PERFORMANCE.md).
+pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<bool, StoreError> {
+    let (scope, ordering_key, seq) = &done.place;
+    let looked: bool = sqlx::query_scalar(
+        "WITH p AS (SELECT scope, ordering_key FROM ordering_positions
+                     WHERE scope = $1 AND ordering_key = $2
+                       FOR NO KEY UPDATE SKIP LOCKED),
+              marked AS (
+                 UPDATE ordering_positions o
+                    SET holder_operation = $4, holder_key = $5, held_since = now()
+                   FROM p
+                  WHERE o.scope = p.scope AND o.ordering_key = p.ordering_key
+                    AND o.next_seq = $3 AND o.holder_key IS NULL
+                 RETURNING 1)
+         SELECT EXISTS (SELECT 1 FROM p)",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .bind(seq)
+    .bind(&done.operation)
+    .bind(&done.idempotency_key)
+    .fetch_one(pool)
+    .await?;
+    Ok(looked)
+}
+
+/// Whether the record of `(scope, operation, idempotency key)` decides a delivery
+/// without a turn: completed (a duplicate), or failed for good. A delivery behind its
+/// position is decided by it (run on to its claim, or `sequence_passed`): its waiting
+/// row, if one is behind the position too, goes (the sweep would publish it for ever).
+pub(crate) async fn decided(
+    pool: &PgPool,
+    scope: &str,
+    operation: &str,
+    idempotency_key: &str,
+) -> Result<bool, StoreError> {
+    let decided = sqlx::query_scalar(
+        "WITH gone AS (
+             DELETE FROM ordering_waiting w USING ordering_positions p
+              WHERE w.scope = $1 AND w.operation = $2 AND w.idempotency_key = $3
+                AND p.scope = w.scope AND p.ordering_key = w.ordering_key
+                AND w.seq < p.next_seq)
+         SELECT EXISTS (SELECT 1 FROM processed_operations o
+                         WHERE o.scope = $1 AND o.operation = $2 AND o.idempotency_key = $3
+                           AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))",
+    )
+    .bind(scope)
+    .bind(operation)
+    .bind(idempotency_key)
+    .fetch_one(pool)
+    .await?;
+    Ok(decided)
+}
