@@ -729,7 +729,7 @@ async fn queue_ready(url: &str, queue: &str) -> Option<u32> {
     let connection = connect(url).await.ok()?;
     let counts = idem::topology::queue_counts(&connection, queue).await;
     let _ = connection.close(200, "done".into()).await;
-    counts.map(|c| c.ready)
+    counts.ok().flatten().map(|c| c.ready)
 }
 
 /// Messages ready or unacked in the work queue and its retry queues.

@@ -190,7 +190,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Wait for the worker to declare its queue and consume.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let counts = idem::topology::queue_counts(&connection, &queue).await;
+        let counts = idem::topology::queue_counts(&connection, &queue).await?;
         if counts.is_some_and(|c| c.consumers > 0) {
             break;
         }

@@ -289,25 +289,36 @@ pub struct QueueCounts {
     pub consumers: u32,
 }
 
-/// The counts of `queue`, or `None` if it does not exist or the broker could not be
-/// asked. A passive declare, so nothing is created; on a channel of its own, since the
-/// broker closes the channel of a passive declare on a missing queue.
-pub async fn queue_counts(connection: &Connection, queue: &str) -> Option<QueueCounts> {
-    let channel = connection.create_channel().await.ok()?;
+/// The counts of `queue`, or `None` if it does not exist. A passive declare, so nothing
+/// is created; on a channel of its own, since the broker closes the channel of a passive
+/// declare on a missing queue. Any other failure (no channel, a closed connection) is
+/// an error, not a missing queue.
+pub async fn queue_counts(
+    connection: &Connection,
+    queue: &str,
+) -> Result<Option<QueueCounts>, lapin::Error> {
+    let channel = connection.create_channel().await?;
     let options = QueueDeclareOptions {
         passive: true,
         ..QueueDeclareOptions::default()
     };
     let declared = channel
         .queue_declare(queue.into(), options, FieldTable::default())
-        .await
-        .ok()
-        .map(|q| QueueCounts {
+        .await;
+    let _ = channel.close(200, "counted".into()).await;
+    match declared {
+        Ok(q) => Ok(Some(QueueCounts {
             ready: q.message_count(),
             consumers: q.consumer_count(),
-        });
-    let _ = channel.close(200, "counted".into()).await;
-    declared
+        })),
+        Err(error) if not_found(&error) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// 404 NOT_FOUND: the queue does not exist.
+fn not_found(error: &lapin::Error) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404)
 }
 
 fn long_string(s: &str) -> AMQPValue {

@@ -976,3 +976,48 @@ async fn subscriptions_are_declared_bound_and_a_mismatch_stops_the_worker(pool: 
         "{line}"
     );
 }
+
+/// `topology::queue_counts` answers `None` for a missing queue (a passive declare's
+/// 404), the counts of one that exists, and an error when it cannot ask the broker (a
+/// closed connection), not a missing queue.
+#[tokio::test]
+async fn queue_counts_tells_a_missing_queue_from_a_broker_it_cannot_ask() {
+    let q = TestQueue::new("queue_counts").await;
+    let counts = idem::topology::queue_counts(&q.connection, &q.name)
+        .await
+        .expect("the broker answers");
+    assert_eq!(counts, None);
+    q.channel
+        .queue_declare(
+            q.name.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    q.publish(b"{}").await;
+    q.publish(b"{}").await;
+    let counts = idem::topology::queue_counts(&q.connection, &q.name)
+        .await
+        .expect("the broker answers");
+    assert_eq!(
+        counts,
+        Some(idem::topology::QueueCounts {
+            ready: 2,
+            consumers: 0
+        })
+    );
+    let closed = idem::topology::connect(&amqp_url(), "test-queue-counts-closed")
+        .await
+        .unwrap();
+    closed.close(200, "closed".into()).await.unwrap();
+    assert!(
+        idem::topology::queue_counts(&closed, &q.name)
+            .await
+            .is_err(),
+        "a closed connection is an error, not a missing queue"
+    );
+}

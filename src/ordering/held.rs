@@ -1,7 +1,8 @@
-//! Owned order's turns that did not end in a move (docs/DESIGN.md, "Owned order"): a
+//! Owned order's statements beside its normal path (docs/DESIGN.md, "Owned order"): a
 //! row parked while the move before it ran, fetched; the turns a dead owner was handed,
 //! taken over; a holder recorded for a turn that failed or runs long; a delivery its
-//! record decides without a turn. The moves and parks are in `owner.rs`.
+//! record decides without a turn. The loads, parks, moves and chain ends are in
+//! `owner.rs`.
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -1,7 +1,8 @@
-//! The statements of owned order (docs/DESIGN.md, "Order per entity", "Owned order"):
-//! a queue with a single active consumer keeps its entities' positions in memory and
-//! writes only when a turn completes (a fenced move) or an entry comes early (a park).
-//! Each takes the items that arrived together, one round trip.
+//! The statements of owned order's normal path (docs/DESIGN.md, "Order per entity",
+//! "Owned order"): a queue with a single active consumer keeps its entities' positions in
+//! memory (a load) and writes only when a turn completes (a fenced move, a chain's end)
+//! or an entry comes early (a park). Each takes the items that arrived together, one
+//! round trip. The rest (fetches, takeovers, holders) is in `held.rs`.
 
 use std::time::Duration;
 
@@ -141,8 +142,8 @@ pub(crate) async fn park(
                                    WITH ORDINALITY AS t(s, k, n, op, idem, fp, q, body, props, i)),
          early AS (
              SELECT t.* FROM t
-              WHERE coalesce((SELECT p.next_seq FROM ordering_positions p
-                               WHERE p.scope = t.s AND p.ordering_key = t.k), t.n - 1) < t.n),
+              WHERE NOT coalesce((SELECT p.next_seq >= t.n FROM ordering_positions p
+                                   WHERE p.scope = t.s AND p.ordering_key = t.k), false)),
          kept AS (
              INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
                  idempotency_key, payload_sha256, queue, body, properties)
@@ -302,7 +303,7 @@ pub(crate) async fn move_on<'e>(
         "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
                                          $5::text[])
                                    WITH ORDINALITY AS t(s, k, n, op, idem, i)),
-         locked AS (
+         locked AS MATERIALIZED (
              SELECT l.scope, l.ordering_key
                FROM (SELECT DISTINCT t.s, t.k FROM t ORDER BY t.s, t.k) u
               CROSS JOIN LATERAL (

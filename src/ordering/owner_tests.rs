@@ -137,8 +137,9 @@ async fn a_long_turns_mark_skips_a_locked_position_and_is_fenced(pool: PgPool) {
 /// A load reads each position (creating a missing one at its first number) and marks
 /// as moved only a position that has not moved for an hour; a park raises `last_seq`
 /// only where gc could be taking the position (not moved for half the retention), and
-/// answers a number the position has reached as passed. Each is read by its key now, so
-/// these writes are the ones a planner change could lose.
+/// answers a number the position has reached as passed; an entry of an entity with no
+/// position is parked. Pins what the statements write, whatever plan reaches the
+/// positions.
 #[sqlx::test(migrator = "crate::db::MIGRATOR")]
 async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
     sqlx::query(
@@ -154,9 +155,11 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(next, vec![3, 3, 1]);
-    let stale: Vec<(String, bool)> = sqlx::query_as(
-        "SELECT ordering_key, moved_at < now() - interval '1 day' FROM ordering_positions
-          ORDER BY ordering_key",
+    // (key, moved more than 30 minutes ago, moved more than 2 hours ago)
+    let stale: Vec<(String, bool, bool)> = sqlx::query_as(
+        "SELECT ordering_key, moved_at < now() - interval '30 minutes',
+                moved_at < now() - interval '2 hours'
+           FROM ordering_positions ORDER BY ordering_key",
     )
     .fetch_all(&pool)
     .await
@@ -164,9 +167,9 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
     assert_eq!(
         stale,
         vec![
-            ("missing".to_string(), false),
-            ("new".to_string(), false),
-            ("old".to_string(), false),
+            ("missing".to_string(), false, false),
+            ("new".to_string(), false, false),
+            ("old".to_string(), true, false),
         ],
         "the old position is marked as moved an hour ago, the others left as they are"
     );
@@ -188,11 +191,19 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
         &pool,
         None,
         Duration::from_secs(24 * 3600),
-        &[entry("old", 5), entry("new", 5), entry("new", 3)],
+        &[
+            entry("old", 5),
+            entry("new", 5),
+            entry("new", 3),
+            entry("fresh", 2),
+        ],
     )
     .await
     .unwrap();
-    assert_eq!(parked, vec![Parked::Kept, Parked::Kept, Parked::Passed]);
+    assert_eq!(
+        parked,
+        vec![Parked::Kept, Parked::Kept, Parked::Passed, Parked::Kept]
+    );
     let last: Vec<(String, i64)> = sqlx::query_as(
         "SELECT ordering_key, last_seq FROM ordering_positions
           WHERE ordering_key IN ('old', 'new') ORDER BY ordering_key",

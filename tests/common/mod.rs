@@ -178,6 +178,7 @@ impl TestQueue {
     pub async fn counts(&self, queue: &str) -> (u32, u32) {
         idem::topology::queue_counts(&self.connection, queue)
             .await
+            .expect("the broker answers")
             .map_or((0, 0), |c| (c.ready, c.consumers))
     }
 

@@ -83,6 +83,8 @@ pub(super) async fn sample_forever(console: Arc<Console>) {
                 let depth = match &connection {
                     Some(c) => idem::topology::queue_counts(c, &name)
                         .await
+                        .ok()
+                        .flatten()
                         .map(|q| q.ready),
                     None => None,
                 };
