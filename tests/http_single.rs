@@ -570,6 +570,11 @@ async fn a_database_that_defaults_to_another_isolation_runs_the_route_read_commi
     .unwrap();
     assert_eq!(stored, keys);
     locks_given_back(&pool).await;
+    // The pools are the test's own (made from options), and the server still holds the
+    // second: closed here, or their connections can outlive the test and keep sqlx from
+    // dropping its database (one was left after each CI run).
+    repeatable.close().await;
+    pool.close().await;
 }
 
 /// A repeat waits at the key's lock no longer than its route's `run_within` (the
