@@ -88,17 +88,7 @@ impl Handler for Profiles {
 /// The queue follow-ups go to, beside `q` (declared; deleted on drop).
 async fn target(q: &TestQueue) -> TestQueue {
     let to = q.beside("to").await;
-    to.channel
-        .queue_declare(
-            to.name.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    to.declare_plain().await;
     to
 }
 

@@ -987,17 +987,7 @@ async fn queue_counts_tells_a_missing_queue_from_a_broker_it_cannot_ask() {
         .await
         .expect("the broker answers");
     assert_eq!(counts, None);
-    q.channel
-        .queue_declare(
-            q.name.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    q.declare_plain().await;
     q.publish(b"{}").await;
     q.publish(b"{}").await;
     let counts = idem::topology::queue_counts(&q.connection, &q.name)

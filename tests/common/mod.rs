@@ -12,7 +12,7 @@ use idem::replay::DlqMessage;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, LongString};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -131,6 +131,22 @@ impl TestQueue {
             .unwrap_or_else(|e| e.into_inner())
             .push(name.clone());
         name
+    }
+
+    /// Declares this queue durable, with no arguments (a plain queue, as a follow-up's
+    /// target or a test of the broker's answers, not a worker's).
+    pub async fn declare_plain(&self) {
+        self.channel
+            .queue_declare(
+                self.name.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare the queue");
     }
 
     pub fn dlq(&self) -> String {
