@@ -372,7 +372,7 @@ impl Bench {
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
         let single_active_consumer = self.args.single_active_consumer && order != "none";
-        idem::Topology {
+        let topology = idem::Topology {
             queue: queue.clone(),
             queue_type: idem::QueueType::Classic,
             retry_delays: RETRY_DELAYS_MS
@@ -381,9 +381,8 @@ impl Bench {
                 .collect(),
             subscriptions: Vec::new(),
             single_active_consumer,
-        }
-        .declare(&self.connection)
-        .await?;
+        };
+        topology.declare(&self.connection).await?;
         let total = i64::try_from(bodies.len())?;
         publish(&self.connection, &queue, &bodies).await?;
         let lease = self.args.lease_secs.to_string();
@@ -487,16 +486,15 @@ impl Bench {
         let writes = self.writes().await?;
         let channel = self.connection.create_channel().await?;
         let mut dead_lettered = 0;
-        for name in [
-            queue.clone(),
-            format!("{queue}.dlq"),
-            format!("{queue}.retry.1s"),
-            format!("{queue}.retry.5s"),
-        ] {
+        let dlq = topology.dlq();
+        for name in [queue.clone(), dlq.clone()]
+            .into_iter()
+            .chain(topology.retry_queues())
+        {
             let deleted = channel
                 .queue_delete(name.as_str().into(), Default::default())
                 .await;
-            if name.ends_with(".dlq") {
+            if name == dlq {
                 dead_lettered = deleted.unwrap_or_default();
             }
         }

@@ -480,7 +480,7 @@ fn spawn_worker(args: &Args, bin: &Path, queue: &str, i: usize) -> anyhow::Resul
             "--lease-secs",
             "5",
             "--retry-delays-ms",
-            "200,1000",
+            &RETRY_DELAYS_MS.map(|ms| ms.to_string()).join(","),
         ])
         .env("DATABASE_URL", app_url())
         .env("AMQP_URL", &args.amqp_url)
@@ -500,18 +500,31 @@ async fn booked(pool: &PgPool) -> i64 {
         .unwrap_or(-1)
 }
 
-/// Deletes the drill's queue, its dead-letter queue and its retry queues. If that fails,
-/// it says so; the drill's verdict stands.
+/// The workers' retry tiers (`--retry-delays-ms`).
+const RETRY_DELAYS_MS: [u64; 2] = [200, 1000];
+
+/// The drill's queue, its dead-letter queue and its retry queues, as its workers declare
+/// them.
+fn queues(queue: &str) -> Vec<String> {
+    let topology = idem::Topology {
+        queue: queue.to_string(),
+        queue_type: idem::QueueType::Classic,
+        retry_delays: RETRY_DELAYS_MS.map(Duration::from_millis).to_vec(),
+        subscriptions: Vec::new(),
+        single_active_consumer: false,
+    };
+    [queue.to_string(), topology.dlq()]
+        .into_iter()
+        .chain(topology.retry_queues())
+        .collect()
+}
+
+/// Deletes the drill's [`queues`]. If that fails, it says so; the drill's verdict stands.
 async fn delete_queues(amqp_url: &str, queue: &str) {
     let deleted = async {
         let connection = idem::topology::connect(amqp_url, "idem-pg-failover-drill").await?;
         let channel = connection.create_channel().await?;
-        for name in [
-            queue.to_string(),
-            format!("{queue}.dlq"),
-            format!("{queue}.retry.200ms"),
-            format!("{queue}.retry.1s"),
-        ] {
+        for name in queues(queue) {
             channel
                 .queue_delete(name.as_str().into(), Default::default())
                 .await?;
