@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use super::acks::Acks;
+use super::acks::{Acks, Hold};
 use super::follow_ups::FollowUpChannel;
 use super::owned::Positions;
 use super::route::{Routes, Unrouted};
@@ -190,10 +190,14 @@ impl Session {
 
     /// What the deliveries of a session settle with.
     fn links(&self, open: &Open) -> Links {
+        let hold = match self.config.single_active_consumer {
+            true => Hold::owned(self.config.prefetch),
+            false => Hold::plain(),
+        };
         Links {
             publish: open.publish.clone(),
             follow_ups: Arc::new(FollowUpChannel::new(open.publishing.clone())),
-            acks: Acks::spawn(open.consume.clone(), self.config.batch_linger),
+            acks: Acks::spawn(open.consume.clone(), self.config.batch_linger, hold),
             frame_max: open.publishing.configuration().frame_max(),
             // Known afresh by every session: while this one had no consumer, another
             // process may have owned the queue and moved its entities.
