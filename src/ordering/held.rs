@@ -115,7 +115,7 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
 }
 
 /// Records the turn at `place` as held by the delivery running it, which has run for a
-/// second (`MARK_AFTER` in `worker/owned.rs`): the listing shows it running and a skip
+/// second (`MARK_AFTER` in `worker/owned/mod.rs`): the listing shows it running and a skip
 /// is refused, as under the gate. Only while the position is at its number with no
 /// holder: a move that committed first (the turn ended) or a holder written since wins.
 /// False when the position is locked (its move, or another write, is in flight), or
@@ -173,4 +173,61 @@ pub(crate) async fn decided(
     .fetch_one(pool)
     .await?;
     Ok(decided)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sqlx::PgPool;
+
+    use super::running;
+    use crate::ordering::owner::tests::done;
+
+    /// A long turn's mark does not wait for a locked position (a batch's move holds it
+    /// until its commit): it answers false at once and writes nothing. Unlocked, it records
+    /// the turn's holder; fenced out (the position moved past the turn) or with no position,
+    /// it writes nothing.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_long_turns_mark_skips_a_locked_position_and_is_fenced(pool: PgPool) {
+        sqlx::query(
+            "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+             VALUES ('s', 'a', 1, 0), ('s', 'moved', 2, 1)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let holder = |key: &'static str| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, Option<String>>(
+                    "SELECT holder_key FROM ordering_positions WHERE ordering_key = $1",
+                )
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        let mut moving = pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM ordering_positions WHERE ordering_key = 'a' FOR UPDATE")
+            .execute(&mut *moving)
+            .await
+            .unwrap();
+        let locked = tokio::time::timeout(Duration::from_secs(10), running(&pool, &done("a")))
+            .await
+            .expect("the mark waited for the lock");
+        assert!(!locked.unwrap(), "a locked position is not looked at");
+        moving.commit().await.unwrap();
+        assert_eq!(holder("a").await, None, "nothing written while locked");
+        assert!(running(&pool, &done("a")).await.unwrap());
+        assert_eq!(holder("a").await.as_deref(), Some("entry-a"));
+        assert!(running(&pool, &done("moved")).await.unwrap());
+        assert_eq!(
+            holder("moved").await,
+            None,
+            "fenced: the position is past 1"
+        );
+        assert!(!running(&pool, &done("gone")).await.unwrap(), "no position");
+    }
 }

@@ -445,4 +445,4 @@ fn index(ordinal: i64) -> Option<usize> {
 
 #[cfg(test)]
 #[path = "owner_tests.rs"]
-mod tests;
+pub(crate) mod tests;

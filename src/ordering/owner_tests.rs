@@ -6,10 +6,10 @@ use sqlx::PgPool;
 
 use super::{Done, Parked, load, move_on, park};
 use crate::key::Key;
-use crate::ordering::held::running;
 use crate::ordering::{Entry, Ordered};
 
-fn done(ordering_key: &str) -> Done {
+/// The turn at 1 of `ordering_key` (scope `s`), run by `entry-<ordering_key>`.
+pub(crate) fn done(ordering_key: &str) -> Done {
     Done {
         place: ("s".into(), ordering_key.into(), 1),
         operation: "accounts.apply".into(),
@@ -85,53 +85,6 @@ async fn a_move_locks_positions_in_key_order_as_the_sweep_does(pool: PgPool) {
     .await
     .unwrap();
     assert_eq!(next, vec![2, 2]);
-}
-
-/// A long turn's mark does not wait for a locked position (a batch's move holds it
-/// until its commit): it answers false at once and writes nothing. Unlocked, it records
-/// the turn's holder; fenced out (the position moved past the turn) or with no position,
-/// it writes nothing.
-#[sqlx::test(migrator = "crate::db::MIGRATOR")]
-async fn a_long_turns_mark_skips_a_locked_position_and_is_fenced(pool: PgPool) {
-    sqlx::query(
-        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
-         VALUES ('s', 'a', 1, 0), ('s', 'moved', 2, 1)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let holder = |key: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, Option<String>>(
-                "SELECT holder_key FROM ordering_positions WHERE ordering_key = $1",
-            )
-            .bind(key)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    let mut moving = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM ordering_positions WHERE ordering_key = 'a' FOR UPDATE")
-        .execute(&mut *moving)
-        .await
-        .unwrap();
-    let locked = tokio::time::timeout(Duration::from_secs(10), running(&pool, &done("a")))
-        .await
-        .expect("the mark waited for the lock");
-    assert!(!locked.unwrap(), "a locked position is not looked at");
-    moving.commit().await.unwrap();
-    assert_eq!(holder("a").await, None, "nothing written while locked");
-    assert!(running(&pool, &done("a")).await.unwrap());
-    assert_eq!(holder("a").await.as_deref(), Some("entry-a"));
-    assert!(running(&pool, &done("moved")).await.unwrap());
-    assert_eq!(
-        holder("moved").await,
-        None,
-        "fenced: the position is past 1"
-    );
-    assert!(!running(&pool, &done("gone")).await.unwrap(), "no position");
 }
 
 /// A load reads each position (creating a missing one at its first number) and marks

@@ -11,8 +11,7 @@ use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 use super::batch::Batcher;
 use super::decision::{self, Chained, Decided, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
-use super::ordered::{self, Entity};
-use super::owned::{Owner, Turn};
+use super::ordered::{self, InOrder};
 use super::parse::{Parsed, parse};
 use super::settle::{Incoming, Links, Settler, Source};
 use super::transactional::{TxAnswer, TxRequest};
@@ -22,7 +21,7 @@ use crate::fault::Fault;
 use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
 use crate::ordering::Released;
-use crate::store::{ClaimRequest, Lease, Origin, StoreError, storable};
+use crate::store::{ClaimRequest, Lease, StoreError};
 use crate::trace;
 
 /// Decides one delivery inside its span and carries the verdict out on the broker; one
@@ -216,7 +215,7 @@ pub(crate) async fn walk<H: Handler>(
     span.record("key", parsed.key.short_hash());
     trace::attribute(&span, "idem.key", parsed.key.short_hash());
     let trace_id = trace::trace_id(&span, incoming.trace.as_ref());
-    let request = claim_request(&parsed, incoming.properties(), trace_id);
+    let request = parsed.claim_request(incoming.properties(), trace_id);
     parsed.correlation_id = request.origin.correlation_id.clone();
     let retries = Retries {
         policy: &runtime.config.retry,
@@ -227,8 +226,8 @@ pub(crate) async fn walk<H: Handler>(
     if keeps_out(circuit, admission) {
         return Ok(Decided::paused(parsed.key));
     }
-    let Entered { entity, turn } =
-        match enter_order(runtime, incoming, &mut parsed, &message).await? {
+    let InOrder { entity, turn } =
+        match ordered::enter_order(runtime, incoming, &mut parsed, &message).await? {
             Ok(entered) => entered,
             Err(verdict) => return Ok(Decided::with_key(verdict, parsed.key, None)),
         };
@@ -276,69 +275,9 @@ pub(crate) async fn walk<H: Handler>(
     decided.chained = chained;
     drop(running);
     if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
-        move_owned(owner, turn, &mut decided).await?;
+        ordered::move_owned(owner, turn, &mut decided).await?;
     }
     Ok(decided)
-}
-
-/// Where a delivery let into its entity's order stands: the entity whose turn it
-/// holds under the gate, or its turn held in memory under owned order (neither for a
-/// handler that orders nothing).
-#[derive(Default)]
-struct Entered {
-    entity: Option<Entity>,
-    turn: Option<Turn>,
-}
-
-/// Lets a delivery into its entity's order, if its handler orders it; a verdict when
-/// it does not run now (early and parked, passed, in conflict).
-async fn enter_order<H: Handler>(
-    runtime: &Runtime<H>,
-    incoming: &Incoming<'_>,
-    parsed: &mut Parsed,
-    message: &H::Message,
-) -> Result<Result<Entered, Verdict>, Failure> {
-    let Some(ordering) = runtime.handler.ordering(message) else {
-        return Ok(Ok(Entered::default()));
-    };
-    let owner = runtime.owner.as_ref().zip(incoming.positions.as_ref());
-    if let (Some((owner, positions)), Some(_)) = (owner, ordering.sequence) {
-        // Owned order: numbered deliveries of a queue with a single active consumer.
-        let entered =
-            ordered::enter_owned(runtime, owner, positions, incoming, parsed, ordering).await?;
-        return Ok(entered.map(|turn| Entered { entity: None, turn }));
-    }
-    let entity = (parsed.key.scope().to_owned(), ordering.key.clone());
-    if !incoming.holds_turn
-        && let Some(verdict) = ordered::enter(runtime, incoming, parsed, ordering).await?
-    {
-        return Ok(Err(verdict));
-    }
-    parsed.entity = Some(entity.clone());
-    Ok(Ok(Entered {
-        entity: Some(entity),
-        turn: None,
-    }))
-}
-
-/// Moves an owned turn's entity on before the ack, when its run completed (in
-/// transactional mode, in the batch's commit, which handed what it released): after
-/// the ack, a crash would leave nobody to move it. A turn that did not complete stays
-/// with the decision, which records it as its entity's holder.
-async fn move_owned(owner: &Owner, turn: Turn, decided: &mut Decided) -> Result<(), Failure> {
-    let to = decided.chained.as_ref().map(|chained| chained.to);
-    match (
-        ordered::moves_on(decided.verdict.outcome),
-        decided.handed.take(),
-    ) {
-        (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next), to).await?),
-        (true, None) => decided.handed = Some(turn.complete(owner).await?),
-        (false, handed) => {
-            decided.handed = handed;
-            decided.owned = Some(turn);
-        }
-    }
-    Ok(())
 }
 
 /// Leased mode: claims the key, then runs or reconciles under the lease as the decision
@@ -434,29 +373,6 @@ async fn counted(circuit: Option<&Circuit>, admission: Admission, ran: &Ran) -> 
     };
     circuit.ran(run, admission, error).await;
     run == Run::Failed && !circuit.admits(admission)
-}
-
-/// What the delivery's claim asks for: its key and fingerprint, and where it came from
-/// (kept for inspection only: a NUL in a message id or correlation id, which Postgres
-/// text cannot hold, must not fail the claim, nor the claims of the batch around it).
-/// `properties`: the message's; `trace_id`: the trace its claim runs in, if any.
-pub(super) fn claim_request(
-    parsed: &Parsed,
-    properties: &lapin::BasicProperties,
-    trace_id: Option<String>,
-) -> ClaimRequest {
-    let kept = |text: &Option<lapin::types::ShortString>| {
-        text.as_ref().map(|s| storable(s.as_str()).into_owned())
-    };
-    ClaimRequest {
-        key: parsed.key.clone(),
-        fingerprint: parsed.fingerprint.clone(),
-        origin: Origin {
-            message_id: kept(properties.message_id()),
-            correlation_id: kept(properties.correlation_id()),
-            trace_id,
-        },
-    }
 }
 
 /// Names the attempt on the delivery's span (logs and trace).

@@ -12,7 +12,7 @@ use lapin::{BasicProperties, Channel};
 use tracing::{debug, warn};
 
 use super::batch::Batcher;
-use super::decision::{CONFLICT, DeadLetterOrder, Outcome, Settle, Verdict};
+use super::decision::{CONFLICT, DeadLetterOrder, Decided, Outcome, Settle, Verdict};
 use super::execute::{decide, delivery_span, message_fault};
 use super::owned::{Owner, Positions, Stand, Turn};
 use super::parse::Parsed;
@@ -28,6 +28,66 @@ use crate::{topology, trace};
 
 /// An entity: its scope and ordering key.
 pub(super) type Entity = (String, String);
+
+/// Where a delivery let into its entity's order stands: the entity whose turn it
+/// holds under the gate, or its turn held in memory under owned order (neither for a
+/// handler that orders nothing).
+#[derive(Default)]
+pub(super) struct InOrder {
+    pub(super) entity: Option<Entity>,
+    pub(super) turn: Option<Turn>,
+}
+
+/// Lets a delivery into its entity's order, if its handler orders it; a verdict when
+/// it does not run now (early and parked, passed, in conflict).
+pub(super) async fn enter_order<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    parsed: &mut Parsed,
+    message: &H::Message,
+) -> Result<Result<InOrder, Verdict>, Failure> {
+    let Some(ordering) = runtime.handler.ordering(message) else {
+        return Ok(Ok(InOrder::default()));
+    };
+    let owner = runtime.owner.as_ref().zip(incoming.positions.as_ref());
+    if let (Some((owner, positions)), Some(_)) = (owner, ordering.sequence) {
+        // Owned order: numbered deliveries of a queue with a single active consumer.
+        let entered = enter_owned(runtime, owner, positions, incoming, parsed, ordering).await?;
+        return Ok(entered.map(|turn| InOrder { entity: None, turn }));
+    }
+    let entity = (parsed.key.scope().to_owned(), ordering.key.clone());
+    if !incoming.holds_turn
+        && let Some(verdict) = enter(runtime, incoming, parsed, ordering).await?
+    {
+        return Ok(Err(verdict));
+    }
+    parsed.entity = Some(entity.clone());
+    Ok(Ok(InOrder {
+        entity: Some(entity),
+        turn: None,
+    }))
+}
+
+/// Moves an owned turn's entity on before the ack, when its run completed (in
+/// transactional mode, in the batch's commit, which handed what it released): after
+/// the ack, a crash would leave nobody to move it. A turn that did not complete stays
+/// with the decision, which records it as its entity's holder.
+pub(super) async fn move_owned(
+    owner: &Owner,
+    turn: Turn,
+    decided: &mut Decided,
+) -> Result<(), Failure> {
+    let to = decided.chained.as_ref().map(|chained| chained.to);
+    match (moves_on(decided.verdict.outcome), decided.handed.take()) {
+        (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next), to).await?),
+        (true, None) => decided.handed = Some(turn.complete(owner).await?),
+        (false, handed) => {
+            decided.handed = handed;
+            decided.owned = Some(turn);
+        }
+    }
+    Ok(())
+}
 
 /// The batching loops of a worker's ordering calls. Entries share one round trip with
 /// the deliveries that arrive together. A turn's release, and the claim of the delivery

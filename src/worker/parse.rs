@@ -12,7 +12,7 @@ use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
 use crate::key::Key;
 use crate::ordering::owner::Done;
-use crate::store::Store;
+use crate::store::{ClaimRequest, Origin, Store, storable};
 
 /// A message that passed parsing; the typed message travels beside it, since the
 /// handler consumes it.
@@ -27,6 +27,31 @@ pub(super) struct Parsed {
     /// Under owned order, the turn it holds in memory: a completion on the handler's
     /// transaction moves its position in the same commit.
     pub(super) owned: Option<Done>,
+}
+
+impl Parsed {
+    /// What its claim asks for: its key and fingerprint, and where it came from (kept for
+    /// inspection only: a NUL in a message id or correlation id, which Postgres text
+    /// cannot hold, must not fail the claim, nor the claims of the batch around it).
+    /// `properties`: the message's; `trace_id`: the trace its claim runs in, if any.
+    pub(super) fn claim_request(
+        &self,
+        properties: &lapin::BasicProperties,
+        trace_id: Option<String>,
+    ) -> ClaimRequest {
+        let kept = |text: &Option<lapin::types::ShortString>| {
+            text.as_ref().map(|s| storable(s.as_str()).into_owned())
+        };
+        ClaimRequest {
+            key: self.key.clone(),
+            fingerprint: self.fingerprint.clone(),
+            origin: Origin {
+                message_id: kept(properties.message_id()),
+                correlation_id: kept(properties.correlation_id()),
+                trace_id,
+            },
+        }
+    }
 }
 
 pub(super) fn parse<H: Handler>(

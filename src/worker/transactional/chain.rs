@@ -27,7 +27,6 @@ use crate::ordering::owner::{ChainEnd, Done};
 use crate::store::{ClaimRequest, Store, StoreError};
 use crate::trace::{self, TraceContext};
 use crate::worker::decision::{Chained, Ran};
-use crate::worker::execute::claim_request;
 use crate::worker::ordered::envelope_of;
 use crate::worker::parse::parse;
 
@@ -230,7 +229,7 @@ fn request_of<H: Handler>(handler: &H, store: &Store, row: &Released) -> Option<
     let trace = TraceContext::from_properties(&row.properties);
     let trace_id = trace::trace_id(&Span::none(), trace.as_ref());
     Some(TxRequest {
-        claim: claim_request(&parsed, &row.properties, trace_id),
+        claim: parsed.claim_request(&row.properties, trace_id),
         value: parsed.value,
         trace,
         envelope: Arc::new(envelope_of(row)),
