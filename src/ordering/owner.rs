@@ -445,4 +445,4 @@ fn index(ordinal: i64) -> Option<usize> {
 
 #[cfg(test)]
 #[path = "owner_tests.rs"]
-pub(crate) mod tests;
+pub(super) mod tests;

@@ -9,7 +9,7 @@ use crate::key::Key;
 use crate::ordering::{Entry, Ordered};
 
 /// The turn at 1 of `ordering_key` (scope `s`), run by `entry-<ordering_key>`.
-pub(crate) fn done(ordering_key: &str) -> Done {
+pub(in crate::ordering) fn done(ordering_key: &str) -> Done {
     Done {
         place: ("s".into(), ordering_key.into(), 1),
         operation: "accounts.apply".into(),

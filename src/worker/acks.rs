@@ -70,41 +70,46 @@ impl Acks {
 }
 
 /// How long a decided delivery's ack waits for older deliveries to be decided before it
-/// goes on its own. The bench (`examples/bench.rs`, `idem_ledger`: leased, handlers
+/// goes on its own, on a queue without owned order ([`Hold::owned`]). The bench (`examples/bench.rs`, `idem_ledger`: leased, handlers
 /// completing out of order), six pairs: 3,670–3,919 msgs/s against 3,535–3,773 with
 /// such acks sent at once, RabbitMQ's CPU 26–44 µs a message against 46–54
 /// (docs/PERFORMANCE.md).
 const HOLD: Duration = Duration::from_millis(10);
 
 /// How long and how many decided deliveries wait for an older one before they go one by
-/// one.
+/// one, and the channel's prefetch: once its unacked deliveries fill it, the broker
+/// sends nothing more, so the decided ones go at once.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Hold {
     time: Duration,
     most: usize,
+    /// The prefetch (0: unknown, never full).
+    window: usize,
 }
 
 impl Hold {
     /// The hold of a queue whose deliveries are decided about as fast as one another:
     /// [`HOLD`], and at most 256 of them.
-    pub(crate) fn plain() -> Self {
+    pub(crate) fn plain(prefetch: u16) -> Self {
         Self {
             time: HOLD,
             most: 256,
+            window: usize::from(prefetch),
         }
     }
 
-    /// The hold of a queue of owned order with `prefetch`: its early deliveries are
-    /// parked (decided) in a few milliseconds while the older ones wait for their runs,
-    /// and each of their acks sent alone walked every older unacked delivery. 100 ms,
-    /// and up to three quarters of the prefetch, so that the broker keeps sending. The
-    /// ordering bench (transactional, with the kill, 9 pairs each, interleaved):
-    /// RabbitMQ's CPU 69 µs an ordered entry against 94 with the plain hold (medians;
-    /// unordered 64–66), and 3,346 ordered msgs/s against 2,973 (docs/PERFORMANCE.md).
+    /// The hold of a queue with a single active consumer (owned order) and `prefetch`:
+    /// its early deliveries are parked (decided) in a few milliseconds while the older
+    /// ones wait for their runs, and each of their acks sent alone walked every older
+    /// unacked delivery. 100 ms, and up to three quarters of the prefetch. The ordering
+    /// bench (transactional, with the kill, 9 pairs each, interleaved): RabbitMQ's CPU
+    /// 69 µs an ordered entry against 94 with the plain hold (medians; unordered
+    /// 64–66), and 3,346 ordered msgs/s against 2,973 (docs/PERFORMANCE.md).
     pub(crate) fn owned(prefetch: u16) -> Self {
         Self {
             time: Duration::from_millis(100),
-            most: (usize::from(prefetch) * 3 / 4).max(1),
+            most: usize::from(prefetch) * 3 / 4,
+            window: usize::from(prefetch),
         }
     }
 }
@@ -143,6 +148,14 @@ impl Pending {
             false => Some(self.kept_since.unwrap_or(now)),
         };
         taken
+    }
+
+    /// Whether the decided deliveries must go now, whatever their wait: as many as the
+    /// hold keeps, or the prefetch is full (the broker waits for an ack).
+    fn must_go(&self) -> bool {
+        !self.decided.is_empty()
+            && (self.decided.len() >= self.hold.most
+                || (self.hold.window > 0 && self.outstanding.len() >= self.hold.window))
     }
 
     /// When the decided deliveries waiting for an older one go on their own.
@@ -205,11 +218,15 @@ async fn run(
         match command {
             Command::Delivered(tag) => {
                 pending.outstanding.insert(tag);
+                if pending.must_go() {
+                    pending.send(&channel, true).await;
+                    deadline = None;
+                }
             }
             Command::Ack(tag) => {
                 pending.decided.insert(tag);
                 deadline.get_or_insert_with(|| Instant::now() + linger);
-                if pending.decided.len() >= hold.most {
+                if pending.must_go() {
                     pending.send(&channel, true).await;
                     deadline = None;
                 }
@@ -322,7 +339,7 @@ mod tests {
         let first = consumer.next().await.unwrap().unwrap();
         assert_eq!(first.data, b"1");
 
-        let acks = Acks::spawn(channel.clone(), Duration::from_secs(60), Hold::plain());
+        let acks = Acks::spawn(channel.clone(), Duration::from_secs(60), Hold::plain(0));
         acks.delivered(first.delivery_tag);
         acks.ack(first.delivery_tag);
         let second = tokio::time::timeout(Duration::from_secs(5), consumer.next())
@@ -361,7 +378,7 @@ mod tests {
     fn a_younger_ack_waits_for_the_older_ones_up_to_the_hold() {
         let start = Instant::now();
         let at = |n: u32| start + HOLD / 2 * n;
-        let mut pending = Pending::new(Hold::plain());
+        let mut pending = Pending::new(Hold::plain(0));
         pending.outstanding.extend([1, 2, 3, 4]);
         pending.decided.extend([2, 3]);
         assert_eq!(pending.take(at(0), false), (None, vec![]));
@@ -401,11 +418,6 @@ mod tests {
     fn an_owned_queue_holds_younger_acks_longer() {
         let owned = Hold::owned(512);
         assert_eq!((owned.time, owned.most), (Duration::from_millis(100), 384));
-        assert_eq!(
-            Hold::owned(1).most,
-            1,
-            "never zero: a lone ack is held for none"
-        );
         let start = Instant::now();
         let mut pending = Pending::new(owned);
         pending.outstanding.extend([1, 2, 3]);
@@ -422,5 +434,27 @@ mod tests {
             pending.take(start + HOLD * 5 + owned.time, false),
             (None, vec![5])
         );
+    }
+
+    /// Held acks go at once when the hold keeps as many as it may, or when the
+    /// prefetch is full (the broker sends nothing more until an ack comes), never when
+    /// nothing is decided.
+    #[test]
+    fn held_acks_go_at_once_when_the_window_is_full() {
+        let mut pending = Pending::new(Hold::owned(8));
+        pending.outstanding.extend(1..=7);
+        pending.decided.extend([2, 3]);
+        assert!(!pending.must_go(), "7 of 8 unacked, 2 of 6 held");
+        pending.outstanding.insert(8);
+        assert!(pending.must_go(), "the prefetch is full");
+        pending.decided.clear();
+        assert!(!pending.must_go(), "full, but nothing to ack");
+        pending.outstanding.remove(&8);
+        pending.decided.extend(2..=7);
+        assert!(pending.must_go(), "6 held: three quarters of 8");
+        let mut unknown = Pending::new(Hold::plain(0));
+        unknown.outstanding.extend(1..=1000);
+        unknown.decided.insert(2);
+        assert!(!unknown.must_go(), "an unknown prefetch is never full");
     }
 }

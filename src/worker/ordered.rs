@@ -149,7 +149,7 @@ async fn released_for(
 /// Enters the delivery of `parsed` into its entity's order: `None` when its turn came
 /// (the claim decides on), or the verdict it settles with (waiting, out of sequence, a
 /// conflict with its waiting copy).
-pub(super) async fn enter<H: Handler>(
+async fn enter<H: Handler>(
     runtime: &Runtime<H>,
     incoming: &Incoming<'_>,
     parsed: &Parsed,
@@ -200,7 +200,7 @@ fn entry_of<H: Handler>(
 /// single active consumer: [`super::owned`]): the turn it holds in memory, `None` when
 /// its record decides without a turn (the claim says a duplicate), or the verdict it
 /// settles with.
-pub(super) async fn enter_owned<H: Handler>(
+async fn enter_owned<H: Handler>(
     runtime: &Runtime<H>,
     owner: &Owner,
     positions: &Arc<Positions>,
@@ -275,7 +275,7 @@ fn dead_letter(reason: Reason, error: String) -> Settle {
 
 /// Whether a delivery that ended with `outcome` leaves its entity's turn to the next:
 /// its record is `completed`.
-pub(super) fn moves_on(outcome: Outcome) -> bool {
+fn moves_on(outcome: Outcome) -> bool {
     matches!(
         outcome,
         Outcome::Executed | Outcome::Reconciled | Outcome::DuplicateCompleted

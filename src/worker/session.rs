@@ -168,6 +168,11 @@ impl Session {
             .consume(shutdown, tasks, permits, &mut open, &links)
             .await
         {
+            if open.consume.status().connected() {
+                // The decided deliveries' acks go before the close gives back the rest
+                // (an owned queue holds them up to 100 ms).
+                links.acks.flush().await;
+            }
             close_channels(&open.consume, &open.publish).await;
             return Err(SessionError {
                 lived: Some(consuming.elapsed()),
@@ -192,7 +197,7 @@ impl Session {
     fn links(&self, open: &Open) -> Links {
         let hold = match self.config.single_active_consumer {
             true => Hold::owned(self.config.prefetch),
-            false => Hold::plain(),
+            false => Hold::plain(self.config.prefetch),
         };
         Links {
             publish: open.publish.clone(),
