@@ -70,15 +70,17 @@ impl Acks {
 }
 
 /// How long a decided delivery's ack waits for older deliveries to be decided before it
-/// goes on its own, on a queue without owned order ([`Hold::owned`]). The bench (`examples/bench.rs`, `idem_ledger`: leased, handlers
-/// completing out of order), six pairs: 3,670–3,919 msgs/s against 3,535–3,773 with
-/// such acks sent at once, RabbitMQ's CPU 26–44 µs a message against 46–54
-/// (docs/PERFORMANCE.md).
+/// goes on its own, on a queue without owned order ([`Hold::owned`]). The bench
+/// (`examples/bench.rs`, `idem_ledger`: leased, handlers completing out of order), six
+/// pairs: 3,670–3,919 msgs/s against 3,535–3,773 with such acks sent at once,
+/// RabbitMQ's CPU 26–44 µs a message against 46–54 (docs/PERFORMANCE.md).
 const HOLD: Duration = Duration::from_millis(10);
 
 /// How long and how many decided deliveries wait for an older one before they go one by
-/// one, and the channel's prefetch: once its unacked deliveries fill it, the broker
-/// sends nothing more, so the decided ones go at once.
+/// one, and the channel's prefetch: once the deliveries taken and not acked fill it, the
+/// broker sends nothing more, so the decided ones go at once. (A queue without owned
+/// order takes deliveries up to its concurrency, usually below the prefetch: there the
+/// time and the count decide.)
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Hold {
     time: Duration,
