@@ -228,6 +228,9 @@ struct Args {
     /// Milliseconds between two ordering sweeps (while they find something to do).
     #[arg(long, default_value_t = 1000)]
     sweep_every_ms: u64,
+    /// Serve Prometheus metrics on http://HOST:PORT/metrics and health on /healthz.
+    #[arg(long)]
+    metrics_addr: Option<String>,
     /// Postgres URL.
     #[arg(long, env = "DATABASE_URL", default_value = idem::db::DEFAULT_DATABASE_URL, hide_env_values = true)]
     database_url: String,
@@ -307,10 +310,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         outside_tx: args.outside_tx,
         move_position: args.move_position,
     };
+    let shutdown = idem::shutdown::on_signal();
+    let pool = store.pool().clone();
     let worker = Worker::new(handler, store, config);
-    worker
-        .run(idem::shutdown::on_signal())
-        .await
-        .context("worker")?;
+    if let Some(addr) = &args.metrics_addr {
+        let bound = idem::metrics::serve(addr, pool, worker.broker_health(), shutdown.clone())
+            .await
+            .context("metrics")?;
+        tracing::info!(%bound, "serving /metrics and /healthz");
+    }
+    worker.run(shutdown).await.context("worker")?;
     Ok(())
 }

@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
+use lapin::BasicProperties;
 use lapin::options::BasicGetOptions;
+use lapin::types::{AMQPValue, FieldTable};
 use rand::seq::SliceRandom;
 use serde_json::json;
 use sqlx::PgPool;
@@ -626,9 +628,23 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
         .execute(&pool)
         .await
         .unwrap();
-    let _w = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", true, &[]));
+    let addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let more = ["--metrics-addr", addr.as_str()];
+    let _w = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", true, &more));
     for (account, v) in [("a", 2), ("a", 4), ("c", 3), ("a", 5), ("a", 3), ("c", 2)] {
-        q.publish(&entry(account, v)).await;
+        // a's 5 comes as an operator's replay from a dead-letter queue would: a chained
+        // turn counts among the replays.
+        let mut headers = FieldTable::default();
+        if (account, v) == ("a", 5) {
+            headers.insert("idem-replays".into(), AMQPValue::LongLongInt(1));
+        }
+        let properties = BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_headers(headers);
+        q.publish_to(&q.name, &entry(account, v), properties).await;
     }
     wait_until(SETTLE, "the early entries parked", || async {
         waiting(&pool).await == 6 && all_settled(&q).await
@@ -673,6 +689,34 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
     .await;
     assert_eq!(applied(&pool).await["a"], (1..=5).collect::<Vec<_>>());
     assert_eq!(q.counts(&q.dlq()).await.0, 0);
+    // Each turn a chain ran is counted as a delivery of its own: eight executed (c's 1
+    // to 3, a's 1 to 5), in the tally the worker flushes every 5 s.
+    wait_until(SETTLE, "eight executed in the tally", || async {
+        executed(&pool, &q.name).await == 8
+    })
+    .await;
+    // Two of them replays: a's 4 (replayed, leading a's chain) and a's 5 (chained).
+    let (_, metrics) = scrape(&addr, "/metrics").await;
+    let replayed = metrics.lines().find(|line| {
+        line.starts_with("idem_replayed_deliveries_total{") && line.contains("outcome=\"executed\"")
+    });
+    assert_eq!(
+        replayed.and_then(|line| line.rsplit(' ').next()),
+        Some("2"),
+        "{replayed:?}"
+    );
+}
+
+/// The deliveries of `queue` the tally counts as executed.
+async fn executed(pool: &PgPool, queue: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(deliveries), 0)::bigint FROM delivery_outcomes
+          WHERE queue = $1 AND outcome = 'executed'",
+    )
+    .bind(queue)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 async fn blocked_until_replayed(o: PgPoolOptions, c: PgConnectOptions, owned: bool) {

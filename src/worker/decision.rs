@@ -77,8 +77,19 @@ pub(crate) struct DeadLetterOrder {
 pub(crate) struct Chained {
     /// The number the entity's position moved to.
     pub(crate) to: i64,
-    /// Each turn that ran, for the log: its key's short hash and its number.
-    pub(crate) ran: Vec<(String, i64)>,
+    /// Each turn that ran, for its log line and counts.
+    pub(crate) ran: Vec<ChainedTurn>,
+}
+
+/// One turn a chain ran: what its delivery is counted and logged as.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ChainedTurn {
+    /// Its key's short hash.
+    pub(crate) key: String,
+    /// Its number in its entity's sequence.
+    pub(crate) seq: i64,
+    /// Whether its message was replayed from a dead-letter queue (`idem-replays`).
+    pub(crate) replayed: bool,
 }
 
 /// How a run of the handler, or a reconciliation, ended once its outcome was written.

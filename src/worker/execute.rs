@@ -20,6 +20,7 @@ use crate::failpoint;
 use crate::fault::Fault;
 use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
+use crate::metrics;
 use crate::ordering::Released;
 use crate::store::{ClaimRequest, Lease, StoreError};
 use crate::trace;
@@ -106,12 +107,7 @@ pub(super) async fn decide<H: Handler>(
         // made now. A turn handed over in that commit is run whatever became of the ack.
         let next = ordered::released_by(runtime, outcome, entity, handed).await;
         settler.count(outcome.as_str());
-        // The turns its batch ran after it, in the same commit (owned order's chains):
-        // executed, each logged and counted as a delivery of its own.
-        for (key, seq) in chained.map(|c| c.ran).unwrap_or_default() {
-            settler.count_other(Outcome::Executed.as_str());
-            info!(outcome = Outcome::Executed.as_str(), chained_key = %key, seq, "delivery decided (chained)");
-        }
+        count_chained(runtime, chained);
         let span = Span::current();
         trace::attribute(&span, "idem.outcome", outcome.as_str());
         if settler.dead_lettered.load(Ordering::Relaxed) {
@@ -280,10 +276,32 @@ pub(crate) async fn walk<H: Handler>(
     decided.handed = handed;
     decided.chained = chained;
     drop(running);
-    if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
-        ordered::move_owned(owner, turn, &mut decided).await?;
+    if let (Some(turn), Some(owner)) = (turn, &runtime.owner)
+        && let Err(error) = ordered::move_owned(owner, turn, &mut decided).await
+    {
+        // The turns its batch chained committed with it: they count whatever becomes of
+        // this delivery (requeued now, a duplicate when it comes back).
+        count_chained(runtime, decided.chained.take());
+        return Err(error);
     }
     Ok(decided)
+}
+
+/// Counts and logs the turns a delivery's batch ran after it in the same commit (owned
+/// order's chains, `transactional/chain.rs`): each `executed`, as a delivery of its
+/// own, and among the replays when its message was replayed from a dead-letter queue.
+fn count_chained<H: Handler>(runtime: &Runtime<H>, chained: Option<Chained>) {
+    let executed = Outcome::Executed.as_str();
+    for turn in chained.map(|c| c.ran).unwrap_or_default() {
+        metrics::delivery(H::OPERATION, executed);
+        if let Some(tally) = &runtime.tally {
+            tally.count(H::OPERATION, executed);
+        }
+        if turn.replayed {
+            metrics::replayed_delivery(H::OPERATION, executed);
+        }
+        info!(outcome = executed, chained_key = %turn.key, seq = turn.seq, "delivery decided (chained)");
+    }
 }
 
 /// Leased mode: claims the key, then runs or reconciles under the lease as the decision

@@ -138,18 +138,12 @@ impl Settler<'_> {
     /// Counts `outcome` for the delivery, among replays too when the message was
     /// replayed from a dead-letter queue.
     pub(super) fn count(&self, outcome: &'static str) {
-        self.count_other(outcome);
-        if self.incoming.replays() > 0 {
-            metrics::replayed_delivery(self.operation, outcome);
-        }
-    }
-
-    /// Counts `outcome` for another delivery this one's batch decided with it (a turn
-    /// of its chain, `transactional/chain.rs`), not told apart as a replay.
-    pub(super) fn count_other(&self, outcome: &'static str) {
         metrics::delivery(self.operation, outcome);
         if let Some(tally) = self.tally {
             tally.count(self.operation, outcome);
+        }
+        if self.incoming.replays() > 0 {
+            metrics::replayed_delivery(self.operation, outcome);
         }
     }
 

@@ -22,11 +22,12 @@ use super::outcome::new_record;
 use super::run::RunIn;
 use super::{Ended, Owner, Pass, RunResult, TxAnswer, TxRequest};
 use crate::handler::{Context, Handler};
+use crate::headers;
 use crate::ordering::Released;
 use crate::ordering::owner::{ChainEnd, Done};
 use crate::store::{ClaimRequest, Store, StoreError};
 use crate::trace::{self, TraceContext};
-use crate::worker::decision::{Chained, Ran};
+use crate::worker::decision::{Chained, ChainedTurn, Ran};
 use crate::worker::ordered::envelope_of;
 use crate::worker::parse::parse;
 
@@ -175,7 +176,12 @@ fn hand_to_heads(
             ran: chain
                 .runs
                 .iter()
-                .map(|(r, seq)| (r.claim.key.short_hash(), *seq))
+                .map(|(r, seq)| ChainedTurn {
+                    key: r.claim.key.short_hash(),
+                    seq: *seq,
+                    replayed: headers::integer(&r.envelope.properties, headers::REPLAYS)
+                        .is_some_and(|replays| replays > 0),
+                })
                 .collect(),
         });
     }
