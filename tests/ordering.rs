@@ -981,6 +981,77 @@ async fn owned_order_a_long_turn_is_listed_running_and_not_skipped_transactional
     long_owned_turn(o, c, "transactional").await;
 }
 
+/// A skip issued in an owned turn's first second, before the turn is written down as
+/// its entity's holder, is refused all the same: the skip reads the turn, and skips it
+/// only if it is still the turn a second and a half later, when the running turn shows
+/// as its holder. Transactional: the turn has no record until its batch commits.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_turn_in_its_first_second_is_not_skipped(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-first-second").await;
+    prepare_as(&pool, &url, &q, true).await;
+    let worker = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", true, &[]));
+    // 1 applied: the position is there, as an operator's listing would have shown it.
+    q.publish(&entry("f", 1)).await;
+    wait_until(SETTLE, "1 applied", || async {
+        applied(&pool).await.get("f").is_some_and(|v| v.len() == 1) && all_settled(&q).await
+    })
+    .await;
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE account_entries IN EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    q.publish(&entry("f", 2)).await;
+    wait_until(SETTLE, "2 held in its handler", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock'
+                               AND query LIKE 'INSERT INTO account_entries%')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let holder = || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT holder_key FROM ordering_positions WHERE ordering_key = 'account-f'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        holder().await,
+        None,
+        "not written down yet: the skip comes first"
+    );
+    let refused = idem_command(&url, &skip_args("acme", "account-f", &["--note", "x"]))
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "the skip of a turn in its first second is refused: {said}"
+    );
+    assert!(said.contains("runs now"), "{said}");
+    assert_eq!(holder().await.as_deref(), Some("f-v2"));
+    assert_eq!(next_seq(&pool, "account-f").await, 2, "nothing skipped");
+    lock.rollback().await.unwrap();
+    wait_until(SETTLE, "2 applied", || async {
+        applied(&pool).await.get("f").is_some_and(|v| v.len() == 2) && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["f"], vec![1, 2]);
+    drop(worker);
+}
+
 /// Account `g` gets 1, 2, 4, 5: 4 and 5 wait behind the gap; after the stall time the
 /// entity is listed as stalled by a gap and the worker warns; skipped with a note, 4
 /// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.

@@ -197,7 +197,9 @@ pub enum Skipped {
 /// Skips the sequence number whose turn it is for one entity (a gap that will never be
 /// filled, or a dead letter that will never be replayed), noting why; with `expected`,
 /// only if that is still the turn (an operator acting on a listing a minute old must
-/// not skip the turn after it). A skipped message that arrives later, or waited, is
+/// not skip the turn after it). It takes a second and a half: the turn is read, and
+/// skipped only if it is still the turn then, when a turn of an owned queue (a single
+/// active consumer) that was running has been written down as its entity's holder. A skipped message that arrives later, or waited, is
 /// dead-lettered as `sequence_passed`.
 pub async fn skip(
     pool: &PgPool,

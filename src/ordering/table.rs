@@ -404,6 +404,11 @@ pub(super) async fn list(
         .collect())
 }
 
+/// How long a skip waits between reading the turn and skipping it: an owned turn that
+/// began before the read has been written down as its entity's holder by then
+/// ([`crate::worker::MARK_AFTER`], and half a second for the mark's statement).
+const SKIP_AFTER: Duration = crate::worker::MARK_AFTER.saturating_add(Duration::from_millis(500));
+
 pub(super) async fn skip(
     pool: &PgPool,
     scope: &str,
@@ -411,6 +416,24 @@ pub(super) async fn skip(
     note: &str,
     expected: Option<i64>,
 ) -> Result<Skipped, StoreError> {
+    // A turn of an owned queue is written down as its entity's holder only once it has
+    // run for `MARK_AFTER`: the turn is read, and skipped only if it is still the turn
+    // once that has passed, when a turn that ran then shows as its holder.
+    let turn: Option<i64> = sqlx::query_scalar(
+        "SELECT next_seq FROM ordering_positions WHERE scope = $1 AND ordering_key = $2",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .fetch_optional(pool)
+    .await?;
+    let Some(turn) = turn else {
+        return Ok(Skipped::Unknown);
+    };
+    if expected.is_some_and(|seq| seq != turn) {
+        return Ok(Skipped::Moved { next_seq: turn });
+    }
+    tokio::time::sleep(SKIP_AFTER).await;
+    let expected = Some(turn);
     let mut tx = pool.begin().await?;
     let locked: Option<(i64,)> = sqlx::query_as(
         "SELECT (idem_ordering_lock($1, $2, 0)).next_seq

@@ -63,6 +63,7 @@ pub use decision::Outcome;
 pub(crate) use decision::Settle;
 #[cfg(feature = "testing")]
 pub(crate) use local::{Local, LocalDecision};
+pub(crate) use owned::MARK_AFTER;
 pub use route::RouteBy;
 pub use service::{Service, ServiceConfig};
 

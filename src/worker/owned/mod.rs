@@ -44,7 +44,7 @@ pub(super) const FRESH: Duration = Duration::from_secs(1);
 /// How long an owned turn runs before it is written down as its entity's holder: from
 /// then on operators see it running (`idem ops ordering`), and a skip of it is refused
 /// as under the gate. Shorter turns, nearly all, write nothing at their start.
-pub(super) const MARK_AFTER: Duration = Duration::from_secs(1);
+pub(crate) const MARK_AFTER: Duration = Duration::from_secs(1);
 
 /// Most entities kept in memory: past it, those idle are forgotten (read again when
 /// their next delivery comes).
