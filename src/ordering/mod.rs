@@ -181,7 +181,7 @@ pub enum Skipped {
         seq: i64,
     },
     /// Nothing skipped: the entity's turn is `next_seq`, not the one given (it moved
-    /// since it was listed).
+    /// since it was listed), or it moved while the skip waited.
     Moved {
         /// The sequence number whose turn it is.
         next_seq: i64,
@@ -197,9 +197,11 @@ pub enum Skipped {
 /// Skips the sequence number whose turn it is for one entity (a gap that will never be
 /// filled, or a dead letter that will never be replayed), noting why; with `expected`,
 /// only if that is still the turn (an operator acting on a listing a minute old must
-/// not skip the turn after it). It takes a second and a half: the turn is read, and
-/// skipped only if it is still the turn then, when a turn of an owned queue (a single
-/// active consumer) that was running has been written down as its entity's holder. A skipped message that arrives later, or waited, is
+/// not skip the turn after it). The turn is read, and skipped a second and a half
+/// later only if it is still the turn (else [`Skipped::Moved`]): a turn of an owned
+/// queue (a single active consumer) is written down as its entity's holder once it has
+/// run for a second, so one that was running at the read is normally refused as
+/// [`Skipped::Running`]. A skipped message that arrives later, or waited, is
 /// dead-lettered as `sequence_passed`.
 pub async fn skip(
     pool: &PgPool,

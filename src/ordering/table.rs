@@ -405,8 +405,9 @@ pub(super) async fn list(
 }
 
 /// How long a skip waits between reading the turn and skipping it: an owned turn that
-/// began before the read has been written down as its entity's holder by then
-/// ([`crate::worker::MARK_AFTER`], and half a second for the mark's statement).
+/// was running at the read has normally been written down as its entity's holder by
+/// then ([`crate::worker::MARK_AFTER`], and half a second for the mark's statement; a
+/// mark that finds the position locked looks again a second later).
 const SKIP_AFTER: Duration = crate::worker::MARK_AFTER.saturating_add(Duration::from_millis(500));
 
 pub(super) async fn skip(
@@ -433,7 +434,6 @@ pub(super) async fn skip(
         return Ok(Skipped::Moved { next_seq: turn });
     }
     tokio::time::sleep(SKIP_AFTER).await;
-    let expected = Some(turn);
     let mut tx = pool.begin().await?;
     let locked: Option<(i64,)> = sqlx::query_as(
         "SELECT (idem_ordering_lock($1, $2, 0)).next_seq
@@ -446,7 +446,7 @@ pub(super) async fn skip(
     let Some((from,)) = locked else {
         return Ok(Skipped::Unknown);
     };
-    if expected.is_some_and(|seq| seq != from) {
+    if from != turn {
         return Ok(Skipped::Moved { next_seq: from });
     }
     // The holder runs: its record's lease is alive (running, or reconciling), or it has
