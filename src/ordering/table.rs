@@ -419,7 +419,8 @@ pub(super) async fn skip(
 ) -> Result<Skipped, StoreError> {
     // A turn of an owned queue is written down as its entity's holder only once it has
     // run for `MARK_AFTER`: the turn is read, and skipped only if it is still the turn
-    // once that has passed, when a turn that ran then shows as its holder.
+    // once that has passed, when a turn that ran then normally shows as its holder
+    // (docs/DESIGN.md, "Owned order", says when it does not).
     let turn: Option<i64> = sqlx::query_scalar(
         "SELECT next_seq FROM ordering_positions WHERE scope = $1 AND ordering_key = $2",
     )
