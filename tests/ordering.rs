@@ -855,6 +855,41 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
 }
 
+/// A transaction holding `account_entries` locked against the handler's insert: a turn
+/// that runs stays in its handler until it is rolled back.
+async fn lock_entries(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE account_entries IN EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    lock
+}
+
+/// Whether a handler's insert into `account_entries` has waited on [`lock_entries`] for
+/// longer than `at_least`.
+async fn entry_held_for(pool: &PgPool, at_least: Duration) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                         WHERE datname = current_database() AND wait_event_type = 'Lock'
+                           AND query LIKE 'INSERT INTO account_entries%'
+                           AND now() - query_start > $1 * interval '1 millisecond')",
+    )
+    .bind(i64::try_from(at_least.as_millis()).unwrap())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The idempotency key written down as `account`'s holder, if any.
+async fn holder(pool: &PgPool, account: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT holder_key FROM ordering_positions WHERE ordering_key = $1")
+        .bind(format!("account-{account}"))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// The arguments of `idem ops ordering skip` for `key` of `scope`, and `more`.
 fn skip_args<'a>(scope: &'a str, key: &'a str, more: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["ops", "ordering", "skip", "--scope", scope, "--key", key];
@@ -891,23 +926,11 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
     .await
     .unwrap();
     let worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, true, &[]));
-    let mut lock = pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE account_entries IN EXCLUSIVE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
+    let lock = lock_entries(&pool).await;
     q.publish(&entry("h", 1)).await;
     q.publish(&entry("h", 2)).await;
     wait_until(SETTLE, "the handler held for 2.5 s", || async {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                             WHERE datname = current_database() AND wait_event_type = 'Lock'
-                               AND query LIKE 'INSERT INTO account_entries%'
-                               AND now() - query_start > interval '2500 ms')",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
+        entry_held_for(&pool, Duration::from_millis(2500)).await
     })
     .await;
     // Nothing of the worker waits for the position's lock: its read and its parks do
@@ -955,13 +978,11 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
     })
     .await;
     assert_eq!(applied(&pool).await["h"], vec![1, 2]);
-    let holder: Option<String> = sqlx::query_scalar(
-        "SELECT holder_key FROM ordering_positions WHERE ordering_key = 'account-h'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(holder, None, "the move cleared the holder");
+    assert_eq!(
+        holder(&pool, "h").await,
+        None,
+        "the move cleared the holder"
+    );
     drop(worker);
 }
 
@@ -1001,35 +1022,16 @@ async fn owned_order_a_turn_in_its_first_second_is_not_skipped(
         applied(&pool).await.get("f").is_some_and(|v| v.len() == 1) && all_settled(&q).await
     })
     .await;
-    let mut lock = pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE account_entries IN EXCLUSIVE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
+    let lock = lock_entries(&pool).await;
     q.publish(&entry("f", 2)).await;
     wait_until(SETTLE, "2 held in its handler", || async {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                             WHERE datname = current_database() AND wait_event_type = 'Lock'
-                               AND query LIKE 'INSERT INTO account_entries%')",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
+        entry_held_for(&pool, Duration::ZERO).await
     })
     .await;
-    let holder = || async {
-        sqlx::query_scalar::<_, Option<String>>(
-            "SELECT holder_key FROM ordering_positions WHERE ordering_key = 'account-f'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
     // In process, not through the CLI: the skip reads the turn within milliseconds of
     // the check below, well inside the turn's first second.
     assert_eq!(
-        holder().await,
+        holder(&pool, "f").await,
         None,
         "not written down yet: the skip comes first"
     );
@@ -1037,7 +1039,7 @@ async fn owned_order_a_turn_in_its_first_second_is_not_skipped(
         .await
         .unwrap();
     assert_eq!(skipped, idem::ordering::Skipped::Running);
-    assert_eq!(holder().await.as_deref(), Some("f-v2"));
+    assert_eq!(holder(&pool, "f").await.as_deref(), Some("f-v2"));
     assert_eq!(next_seq(&pool, "account-f").await, 2, "nothing skipped");
     lock.rollback().await.unwrap();
     wait_until(SETTLE, "2 applied", || async {

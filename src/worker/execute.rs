@@ -13,14 +13,13 @@ use super::decision::{self, Chained, Decided, Outcome, Ran, Retries, Step, Verdi
 use super::handle;
 use super::ordered::{self, InOrder};
 use super::parse::{Parsed, parse};
-use super::settle::{Incoming, Links, Settler, Source};
+use super::settle::{self, Incoming, Links, Settler, Source};
 use super::transactional::{TxAnswer, TxRequest};
 use super::{Failure, Runtime};
 use crate::failpoint;
 use crate::fault::Fault;
 use crate::flow::circuit::{Admission, Circuit, Run};
 use crate::handler::{Envelope, Handler};
-use crate::metrics;
 use crate::ordering::Released;
 use crate::store::{ClaimRequest, Lease, StoreError};
 use crate::trace;
@@ -293,13 +292,12 @@ pub(crate) async fn walk<H: Handler>(
 fn count_chained<H: Handler>(runtime: &Runtime<H>, chained: Option<Chained>) {
     let executed = Outcome::Executed.as_str();
     for turn in chained.map(|c| c.ran).unwrap_or_default() {
-        metrics::delivery(H::OPERATION, executed);
-        if let Some(tally) = &runtime.tally {
-            tally.count(H::OPERATION, executed);
-        }
-        if turn.replayed {
-            metrics::replayed_delivery(H::OPERATION, executed);
-        }
+        settle::count(
+            H::OPERATION,
+            runtime.tally.as_deref(),
+            executed,
+            turn.replayed,
+        );
         info!(outcome = executed, chained_key = %turn.key, seq = turn.seq, "delivery decided (chained)");
     }
 }

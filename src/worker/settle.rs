@@ -138,13 +138,8 @@ impl Settler<'_> {
     /// Counts `outcome` for the delivery, among replays too when the message was
     /// replayed from a dead-letter queue.
     pub(super) fn count(&self, outcome: &'static str) {
-        metrics::delivery(self.operation, outcome);
-        if let Some(tally) = self.tally {
-            tally.count(self.operation, outcome);
-        }
-        if self.incoming.replays() > 0 {
-            metrics::replayed_delivery(self.operation, outcome);
-        }
+        let replayed = self.incoming.replays() > 0;
+        count(self.operation, self.tally, outcome, replayed);
     }
 
     /// Does what the decision said. `key` is the message's key, if it had a valid one.
@@ -293,5 +288,22 @@ impl Settler<'_> {
         self.dead_lettered.store(true, Ordering::Relaxed);
         self.ack().await;
         Ok(())
+    }
+}
+
+/// Counts one delivery's `outcome` of `operation`: in `idem_deliveries_total`, in the
+/// tally, and among the replays when its message was replayed from a dead-letter queue.
+pub(super) fn count(
+    operation: &'static str,
+    tally: Option<&Tally>,
+    outcome: &'static str,
+    replayed: bool,
+) {
+    metrics::delivery(operation, outcome);
+    if let Some(tally) = tally {
+        tally.count(operation, outcome);
+    }
+    if replayed {
+        metrics::replayed_delivery(operation, outcome);
     }
 }
