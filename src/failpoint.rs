@@ -12,6 +12,7 @@
 //! | `after-complete` | the completion committed, the delivery not acked |
 //! | `before-dispatch` | the completion committed with staged follow-ups, none published |
 //! | `before-dispatch-mark` | follow-ups published and confirmed, not marked dispatched |
+//! | `after-hand-on` | a leased run's turn completed and handed on to the row after it, the position not moved |
 //! | `after-publish` | a retry or dead letter published and confirmed, the original not acked |
 //! | `discard-acked` | `idem dlq discard` acked a dead letter, its record not yet unpinned |
 //! | `http-single-after-claim` | a single-commit HTTP request holds its key in its transaction (the key's lock, or a claimed record), the route has not run |

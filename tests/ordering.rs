@@ -589,6 +589,111 @@ async fn owned_order_a_leased_turn_moves_after_its_commit_under_load(
     owned_leased_move_across_a_crash_after_the_commit(o, c, "1", false).await;
 }
 
+/// Owned order, leased mode, under load (concurrency 1: the moves go after the commit):
+/// a completion's move releases the row at the next number and reads the rows after it,
+/// and the task hands each turn on to the next without moving the position (a run);
+/// the run's last turn moves it past them all. Account `r`'s 2 to 10 are parked, then
+/// 1 comes. A process that aborts right after a hand-on (failpoint `after-hand-on`)
+/// leaves the position at a turn that completed: the next owner publishes that row,
+/// its record decides it (a duplicate), and the account runs on, each entry applied
+/// once, in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-run-kill").await;
+    prepare_as(&pool, &url, &q, true).await;
+    let args = worker_args("leased", true, &["--concurrency", "1"]);
+    let crash = [("IDEM_FAILPOINT", "after-hand-on")];
+    let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
+    for v in (2..=10).rev() {
+        q.publish(&entry("r", v)).await;
+    }
+    wait_until(SETTLE, "r's 2 to 10 parked", || async {
+        waiting(&pool).await == 9 && all_settled(&q).await
+    })
+    .await;
+    q.publish(&entry("r", 1)).await;
+    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
+        .await
+        .expect("a turn hands on to the next (the failpoint)")
+        .unwrap();
+    assert!(!status.success(), "aborted after a hand-on: {status:?}");
+    let by = applied(&pool).await;
+    let ran = by["r"].len() as i64;
+    assert_eq!(by["r"], (1..=ran).collect::<Vec<_>>());
+    assert!(ran >= 2, "1 moved the position, a turn after it handed on");
+    assert_eq!(
+        next_seq(&pool, "account-r").await,
+        ran,
+        "the turn that handed on did not move the position"
+    );
+    let _next = spawn_accounts_worker(&url, &q.name, &args);
+    wait_until(SETTLE, "r's 1 to 10 applied", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 10)
+            && next_seq(&pool, "account-r").await == 11
+            && waiting(&pool).await == 0
+            && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], (1..=10).collect::<Vec<_>>());
+}
+
+/// A turn of a leased run that fails for good moves the position from the run's first
+/// number to its own and holds it: account `r`'s 2 to 6 are parked, then 1 comes, and
+/// 4 fails. 1 to 3 apply, 4 is dead-lettered and listed as what blocks `r` (its number,
+/// its key), 5 and 6 wait; replayed once fixed, 4 to 6 apply in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-run-fail").await;
+    prepare_as(&pool, &url, &q, true).await;
+    sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('r', 'r-v4')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let args = worker_args("leased", true, &["--concurrency", "1"]);
+    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    for v in (2..=6).rev() {
+        q.publish(&entry("r", v)).await;
+    }
+    wait_until(SETTLE, "r's 2 to 6 parked", || async {
+        waiting(&pool).await == 5 && all_settled(&q).await
+    })
+    .await;
+    q.publish(&entry("r", 1)).await;
+    wait_until(SETTLE, "r's 1 to 3 applied, 4 dead-lettered", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 3)
+            && q.counts(&q.dlq()).await.0 == 1
+            && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], vec![1, 2, 3]);
+    assert_eq!(next_seq(&pool, "account-r").await, 4);
+    assert_eq!(holder(&pool, "r").await.as_deref(), Some("r-v4"));
+    assert_eq!(waiting(&pool).await, 2, "5 and 6 wait");
+    sqlx::query("DELETE FROM account_failures")
+        .execute(&pool)
+        .await
+        .unwrap();
+    idem_cli(&url, &["dlq", "replay", "--queue", &q.name]).await;
+    wait_until(SETTLE, "r done", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 6)
+            && next_seq(&pool, "account-r").await == 7
+            && waiting(&pool).await == 0
+            && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], (1..=6).collect::<Vec<_>>());
+}
+
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries
 /// wait (no retry tier, no dead letter), while account `b` runs to its end. `idem ops
 /// ordering list` says what blocks `a`; once the failure is fixed and the dead letter

@@ -88,30 +88,49 @@ pub(crate) async fn taken_over(
 }
 
 /// Records the turn at `place` as held by the delivery that ran it and did not complete
-/// (retrying, pending, dead-lettered): operators see what blocks the entity, a skip
-/// waits for its live lease, and the sweep moves on past it once a copy completes
+/// (retrying, pending, dead-lettered; `holds`): operators see what blocks the entity, a
+/// skip waits for its live lease, and the sweep moves on past it once a copy completes
 /// without its owner's move (a crash). Its waiting row, if it had one, is done with:
 /// its retry copy or dead letter is safe (the sweep would publish the row again and
-/// again, and run it ahead of its retry delay).
-pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
+/// again, and run it ahead of its retry delay). A turn of a leased run first moves the
+/// position from the run's [`Done::from`] to its number (holding it or not), past the
+/// turns that completed before it, whose rows go. Whether the position was written
+/// (false: it was not at `from`, or held by the turn already).
+pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool, StoreError> {
     let (scope, ordering_key, seq) = &done.place;
-    sqlx::query(
-        "WITH gone AS (
+    let written = sqlx::query_scalar(
+        "WITH moved AS (
+             UPDATE ordering_positions
+                SET holder_operation = CASE WHEN $7 THEN $4
+                                            WHEN $6 < $3 THEN NULL ELSE holder_operation END,
+                    holder_key = CASE WHEN $7 THEN $5
+                                      WHEN $6 < $3 THEN NULL ELSE holder_key END,
+                    held_since = CASE WHEN $7 THEN now()
+                                      WHEN $6 < $3 THEN NULL ELSE held_since END,
+                    next_seq = $3, last_seq = greatest(last_seq, $3 - 1),
+                    moved_at = CASE WHEN $6 < $3 THEN now() ELSE moved_at END
+              WHERE scope = $1 AND ordering_key = $2 AND next_seq = $6
+                AND (NOT $7 OR holder_key IS DISTINCT FROM $5)
+             RETURNING 1),
+         gone AS (
              DELETE FROM ordering_waiting
-              WHERE scope = $1 AND operation = $4 AND idempotency_key = $5)
-         UPDATE ordering_positions
-            SET holder_operation = $4, holder_key = $5, held_since = now()
-          WHERE scope = $1 AND ordering_key = $2 AND next_seq = $3
-            AND holder_key IS DISTINCT FROM $5",
+              WHERE $7 AND scope = $1 AND operation = $4 AND idempotency_key = $5),
+         ran AS (
+             DELETE FROM ordering_waiting
+              WHERE $6 < $3 AND EXISTS (SELECT 1 FROM moved)
+                AND scope = $1 AND ordering_key = $2 AND seq >= $6 AND seq < $3)
+         SELECT EXISTS (SELECT 1 FROM moved)",
     )
     .bind(scope)
     .bind(ordering_key)
     .bind(seq)
     .bind(&done.operation)
     .bind(&done.idempotency_key)
-    .execute(pool)
+    .bind(done.from)
+    .bind(holds)
+    .fetch_one(pool)
     .await?;
-    Ok(())
+    Ok(written)
 }
 
 /// Records the turn at `place` as held by the delivery running it, which has run for a
@@ -119,7 +138,9 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done) -> Result<(), StoreError> {
 /// is refused, as under the gate. Only while the position is at its number with no
 /// holder: a move that committed first (the turn ended) or a holder written since wins.
 /// False when the position is locked (its move, or another write, is in flight), or
-/// gone: the mark does not wait for it. A transactional batch holds its turns' positions from its
+/// gone: the mark does not wait for it. A turn of a leased run that has not moved the
+/// position to its number yet is not marked (the position's holder must be the turn at
+/// it: a takeover and the sweep publish the row there only when it holds its own turn). A transactional batch holds its turns' positions from its
 /// move to its commit, and marks that waited for them held a connection each, 47 ms on
 /// average, to find the turn moved (docs/PERFORMANCE.md).
 pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<bool, StoreError> {

@@ -21,6 +21,22 @@ pub(crate) struct Done {
     pub(crate) place: Place,
     pub(crate) operation: String,
     pub(crate) idempotency_key: String,
+    /// Where the entity's position stands in the database: the turn's number, or an
+    /// earlier one when the turns between ran in a leased run without moving it (their
+    /// rows go with this turn's move).
+    pub(crate) from: i64,
+}
+
+/// What a move reads of the rows parked after each turn it moves past.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Then {
+    /// Releases the row parked at the next number (it runs next) and reads up to
+    /// `ahead` rows parked right after that one, not released: a leased run hands them
+    /// on in turn without moving the position between them (`worker/owned/run.rs`).
+    Release { ahead: i64 },
+    /// Releases nothing and reads up to this many rows parked at the next numbers: a
+    /// transactional batch runs them in the same commit (`worker/transactional/chain.rs`).
+    Read(i64),
 }
 
 /// What [`move_on`] did for one completed turn.
@@ -35,6 +51,9 @@ pub(crate) struct Moved {
     /// reads them). A row that cannot be read back (its key is not given) is left out,
     /// as a gap: released later, it waits for the sweep as before.
     pub(crate) next: Vec<Released>,
+    /// Asked to release and read ahead ([`Then::Release`]): the rows parked right after
+    /// the released one, up to the first gap, in order and not released.
+    pub(crate) ahead: Vec<Released>,
 }
 
 /// What [`park`] found for one early entry.
@@ -274,11 +293,11 @@ fn read_back(row: MovedRow, keys: Option<&Keys>) -> (i64, Option<Released>) {
 }
 
 /// Moves each entity past its completed turn, fenced (only where the position is at
-/// that number), with the turn's waiting row if it had one, and releases the row parked
-/// at the next number. On `executor`: the pool, or a transaction. With `ahead` above
-/// 0 it releases nothing and reads instead the rows parked at the next `ahead` numbers
-/// (a transactional batch runs them in the same commit: `worker/transactional/chain.rs`,
-/// which ends with [`chain_end`]).
+/// the turn's [`Done::from`]), with the turn's waiting row if it had one and the rows of
+/// the turns a leased run ran from `from` without moving it, then releases or reads the
+/// rows parked after it as `then` says. On `executor`: the pool, or a transaction. A
+/// transactional batch runs the rows read ([`Then::Read`]) in the same commit
+/// (`worker/transactional/chain.rs`, which ends with [`chain_end`]).
 ///
 /// The positions are locked first, in (scope, ordering key) order, as the sweep's
 /// release (`idem_ordering_release`) and the gate lock theirs: an update joined to its
@@ -292,17 +311,22 @@ pub(crate) async fn move_on<'e>(
     executor: impl sqlx::PgExecutor<'e>,
     keys: Option<&Keys>,
     done: &[Done],
-    ahead: i64,
+    then: Then,
 ) -> Result<Vec<Moved>, StoreError> {
     let scopes: Vec<&str> = done.iter().map(|d| d.place.0.as_str()).collect();
     let ordering_keys: Vec<&str> = done.iter().map(|d| d.place.1.as_str()).collect();
     let seqs: Vec<i64> = done.iter().map(|d| d.place.2).collect();
     let operations: Vec<&str> = done.iter().map(|d| d.operation.as_str()).collect();
     let idempotency_keys: Vec<&str> = done.iter().map(|d| d.idempotency_key.as_str()).collect();
+    let froms: Vec<i64> = done.iter().map(|d| d.from).collect();
+    let (reads, release) = match then {
+        Then::Release { ahead } => (ahead, true),
+        Then::Read(rows) => (rows, false),
+    };
     let rows: Vec<MovedRow> = sqlx::query_as(
         "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
-                                         $5::text[])
-                                   WITH ORDINALITY AS t(s, k, n, op, idem, i)),
+                                         $5::text[], $8::int8[])
+                                   WITH ORDINALITY AS t(s, k, n, op, idem, f, i)),
          locked AS MATERIALIZED (
              SELECT l.scope, l.ordering_key
                FROM (SELECT DISTINCT t.s, t.k FROM t ORDER BY t.s, t.k) u
@@ -320,11 +344,16 @@ pub(crate) async fn move_on<'e>(
                                     ELSE p.moved_at END,
                     holder_operation = NULL, holder_key = NULL, held_since = NULL
                FROM t JOIN locked l ON l.scope = t.s AND l.ordering_key = t.k
-              WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.n
-             RETURNING t.i, t.s, t.k, t.n, t.op, t.idem),
+              WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.f
+             RETURNING t.i, t.s, t.k, t.n, t.op, t.idem, t.f),
          gone AS (
              DELETE FROM ordering_waiting w USING moved m
               WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem),
+         -- The rows of the turns a leased run ran before this one without a move.
+         ran AS (
+             DELETE FROM ordering_waiting w USING moved m
+              WHERE m.f < m.n AND w.scope = m.s AND w.ordering_key = m.k
+                AND w.seq >= m.f AND w.seq < m.n),
          -- The clock, not the transaction's start (now()): a batch's transaction can
          -- run long, and a release dated at its start would look stale to the sweep
          -- as soon as it committed.
@@ -332,10 +361,11 @@ pub(crate) async fn move_on<'e>(
              UPDATE ordering_waiting w
                 SET released_at = clock_timestamp(), releases = w.releases + 1
                FROM moved m
-              WHERE $6 = 0 AND w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
+              WHERE $7 AND w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
              RETURNING m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
                        w.queue, w.body, w.properties),
-         -- The rows at the numbers right after the turn, up to the first gap.
+         -- The rows at the numbers right after the turn, up to the first gap (after the
+         -- released one, when one is).
          ahead AS (
              SELECT m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
                     w.queue, w.body, w.properties
@@ -343,8 +373,8 @@ pub(crate) async fn move_on<'e>(
                      SELECT w.*, row_number() OVER (ORDER BY w.seq) AS r
                        FROM ordering_waiting w
                       WHERE w.scope = m.s AND w.ordering_key = m.k
-                        AND w.seq > m.n AND w.seq <= m.n + $6) w
-              WHERE $6 > 0 AND w.seq = m.n + w.r)
+                        AND w.seq > m.n AND w.seq <= m.n + $7::int + $6) w
+              WHERE $6 > 0 AND w.seq = m.n + w.r AND w.seq > m.n + $7::int)
          -- Each moved turn once (no row of its own: nothing released or ahead), then
          -- its rows; no join between them (a nested loop read every row for each turn).
          SELECT i, NULL::text, NULL::text, NULL::int8, NULL::text, NULL::text, NULL::text,
@@ -359,15 +389,21 @@ pub(crate) async fn move_on<'e>(
     .bind(&seqs)
     .bind(&operations)
     .bind(&idempotency_keys)
-    .bind(ahead)
+    .bind(reads)
+    .bind(release)
+    .bind(&froms)
     .fetch_all(executor)
     .await?;
     let mut answers = vec![Moved::default(); done.len()];
     for row in rows {
         let (i, released) = read_back(row, keys);
-        if let Some(slot) = index(i).and_then(|i| answers.get_mut(i)) {
-            slot.moved = true;
-            slot.next.extend(released);
+        let Some((slot, done)) = index(i).and_then(|i| answers.get_mut(i).zip(done.get(i))) else {
+            continue;
+        };
+        slot.moved = true;
+        match released {
+            Some(r) if release && r.seq > done.place.2 + 1 => slot.ahead.push(r),
+            released => slot.next.extend(released),
         }
     }
     Ok(answers)

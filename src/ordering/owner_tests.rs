@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::{Done, Parked, load, move_on, park};
+use super::{Done, Parked, Then, load, move_on, park};
 use crate::key::Key;
 use crate::ordering::{Entry, Ordered};
 
@@ -14,6 +14,7 @@ pub(in crate::ordering) fn done(ordering_key: &str) -> Done {
         place: ("s".into(), ordering_key.into(), 1),
         operation: "accounts.apply".into(),
         idempotency_key: format!("entry-{ordering_key}"),
+        from: 1,
     }
 }
 
@@ -42,7 +43,15 @@ async fn a_move_locks_positions_in_key_order_as_the_sweep_does(pool: PgPool) {
         .unwrap();
     let moving = tokio::spawn({
         let pool = pool.clone();
-        async move { move_on(&pool, None, &[done("b"), done("a")], 0).await }
+        async move {
+            move_on(
+                &pool,
+                None,
+                &[done("b"), done("a")],
+                Then::Release { ahead: 0 },
+            )
+            .await
+        }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -169,4 +178,114 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
         vec![("new".to_string(), 2), ("old".to_string(), 5)],
         "last_seq raised to the highest waiting number where gc could take the position"
     );
+}
+
+/// A leased run: its last turn's move goes from the run's first number (`from`) past
+/// the turn, deleting the rows of the turns between; it releases the row at the next
+/// number and reads the rows right after that one, to the first gap, not released. A
+/// move whose position is not at `from` (moved by an operator's skip) writes nothing
+/// and deletes no row. A run's turn that does not complete moves the position from the
+/// run's first number to its own and holds it there.
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool) {
+    let properties =
+        crate::ordering::table::stored_properties(&lapin::BasicProperties::default()).unwrap();
+    let entry = |key: &str, seq: i64| Entry {
+        key: Key::new("s", "accounts.apply", format!("{key}-{seq}")).unwrap(),
+        ordered: Ordered::by(key).sequence(seq),
+        fingerprint: format!("fp-{key}-{seq}"),
+        also: None,
+        queue: "q".into(),
+        body: b"{}".to_vec(),
+        properties: properties.clone(),
+    };
+    let mut entries: Vec<Entry> = [2, 3, 4, 5, 6, 7, 9].map(|n| entry("r", n)).into();
+    entries.extend([5, 6].map(|n| entry("f", n)));
+    let day = Duration::from_secs(24 * 3600);
+    let parked = park(&pool, None, day, &entries).await.unwrap();
+    assert!(parked.iter().all(|p| *p == Parked::Kept), "{parked:?}");
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+         VALUES ('s', 'r', 2, 9), ('s', 'f', 6, 6)
+         ON CONFLICT (scope, ordering_key) DO UPDATE SET next_seq = excluded.next_seq",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let turn = |key: &str, seq: i64, from: i64| Done {
+        place: ("s".into(), key.into(), seq),
+        operation: "accounts.apply".into(),
+        idempotency_key: format!("{key}-{seq}"),
+        from,
+    };
+    let release = Then::Release { ahead: 32 };
+    let moved = move_on(&pool, None, &[turn("r", 4, 2), turn("f", 7, 5)], release)
+        .await
+        .unwrap();
+    let seqs = |rows: &[crate::ordering::Released]| rows.iter().map(|r| r.seq).collect::<Vec<_>>();
+    assert!(moved[0].moved);
+    assert_eq!(seqs(&moved[0].next), vec![5], "the next row released");
+    assert_eq!(
+        seqs(&moved[0].ahead),
+        vec![6, 7],
+        "the rows after it, to the gap"
+    );
+    assert!(
+        !moved[1].moved,
+        "f's position is not at the run's first number"
+    );
+    assert!(moved[1].next.is_empty() && moved[1].ahead.is_empty());
+    let rows = |key: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, bool)>(
+                "SELECT seq, released_at IS NOT NULL FROM ordering_waiting
+                  WHERE ordering_key = $1 ORDER BY seq",
+            )
+            .bind(key)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let position = |key: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, Option<String>)>(
+                "SELECT next_seq, holder_key FROM ordering_positions WHERE ordering_key = $1",
+            )
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        rows("r").await,
+        vec![(5, true), (6, false), (7, false), (9, false)],
+        "the run's rows 2 to 4 went, 5 is released, the rows read ahead are not"
+    );
+    assert_eq!(position("r").await, (5, None));
+    assert_eq!(
+        rows("f").await,
+        vec![(5, false), (6, false)],
+        "nothing deleted"
+    );
+    assert_eq!(position("f").await, (6, None));
+
+    // 5 and 6 completed in the run, 7 failed for good: the position moves from 5 to 7,
+    // held by 7; 5's and 6's rows go, and 7's (its dead letter is safe).
+    let held = crate::ordering::held::hold(&pool, &turn("r", 7, 5), true)
+        .await
+        .unwrap();
+    assert!(held);
+    assert_eq!(position("r").await, (7, Some("r-7".into())));
+    assert_eq!(rows("r").await, vec![(9, false)]);
+    // Fenced out the same way: f's position is not at 5.
+    let held = crate::ordering::held::hold(&pool, &turn("f", 6, 5), true)
+        .await
+        .unwrap();
+    assert!(!held);
+    assert_eq!(position("f").await, (6, None));
+    assert_eq!(rows("f").await, vec![(5, false)], "only its own row went");
 }

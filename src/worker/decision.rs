@@ -407,6 +407,8 @@ pub(crate) struct Decided {
     /// Under owned order, the turn it holds in memory when it did not complete: left
     /// once it is settled.
     pub(crate) owned: Option<super::owned::Turn>,
+    /// Under owned order in leased mode, what its completion leaves its task for a run.
+    pub(crate) ahead: super::owned::Ahead,
 }
 
 impl Decided {
@@ -418,6 +420,7 @@ impl Decided {
             handed: None,
             chained: None,
             owned: None,
+            ahead: super::owned::Ahead::None,
         }
     }
 
@@ -429,6 +432,7 @@ impl Decided {
             handed: None,
             chained: None,
             owned: None,
+            ahead: super::owned::Ahead::None,
         }
     }
 

@@ -12,6 +12,7 @@ use super::batch::Batcher;
 use super::decision::{self, Chained, Decided, Outcome, Ran, Retries, Step, Verdict};
 use super::handle;
 use super::ordered::{self, InOrder};
+use super::owned::Ahead;
 use super::parse::{Parsed, parse};
 use super::settle::{self, Incoming, Links, Settler, Source};
 use super::transactional::{TxAnswer, TxRequest};
@@ -56,19 +57,19 @@ pub(super) async fn process<H: Handler>(
         trace::consumer_attributes(&span, &runtime.config.queue, H::OPERATION, &delivery);
     }
     let from = Source::Broker(delivery.delivery_tag);
-    let released = decide(runtime, links, &incoming, from, span).await;
-    ordered::hand_on(runtime, links, released).await;
+    let (released, ahead) = decide(runtime, links, &incoming, from, span).await;
+    ordered::hand_on(runtime, links, released, ahead).await;
 }
 
 /// Walks the decision table for `incoming` and settles it; what its entity released when
-/// it completed (its next turn, handed over).
+/// it completed (its next turn, handed over), and what it leaves for a leased run.
 pub(super) async fn decide<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
     incoming: &Incoming<'_>,
     from: Source<'_>,
     span: Span,
-) -> Vec<Released> {
+) -> (Vec<Released>, Ahead) {
     let received = Instant::now();
     let settler = Settler {
         incoming,
@@ -82,12 +83,14 @@ pub(super) async fn decide<H: Handler>(
     };
     async {
         let (mut entity, mut handed, mut owned, mut chained) = (None, None, None, None);
+        let mut ahead = Ahead::None;
         let settled = match walk(runtime, incoming).await {
             Ok(mut decided) => {
                 entity = decided.entity.take();
                 handed = decided.handed.take();
                 owned = decided.owned.take();
                 chained = decided.chained.take();
+                ahead = std::mem::take(&mut decided.ahead);
                 settle(&settler, decided).await
             }
             Err(error) => Err(error),
@@ -117,7 +120,7 @@ pub(super) async fn decide<H: Handler>(
             elapsed_ms = rounded_ms(received.elapsed()),
             "delivery decided"
         );
-        next
+        (next, ahead)
     }
     .instrument(span)
     .await
@@ -221,16 +224,26 @@ pub(crate) async fn walk<H: Handler>(
     if keeps_out(circuit, admission) {
         return Ok(Decided::paused(parsed.key));
     }
-    let InOrder { entity, turn } =
+    let InOrder { entity, mut turn } =
         match ordered::enter_order(runtime, incoming, &mut parsed, &message).await? {
             Ok(entered) => entered,
             Err(verdict) => return Ok(Decided::with_key(verdict, parsed.key, None)),
         };
+    // A turn of a leased run: the position stands at the run's first number, and the
+    // row after it may be in hand (`owned/run.rs`).
+    let mut hand_to = None;
+    if let Some(held) = &mut turn {
+        if let Some(from) = incoming.link.from {
+            held.ran_from(from);
+        }
+        hand_to = incoming.link.hands_to();
+    }
     // With a single active consumer, deliveries are taken up to the prefetch: the runs
     // are held to the concurrency here (after the early ones were parked).
-    let running = match &incoming.positions {
-        Some(positions) => positions.run().await,
-        None => None,
+    let mut running = match (&incoming.positions, incoming.link.permit()) {
+        (Some(_), Some(handed)) => Some(handed),
+        (Some(positions), None) => positions.run().await,
+        (None, _) => None,
     };
     // A turn held in memory moves in its completion's commit (the batch's, or the
     // handler's transaction in leased mode) when few others run: one entity's turns
@@ -238,6 +251,7 @@ pub(crate) async fn walk<H: Handler>(
     // leased turn's move goes with others', batched after its commit: one move in each
     // handler's commit cost the shuffled bench a quarter of its pace (PERFORMANCE.md).
     if let (Some(held), Some(positions)) = (&turn, &incoming.positions)
+        && hand_to.is_none()
         && (runtime.transactions.is_some() || positions.quiet())
     {
         parsed.owned = Some(held.done());
@@ -274,14 +288,22 @@ pub(crate) async fn walk<H: Handler>(
     let mut decided = Decided::with_key(verdict, parsed.key, entity);
     decided.handed = handed;
     decided.chained = chained;
-    drop(running);
+    // Completed too late, the turn moves the position itself.
+    let hand_to = hand_to.and_then(|_| incoming.link.hands_to());
+    if hand_to.is_none() {
+        drop(running.take());
+    }
     if let (Some(turn), Some(owner)) = (turn, &runtime.owner)
-        && let Err(error) = ordered::move_owned(owner, turn, &mut decided).await
+        && let Err(error) = ordered::move_owned(owner, turn, &mut decided, hand_to).await
     {
         // The turns its batch chained committed with it: they count whatever becomes of
         // this delivery (requeued now, a duplicate when it comes back).
         count_chained(runtime, decided.chained.take());
         return Err(error);
+    }
+    // Handed on in a run: the next turn runs in this one's place among the queue's runs.
+    if let Ahead::HandedOn(place) = &mut decided.ahead {
+        *place = running;
     }
     Ok(decided)
 }

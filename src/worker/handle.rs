@@ -10,6 +10,7 @@ use tracing::{Instrument, Span, info, info_span, warn};
 use super::decision::{self, Ran, Reconciled};
 use super::guard::guarded;
 use super::ordered::Entity;
+use super::owned::AHEAD;
 use super::parse::Parsed;
 use super::settle::Incoming;
 use super::{Failure, Runtime};
@@ -17,7 +18,7 @@ use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::metrics;
-use crate::ordering::owner::{self, Done};
+use crate::ordering::owner::{self, Done, Then};
 use crate::ordering::table;
 use crate::store::{Lease, Store, StoreError, StoredError};
 use crate::trace;
@@ -161,11 +162,13 @@ async fn record<H: Handler>(
                     }
                     (None, Some(done)) => {
                         let done = std::slice::from_ref(done);
-                        owner::move_on(&mut *tx, store.keys(), done, 0)
+                        // The rows read after the released one follow it, for a run.
+                        let then = Then::Release { ahead: AHEAD };
+                        owner::move_on(&mut *tx, store.keys(), done, then)
                             .await
                             .map(|moved| {
                                 let moved = moved.into_iter().next().filter(|m| m.moved)?;
-                                Some(moved.next)
+                                Some([moved.next, moved.ahead].concat())
                             })
                     }
                     (None, None) => Ok(None),

@@ -333,7 +333,7 @@ impl<H: Handler> Runtime<H> {
             orderings: ordered::Orderings::new(&store, &config),
             owner: config
                 .single_active_consumer
-                .then(|| owned::Owner::new(&store, &config)),
+                .then(|| owned::Owner::new(&store, &config, config.mode == Mode::Leased)),
             undecided: Undecided::new(config.undecidable_after),
             follow_ups: FollowUps::new(&store, &config, wakes.relay.clone()),
             sweep_wake: wakes.sweep,

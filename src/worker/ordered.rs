@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 use super::batch::Batcher;
 use super::decision::{CONFLICT, DeadLetterOrder, Decided, Outcome, Settle, Verdict};
 use super::execute::{decide, delivery_span, message_fault};
-use super::owned::{Owner, Positions, Stand, Turn};
+use super::owned::{Ahead, Link, Owner, Positions, Run, Stand, Turn, Who};
 use super::parse::Parsed;
 use super::settle::{Incoming, Links, Source};
 use super::{Failure, Runtime, WorkerConfig};
@@ -70,18 +70,45 @@ pub(super) async fn enter_order<H: Handler>(
 
 /// Moves an owned turn's entity on before the ack, when its run completed (in
 /// transactional mode, in the batch's commit, which handed what it released): after
-/// the ack, a crash would leave nobody to move it. A turn that did not complete stays
-/// with the decision, which records it as its entity's holder.
+/// the ack, a crash would leave nobody to move it. A turn of a leased run that completed
+/// quickly hands on to `next`, the row after it, without a move ([`Run`]). A turn that
+/// did not complete stays with the decision, which records it as its entity's holder.
 pub(super) async fn move_owned(
     owner: &Owner,
     turn: Turn,
     decided: &mut Decided,
+    next: Option<Who>,
 ) -> Result<(), Failure> {
     let to = decided.chained.as_ref().map(|chained| chained.to);
-    match (moves_on(decided.verdict.outcome), decided.handed.take()) {
-        (true, Some(next)) => decided.handed = Some(turn.moved(owner, Some(next), to).await?),
-        (true, None) => decided.handed = Some(turn.complete(owner).await?),
-        (false, handed) => {
+    match (
+        moves_on(decided.verdict.outcome),
+        decided.handed.take(),
+        next,
+    ) {
+        (true, Some(mut released), _) => {
+            // A leased move in the handler's commit read the rows after the one it
+            // released: they follow it.
+            let next = to.unwrap_or(turn.seq() + 1);
+            let ahead: Vec<_> = released.extract_if(.., |r| r.seq > next).collect();
+            decided.handed = Some(turn.moved(owner, Some(released), to).await?);
+            if !ahead.is_empty() {
+                decided.ahead = Ahead::Read(ahead);
+            }
+        }
+        (true, None, Some(next)) => {
+            turn.hand_on(next);
+            crate::failpoint::hit("after-hand-on");
+            decided.handed = Some(Vec::new());
+            decided.ahead = Ahead::HandedOn(None);
+        }
+        (true, None, None) => {
+            let (released, ahead) = turn.complete(owner).await?;
+            decided.handed = Some(released);
+            if !ahead.is_empty() {
+                decided.ahead = Ahead::Read(ahead);
+            }
+        }
+        (false, handed, _) => {
             decided.handed = handed;
             decided.owned = Some(turn);
         }
@@ -320,24 +347,33 @@ const MAX_HANDED_ON: usize = 64;
 /// Carries on after a delivery was decided with what its completion `released` of its
 /// entity's order: the turn runs next in this task when it is this handler's, from this
 /// queue, and so on with what that one releases; everything else released goes to its
-/// queue (rows whose turn passed come back dead-lettered).
+/// queue (rows whose turn passed come back dead-lettered). With the rows a move read
+/// `ahead`, the turns after it are handed on in a leased run ([`Run`]).
 pub(super) async fn hand_on<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
     mut released: Vec<Released>,
+    ahead: Ahead,
 ) {
     let mut handed_on = 0;
+    let mut run = Run::new(ahead);
+    let mut next = None;
     loop {
-        let turn = match handed_on < MAX_HANDED_ON {
-            true => take_turn(runtime, &mut released),
-            false => None,
+        let turn = match next.take() {
+            Some(turn) => Some(turn),
+            None if handed_on < MAX_HANDED_ON => take_turn(runtime, &mut released),
+            None => None,
         };
         for other in &released {
             publish(&links.publish, other).await;
         }
         let Some(turn) = turn else { return };
         handed_on += 1;
-        released = run_turn(runtime, links, &turn).await;
+        let queue = &runtime.config.queue;
+        let link = run.link(&turn, H::OPERATION, queue, handed_on < MAX_HANDED_ON);
+        let ahead;
+        (released, ahead) = run_turn(runtime, links, &turn, link).await;
+        next = run.went(&turn, ahead);
     }
 }
 
@@ -371,11 +407,13 @@ async fn run_turn<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
     released: &Released,
-) -> Vec<Released> {
+    link: Link,
+) -> (Vec<Released>, Ahead) {
     let span = delivery_span(runtime, false);
     let envelope = envelope_of(released);
     let mut incoming = Incoming::new(&released.body, envelope, Some(&links.follow_ups));
     incoming.holds_turn = true;
+    incoming.link = link;
     incoming.positions = links.positions.clone();
     trace::continue_trace(
         &span,

@@ -13,7 +13,7 @@ use super::Failure;
 use super::acks::Acks;
 use super::decision::{DeadLetterOrder, Settle};
 use super::follow_ups::FollowUpChannel;
-use super::owned::Positions;
+use super::owned::{Link, Positions};
 use crate::dead_letter::{self, DeadLetter, Outgoing};
 use crate::failpoint;
 use crate::flow::circuit::Admission;
@@ -68,6 +68,9 @@ pub(crate) struct Incoming<'a> {
     pub(crate) holds_turn: bool,
     /// The session's positions under owned order (none elsewhere: the gate decides).
     pub(crate) positions: Option<Arc<Positions>>,
+    /// Handed on in a leased run under owned order: where the position stands and the
+    /// row it may hand on to.
+    pub(crate) link: Link,
 }
 
 impl<'a> Incoming<'a> {
@@ -85,6 +88,7 @@ impl<'a> Incoming<'a> {
             admission: Admission::UNBROKEN,
             holds_turn: false,
             positions: None,
+            link: Link::default(),
         }
     }
 

@@ -5,8 +5,9 @@
 //! in `ordering_waiting` (batched) and acked; a completion moves the position, fenced
 //! (`WHERE next_seq = n`), and releases the row parked at the next number, which runs
 //! next in the same task (in transactional mode, the turns parked right after it run
-//! in its batch's transaction first: `transactional/chain.rs`). Nothing is written at
-//! the start of a turn.
+//! in its batch's transaction first: `transactional/chain.rs`; in leased mode, the
+//! task hands each turn on to the row after it without a move, and the last one moves
+//! the position past them all: `run.rs`). Nothing is written at the start of a turn.
 //!
 //! The memory is a cache of the positions, kept per broker session (a process that
 //! lost its consumer and got it back starts empty). Every decision it cannot make alone
@@ -18,6 +19,7 @@
 //! this process does not see).
 
 mod positions;
+mod run;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,12 +31,13 @@ use super::ordered::Entity;
 use super::{Failure, WorkerConfig};
 use crate::key::Key;
 use crate::ordering::held;
-use crate::ordering::owner::{self, Done, Moved, Parked, Place};
+use crate::ordering::owner::{self, Done, Moved, Parked, Place, Then};
 use crate::ordering::{Entry, Released};
 use crate::store::{Store, StoreError};
 
 use positions::Look;
 pub(crate) use positions::{Positions, Turn};
+pub(crate) use run::{AHEAD, Ahead, Link, Run};
 
 /// How long a position read or moved by this process is taken as true for a turn: older,
 /// it is read again before a delivery takes the turn (one round trip after a pause of
@@ -61,8 +64,13 @@ pub(super) struct Owner {
 }
 
 impl Owner {
-    pub(super) fn new(store: &Store, config: &WorkerConfig) -> Self {
+    /// `leased`: the queue runs in leased mode, where a move reads the rows after the
+    /// one it releases, for a run ([`Run`]).
+    pub(super) fn new(store: &Store, config: &WorkerConfig, leased: bool) -> Self {
         let (size, in_flight) = (config.batch_size, config.batches_in_flight);
+        let then = Then::Release {
+            ahead: if leased { AHEAD } else { 0 },
+        };
         let zero = Duration::ZERO;
         let s = store.clone();
         let loads = Batcher::spawn(size, zero, in_flight, move |items: Arc<[_]>| {
@@ -77,7 +85,7 @@ impl Owner {
         let s = store.clone();
         let moves = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Done]>| {
             let s = s.clone();
-            async move { owner::move_on(s.pool(), s.keys(), &items, 0).await }
+            async move { owner::move_on(s.pool(), s.keys(), &items, then).await }
         });
         let s = store.clone();
         let fetches = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Place]>| {
@@ -254,7 +262,7 @@ pub(crate) enum Stand {
 
 /// Who runs a turn: the delivery's operation and idempotency key.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Who(String, String);
+pub(crate) struct Who(String, String);
 
 impl Who {
     fn of(key: &Key) -> Self {

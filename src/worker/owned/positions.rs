@@ -101,6 +101,8 @@ impl Positions {
             return Look::Park;
         }
         match &p.running {
+            // Handed on in a leased run: the turn before it kept it for its row.
+            Some((at, running)) if from_row && *at == seq && running == who => Look::Run,
             // Another message with the number of the one running: two claim one place.
             Some((at, running)) if *at == seq && running != who => Look::Taken,
             Some(_) => {
@@ -192,6 +194,51 @@ impl Positions {
             None => false,
         }
     }
+
+    /// The turn of `who` at `seq` completed and hands its entity on to `next`'s row at
+    /// the number after it, in a leased run: the position moves in memory only (the
+    /// run's last turn moves it in the database), and the turn is kept for that row.
+    fn handed_on(&self, entity: &Entity, seq: i64, who: &Who, next: Who) {
+        let mut entities = self.lock();
+        let Some(p) = entities.get_mut(entity) else {
+            return;
+        };
+        if p.running
+            .as_ref()
+            .is_some_and(|(at, running)| *at == seq && running == who)
+        {
+            p.running = Some((seq + 1, next));
+        }
+        for waiter in p.waiters.drain(..) {
+            let _ = waiter.send(());
+        }
+        p.next = p.next.max(seq + 1);
+        p.checked = Some(Instant::now());
+        p.parked = p.parked.split_off(&(seq + 1));
+        p.parked.remove(&(seq + 1));
+    }
+
+    /// A leased run's turn at `seq` ended without moving the position in the database,
+    /// which stands at `from`: the memory goes back to it, to be read again (the turns
+    /// between completed: their rows, republished by the sweep, are duplicates that move
+    /// the position on).
+    fn rewind(&self, entity: &Entity, seq: i64, who: &Who, from: i64) {
+        let mut entities = self.lock();
+        let Some(p) = entities.get_mut(entity) else {
+            return;
+        };
+        if p.running
+            .as_ref()
+            .is_some_and(|(at, running)| *at == seq && running == who)
+        {
+            p.running = None;
+        }
+        for waiter in p.waiters.drain(..) {
+            let _ = waiter.send(());
+        }
+        p.next = from;
+        p.checked = None;
+    }
 }
 
 /// A turn this process holds in memory. Dropped without [`Turn::complete`] or
@@ -202,6 +249,9 @@ pub(crate) struct Turn {
     entity: Entity,
     seq: i64,
     who: Who,
+    /// Where the position stands in the database: `seq`, or the number of a leased
+    /// run's first turn, when the turns since ran without moving it.
+    from: i64,
     ended: bool,
 }
 
@@ -213,8 +263,25 @@ impl Turn {
             entity: entity.clone(),
             seq,
             who,
+            from: seq,
             ended: false,
         }
+    }
+
+    /// The turn is part of a leased run whose first turn was at `from`, where the
+    /// position stands in the database: its move (or its holder) moves it from there.
+    pub(in crate::worker) fn ran_from(&mut self, from: i64) {
+        self.from = from.min(self.seq);
+    }
+
+    /// The turn's number.
+    pub(in crate::worker) fn seq(&self) -> i64 {
+        self.seq
+    }
+
+    /// Whether the position stands behind the turn in the database (a leased run).
+    fn behind(&self) -> bool {
+        self.from < self.seq
     }
 
     /// The turn's place and who runs it.
@@ -223,16 +290,32 @@ impl Turn {
             place: (self.entity.0.clone(), self.entity.1.clone(), self.seq),
             operation: self.who.0.clone(),
             idempotency_key: self.who.1.clone(),
+            from: self.from,
         }
     }
 
     /// Its record completed: moves the position past it (before the delivery is acked:
     /// a crash between an ack and the move would leave nobody to move it) and returns
-    /// the delivery parked at the next number, released to run next.
-    pub(in crate::worker) async fn complete(self, owner: &Owner) -> Result<Vec<Released>, Failure> {
+    /// the delivery parked at the next number, released to run next, and in leased
+    /// mode the rows the move read after that one
+    /// ([`crate::ordering::owner::Then::Release`]).
+    pub(in crate::worker) async fn complete(
+        self,
+        owner: &Owner,
+    ) -> Result<(Vec<Released>, Vec<Released>), Failure> {
         let moved = owner.moves.call(self.done()).await??;
+        let ahead = moved.ahead;
         let next = moved.moved.then_some(moved.next);
-        self.moved(owner, next, None).await
+        Ok((self.moved(owner, next, None).await?, ahead))
+    }
+
+    /// Its record completed, quickly, in a leased run, and the row parked at the next
+    /// number (run by `next`) is in hand: the turn goes to it without moving the
+    /// position in the database (the run's last turn moves it past them all).
+    pub(in crate::worker) fn hand_on(mut self, next: Who) {
+        self.ended = true;
+        self.positions
+            .handed_on(&self.entity, self.seq, &self.who, next);
     }
 
     /// Its completion moved the position past it (`next`: what that move released), or
@@ -250,6 +333,11 @@ impl Turn {
         self.ended = true;
         let moved = next.is_some();
         let to = to.unwrap_or(self.seq + 1);
+        if !moved && self.behind() {
+            self.positions
+                .rewind(&self.entity, self.seq, &self.who, self.from);
+            return Ok(Vec::new());
+        }
         let parked_next = self
             .positions
             .end(&self.entity, self.seq, &self.who, Some(moved), to);
@@ -276,10 +364,21 @@ impl Turn {
                 | Outcome::Pending
                 | Outcome::DuplicateFailed
         );
-        if holds && let Err(error) = held::hold(owner.store.pool(), &self.done()).await {
-            warn!(error = %crate::text::error_line(&error), "owned order: the blocked turn's holder not recorded");
+        // A run's turn moves the position to its own number first, even if it holds
+        // nothing (its record never ran: the position must not stay behind it).
+        let held = match holds || self.behind() {
+            true => held::hold(owner.store.pool(), &self.done(), holds).await,
+            false => Ok(true),
+        };
+        if let Err(error) = &held {
+            warn!(error = %crate::text::error_line(error), "owned order: the blocked turn's holder not recorded");
         }
         self.ended = true;
+        if self.behind() && !matches!(held, Ok(true)) {
+            self.positions
+                .rewind(&self.entity, self.seq, &self.who, self.from);
+            return;
+        }
         let next = self.seq + 1;
         self.positions
             .end(&self.entity, self.seq, &self.who, None, next);
@@ -288,7 +387,10 @@ impl Turn {
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        if !self.ended {
+        if !self.ended && self.behind() {
+            self.positions
+                .rewind(&self.entity, self.seq, &self.who, self.from);
+        } else if !self.ended {
             let next = self.seq + 1;
             self.positions
                 .end(&self.entity, self.seq, &self.who, None, next);

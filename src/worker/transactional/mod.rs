@@ -26,7 +26,7 @@ use crate::failpoint;
 use crate::fault::Fault;
 use crate::handler::{Context, Envelope, Handler, HandlerError};
 use crate::key::Key;
-use crate::ordering::owner::{self, Done};
+use crate::ordering::owner::{self, Done, Then};
 use crate::ordering::table;
 use crate::store::{Claim, ClaimRequest, Found, Lease, Store, StoreError};
 use crate::trace::TraceContext;
@@ -364,8 +364,11 @@ async fn move_owned<H: Handler>(
     if done.is_empty() {
         return Ok(None);
     }
-    let ahead = if chains.is_some() { chain::AHEAD } else { 0 };
-    let moved = owner::move_on(ctx.tx().await?, store.keys(), &done, ahead).await?;
+    let then = match chains {
+        Some(_) => Then::Read(chain::AHEAD),
+        None => Then::Release { ahead: 0 },
+    };
+    let moved = owner::move_on(ctx.tx().await?, store.keys(), &done, then).await?;
     let mut heads = Vec::new();
     for ((i, done), moved) in at.into_iter().zip(done).zip(moved) {
         if !moved.moved {

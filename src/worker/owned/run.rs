@@ -1,0 +1,141 @@
+//! A leased run (docs/DESIGN.md, "Owned order"): in leased mode, a completion's move
+//! releases the row parked at the next number and reads the rows parked right after
+//! it. The task that runs the released turn then hands each turn on to the row after it
+//! without moving the position in the database: the run's last turn moves it past them
+//! all, deleting their rows, in one statement (a move and a release mark per turn were
+//! most of what a parked entry cost in leased mode: docs/PERFORMANCE.md). Until then the
+//! memory is ahead of the database for that entity; a turn of the run that does not
+//! complete moves the position to its own number first (holding it or not), and one
+//! that fails on the way sends the memory back to where the database stands.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::Who;
+use crate::ordering::Released;
+
+/// Most rows a move reads after the one it releases.
+pub(crate) const AHEAD: i64 = 32;
+
+/// How long after the move that began it a run hands turns on without moving the
+/// position: well within the second after which the sweep and a skip take a position
+/// that has not moved for one whose turn nobody runs (`table::RELEASE_STALE`, the
+/// skip's wait), so that neither acts on the run's first row while the run goes on.
+const RUN_FOR: Duration = Duration::from_millis(250);
+
+/// What a completed turn's end leaves its task of its entity's rows, besides the turn
+/// it released.
+#[derive(Debug, Default)]
+pub(crate) enum Ahead {
+    /// Nothing: the run, if there was one, ends.
+    #[default]
+    None,
+    /// Its move read these rows after the one it released (in order, not released).
+    Read(Vec<Released>),
+    /// It handed its turn on to the row after it without a move: the run goes on, in
+    /// the place among the queue's runs that this turn held (waiting for another, behind
+    /// the deliveries taken up to the prefetch, cut runs short).
+    HandedOn(Option<OwnedSemaphorePermit>),
+}
+
+/// What a turn handed on in a run is lent: where the position stands in the database,
+/// who runs the row after it when the turn may hand on to that one, and the place
+/// among the queue's runs that the turn before it held.
+#[derive(Debug, Default)]
+pub(crate) struct Link {
+    /// The number of the run's first turn, when turns before this one ran without
+    /// moving the position.
+    pub(crate) from: Option<i64>,
+    /// The row at the number after this turn's, and until when the run may go on: a
+    /// completion before then hands the turn on to it.
+    next: Option<(Who, Instant)>,
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+impl Link {
+    /// The place among the queue's runs the turn before this one held, if it handed on.
+    pub(crate) fn permit(&self) -> Option<OwnedSemaphorePermit> {
+        self.permit
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+
+    /// Who runs the row after this turn, if the turn, completed now, hands on to it.
+    pub(crate) fn hands_to(&self) -> Option<Who> {
+        let (who, until) = self.next.as_ref()?;
+        (Instant::now() < *until).then(|| who.clone())
+    }
+}
+
+/// A task's run of one entity's turns.
+#[derive(Debug)]
+pub(crate) struct Run {
+    from: Option<i64>,
+    rows: VecDeque<Released>,
+    since: Instant,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Run {
+    /// The run that begins with the turn a move released, `ahead` what it read after it.
+    pub(crate) fn new(ahead: Ahead) -> Self {
+        let rows = match ahead {
+            Ahead::Read(rows) => rows.into(),
+            Ahead::None | Ahead::HandedOn(_) => VecDeque::new(),
+        };
+        Self {
+            from: None,
+            rows,
+            since: Instant::now(),
+            permit: None,
+        }
+    }
+
+    /// The link of `turn`, the run's next: it may hand on to the row after it if that
+    /// one is in hand, the handler's (`operation`, from `queue`), the task may run one
+    /// more turn (`more`), and the turn completes within [`RUN_FOR`] of the run's
+    /// beginning.
+    pub(crate) fn link(
+        &mut self,
+        turn: &Released,
+        operation: &str,
+        queue: &str,
+        more: bool,
+    ) -> Link {
+        let next = self.rows.front().filter(|row| {
+            more && row.seq == turn.seq + 1
+                && row.scope == turn.scope
+                && row.ordering_key == turn.ordering_key
+                && row.operation == operation
+                && row.queue == queue
+        });
+        Link {
+            from: self.from,
+            next: next.map(|row| {
+                let who = Who(row.operation.clone(), row.idempotency_key.clone());
+                (who, self.since + RUN_FOR)
+            }),
+            permit: Mutex::new(self.permit.take()),
+        }
+    }
+
+    /// `turn` ended, leaving `ahead`: the turn the run goes on with, when it handed on;
+    /// else the run begins anew (with what its move read, if it moved).
+    pub(crate) fn went(&mut self, turn: &Released, ahead: Ahead) -> Option<Released> {
+        match ahead {
+            Ahead::HandedOn(permit) => {
+                self.from = Some(self.from.unwrap_or(turn.seq));
+                self.permit = permit;
+                self.rows.pop_front()
+            }
+            ahead => {
+                *self = Self::new(ahead);
+                None
+            }
+        }
+    }
+}
