@@ -138,11 +138,12 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool
 /// is refused, as under the gate. Only while the position is at its number with no
 /// holder: a move that committed first (the turn ended) or a holder written since wins.
 /// False when the position is locked (its move, or another write, is in flight), or
-/// gone: the mark does not wait for it. A turn of a leased run that has not moved the
-/// position to its number yet is not marked (the position's holder must be the turn at
-/// it: a takeover and the sweep publish the row there only when it holds its own turn). A transactional batch holds its turns' positions from its
-/// move to its commit, and marks that waited for them held a connection each, 47 ms on
-/// average, to find the turn moved (docs/PERFORMANCE.md).
+/// gone: the mark does not wait for it. A transactional batch holds its turns'
+/// positions from its move to its commit, and marks that waited for them held a
+/// connection each, 47 ms on average, to find the turn moved (docs/PERFORMANCE.md). A
+/// turn of a leased run past its first is not marked: the position stands at the run's
+/// first number, and its holder must be the turn at it (a takeover and the sweep
+/// publish the row there only when it holds its own turn).
 pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<bool, StoreError> {
     let (scope, ordering_key, seq) = &done.place;
     let looked: bool = sqlx::query_scalar(

@@ -42,11 +42,12 @@ pub(crate) enum Then {
 /// What [`move_on`] did for one completed turn.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Moved {
-    /// The position was at the turn's number and moved past it; false: it was not
-    /// (an operator skipped it, or another process moved it): read it again.
+    /// The position was at the turn's [`Done::from`] (its number, or a leased run's
+    /// first) and moved past it; false: it was not (an operator skipped it, or another
+    /// process moved it): read it again.
     pub(crate) moved: bool,
-    /// The delivery parked at the next number, released to run now; asked for rows
-    /// ahead ([`move_on`]'s `ahead`), the rows parked at the numbers right after the
+    /// The delivery parked at the next number, released to run now; asked to read
+    /// ([`Then::Read`]), the rows parked at the numbers right after the
     /// turn, up to that many and to the first gap, in order and not released (a chain
     /// reads them). A row that cannot be read back (its key is not given) is left out,
     /// as a gap: released later, it waits for the sweep as before.

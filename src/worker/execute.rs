@@ -233,6 +233,7 @@ pub(crate) async fn walk<H: Handler>(
     // row after it may be in hand (`owned/run.rs`).
     let mut hand_to = None;
     if let Some(held) = &mut turn {
+        incoming.link.entered();
         if let Some(from) = incoming.link.from {
             held.ran_from(from);
         }
@@ -302,7 +303,7 @@ pub(crate) async fn walk<H: Handler>(
         return Err(error);
     }
     // Handed on in a run: the next turn runs in this one's place among the queue's runs.
-    if let Ahead::HandedOn(place) = &mut decided.ahead {
+    if let Ahead::HandedOn { place, .. } = &mut decided.ahead {
         *place = running;
     }
     Ok(decided)

@@ -96,10 +96,13 @@ pub(super) async fn move_owned(
             }
         }
         (true, None, Some(next)) => {
-            turn.hand_on(next);
+            let reserved = turn.hand_on(next);
             crate::failpoint::hit("after-hand-on");
             decided.handed = Some(Vec::new());
-            decided.ahead = Ahead::HandedOn(None);
+            decided.ahead = Ahead::HandedOn {
+                reserved,
+                place: None,
+            };
         }
         (true, None, None) => {
             let (released, ahead) = turn.complete(owner).await?;

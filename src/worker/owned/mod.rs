@@ -36,7 +36,7 @@ use crate::ordering::{Entry, Released};
 use crate::store::{Store, StoreError};
 
 use positions::Look;
-pub(crate) use positions::{Positions, Turn};
+pub(crate) use positions::{Positions, Reserved, Turn};
 pub(crate) use run::{AHEAD, Ahead, Link, Run};
 
 /// How long a position read or moved by this process is taken as true for a turn: older,

@@ -28,13 +28,31 @@ struct Position {
     checked: Option<Instant>,
     /// The delivery running a turn, if one does, and its number: `next`, or the one
     /// before while its completion's move is on its way (a read of the position may
-    /// have seen the move already).
+    /// have seen the move already); or the row a leased run's turn handed on to, kept
+    /// for it ([`Reserved`]).
     running: Option<(i64, Who)>,
     /// Deliveries waiting for the running one to end: its copies, and the next turn's.
     waiters: Vec<oneshot::Sender<()>>,
     /// Numbers this process parked (the move that passes the one before reads them
     /// back; one parked while that move ran is fetched after it).
     parked: BTreeSet<i64>,
+}
+
+impl Position {
+    /// The turn of `who` at `seq` ended: the turn is free (or kept for `then`, a leased
+    /// run's next row), and the deliveries waiting for it decide again.
+    fn ended(&mut self, seq: i64, who: &Who, then: Option<(i64, Who)>) {
+        if self
+            .running
+            .as_ref()
+            .is_some_and(|(at, running)| *at == seq && running == who)
+        {
+            self.running = then;
+        }
+        for waiter in self.waiters.drain(..) {
+            let _ = waiter.send(());
+        }
+    }
 }
 
 /// The positions a consumer session knows, shared by the queue's handlers, and the
@@ -169,15 +187,7 @@ impl Positions {
         let Some(p) = entities.get_mut(entity) else {
             return false;
         };
-        if p.running
-            .as_ref()
-            .is_some_and(|(at, running)| *at == seq && running == who)
-        {
-            p.running = None;
-        }
-        for waiter in p.waiters.drain(..) {
-            let _ = waiter.send(());
-        }
+        p.ended(seq, who, None);
         match moved {
             Some(true) => {
                 p.next = p.next.max(to);
@@ -198,20 +208,12 @@ impl Positions {
     /// The turn of `who` at `seq` completed and hands its entity on to `next`'s row at
     /// the number after it, in a leased run: the position moves in memory only (the
     /// run's last turn moves it in the database), and the turn is kept for that row.
-    fn handed_on(&self, entity: &Entity, seq: i64, who: &Who, next: Who) {
+    fn handed_on(&self, entity: &Entity, seq: i64, who: &Who, next: &Who) {
         let mut entities = self.lock();
         let Some(p) = entities.get_mut(entity) else {
             return;
         };
-        if p.running
-            .as_ref()
-            .is_some_and(|(at, running)| *at == seq && running == who)
-        {
-            p.running = Some((seq + 1, next));
-        }
-        for waiter in p.waiters.drain(..) {
-            let _ = waiter.send(());
-        }
+        p.ended(seq, who, Some((seq + 1, next.clone())));
         p.next = p.next.max(seq + 1);
         p.checked = Some(Instant::now());
         p.parked = p.parked.split_off(&(seq + 1));
@@ -227,22 +229,54 @@ impl Positions {
         let Some(p) = entities.get_mut(entity) else {
             return;
         };
-        if p.running
-            .as_ref()
-            .is_some_and(|(at, running)| *at == seq && running == who)
-        {
-            p.running = None;
-        }
-        for waiter in p.waiters.drain(..) {
-            let _ = waiter.send(());
-        }
+        p.ended(seq, who, None);
         p.next = from;
         p.checked = None;
     }
 }
 
+/// The turn a leased run's turn handed on to the row after it, kept in memory for that
+/// row until it enters ([`Reserved::taken`]). Dropped before (the row was not run: its
+/// body did not parse, the circuit kept it out), it sends the memory back to where the
+/// database stands, the run's first number, as a turn of the run that fails does.
+pub(crate) struct Reserved {
+    positions: Arc<Positions>,
+    entity: Entity,
+    seq: i64,
+    who: Who,
+    from: i64,
+    taken: bool,
+}
+
+impl Reserved {
+    /// The row entered and holds the turn now (its [`Turn`] ends it).
+    pub(in crate::worker) fn taken(mut self) {
+        self.taken = true;
+    }
+}
+
+impl std::fmt::Debug for Reserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reserved")
+            .field("entity", &self.entity)
+            .field("seq", &self.seq)
+            .field("from", &self.from)
+            .finish()
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if !self.taken {
+            self.positions
+                .rewind(&self.entity, self.seq, &self.who, self.from);
+        }
+    }
+}
+
 /// A turn this process holds in memory. Dropped without [`Turn::complete`] or
-/// [`Turn::leave`] (an error on the way), it ends without moving: the delivery comes
+/// [`Turn::leave`] (an error on the way), it ends without moving (in a leased run, it
+/// sends the memory back to the run's first number): the delivery comes
 /// back and decides again.
 pub(crate) struct Turn {
     positions: Arc<Positions>,
@@ -312,10 +346,18 @@ impl Turn {
     /// Its record completed, quickly, in a leased run, and the row parked at the next
     /// number (run by `next`) is in hand: the turn goes to it without moving the
     /// position in the database (the run's last turn moves it past them all).
-    pub(in crate::worker) fn hand_on(mut self, next: Who) {
+    pub(in crate::worker) fn hand_on(mut self, next: Who) -> Reserved {
         self.ended = true;
         self.positions
-            .handed_on(&self.entity, self.seq, &self.who, next);
+            .handed_on(&self.entity, self.seq, &self.who, &next);
+        Reserved {
+            positions: self.positions.clone(),
+            entity: self.entity.clone(),
+            seq: self.seq + 1,
+            who: next,
+            from: self.from,
+            taken: false,
+        }
     }
 
     /// Its completion moved the position past it (`next`: what that move released), or
@@ -394,6 +436,68 @@ impl Drop for Turn {
             let next = self.seq + 1;
             self.positions
                 .end(&self.entity, self.seq, &self.who, None, next);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who(key: &str) -> Who {
+        Who("accounts.apply".into(), key.into())
+    }
+
+    /// A turn of a leased run hands on to the row after it: that number is kept for the
+    /// row (another message with it is refused, a copy waits, the row itself runs), and
+    /// the memory is at it. A reservation the row never took (its body did not parse,
+    /// the circuit kept it out) sends the memory back to the run's first number, to be
+    /// read again: kept, the entity would wait for that row for ever. One it took stays.
+    #[test]
+    fn a_handed_on_turn_is_kept_for_its_row_and_given_back_if_never_taken() {
+        let positions = Arc::new(Positions::new(4));
+        let entity: Entity = ("s".into(), "account-a".into());
+        for taken in [false, true] {
+            positions.loaded(&entity, 5);
+            assert!(matches!(
+                positions.look(&entity, 5, &who("a-5"), false),
+                Look::Run
+            ));
+            let reserved = Turn::new(&positions, &entity, 5, who("a-5")).hand_on(who("a-6"));
+            assert!(matches!(
+                positions.look(&entity, 6, &who("b-6"), false),
+                Look::Taken
+            ));
+            assert!(matches!(
+                positions.look(&entity, 6, &who("a-6"), false),
+                Look::Wait(_)
+            ));
+            assert!(matches!(
+                positions.look(&entity, 6, &who("a-6"), true),
+                Look::Run
+            ));
+            assert!(matches!(
+                positions.look(&entity, 5, &who("a-5"), false),
+                Look::Behind
+            ));
+            if taken {
+                reserved.taken();
+                assert!(matches!(
+                    positions.look(&entity, 5, &who("a-5"), false),
+                    Look::Behind
+                ));
+            } else {
+                drop(reserved);
+                // At the run's first number again, not confirmed: read before it runs.
+                assert!(matches!(
+                    positions.look(&entity, 5, &who("a-5"), false),
+                    Look::Load
+                ));
+                assert!(matches!(
+                    positions.look(&entity, 6, &who("a-6"), true),
+                    Look::Park
+                ));
+            }
         }
     }
 }

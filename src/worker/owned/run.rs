@@ -14,16 +14,20 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::Who;
+use super::{Reserved, Who};
 use crate::ordering::Released;
 
 /// Most rows a move reads after the one it releases.
 pub(crate) const AHEAD: i64 = 32;
 
 /// How long after the move that began it a run hands turns on without moving the
-/// position: well within the second after which the sweep and a skip take a position
-/// that has not moved for one whose turn nobody runs (`table::RELEASE_STALE`, the
-/// skip's wait), so that neither acts on the run's first row while the run goes on.
+/// position: well within the second after which the sweep takes a released row whose
+/// position has not moved for one nobody runs (`table::RELEASE_STALE`), and the skip's
+/// wait, so that neither normally meets a run. A turn of the run that runs long still
+/// keeps the position at the run's first number while it runs: the sweep then publishes
+/// that row (a duplicate) and may move the position through the run's completed turns,
+/// and a skip passes a completed turn; the run's move is fenced out, the memory read
+/// again, and the claims keep every effect once.
 const RUN_FOR: Duration = Duration::from_millis(250);
 
 /// What a completed turn's end leaves its task of its entity's rows, besides the turn
@@ -35,10 +39,14 @@ pub(crate) enum Ahead {
     None,
     /// Its move read these rows after the one it released (in order, not released).
     Read(Vec<Released>),
-    /// It handed its turn on to the row after it without a move: the run goes on, in
-    /// the place among the queue's runs that this turn held (waiting for another, behind
-    /// the deliveries taken up to the prefetch, cut runs short).
-    HandedOn(Option<OwnedSemaphorePermit>),
+    /// It handed its turn on to the row after it without a move (`reserved` for that
+    /// row): the run goes on, in the place among the queue's runs that this turn held
+    /// (`place`: the row does not wait again behind the deliveries taken up to the
+    /// prefetch).
+    HandedOn {
+        reserved: Reserved,
+        place: Option<OwnedSemaphorePermit>,
+    },
 }
 
 /// What a turn handed on in a run is lent: where the position stands in the database,
@@ -53,15 +61,22 @@ pub(crate) struct Link {
     /// completion before then hands the turn on to it.
     next: Option<(Who, Instant)>,
     permit: Mutex<Option<OwnedSemaphorePermit>>,
+    reserved: Mutex<Option<Reserved>>,
 }
 
 impl Link {
     /// The place among the queue's runs the turn before this one held, if it handed on.
     pub(crate) fn permit(&self) -> Option<OwnedSemaphorePermit> {
-        self.permit
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
+        taken(&self.permit)
+    }
+
+    /// The row entered and holds the turn the one before it kept for it: the memory is
+    /// its [`super::Turn`]'s now. A link dropped before sends the memory back to the
+    /// run's first number ([`Reserved`]).
+    pub(crate) fn entered(&self) {
+        if let Some(reserved) = taken(&self.reserved) {
+            reserved.taken();
+        }
     }
 
     /// Who runs the row after this turn, if the turn, completed now, hands on to it.
@@ -78,6 +93,7 @@ pub(crate) struct Run {
     rows: VecDeque<Released>,
     since: Instant,
     permit: Option<OwnedSemaphorePermit>,
+    reserved: Option<Reserved>,
 }
 
 impl Run {
@@ -85,13 +101,14 @@ impl Run {
     pub(crate) fn new(ahead: Ahead) -> Self {
         let rows = match ahead {
             Ahead::Read(rows) => rows.into(),
-            Ahead::None | Ahead::HandedOn(_) => VecDeque::new(),
+            Ahead::None | Ahead::HandedOn { .. } => VecDeque::new(),
         };
         Self {
             from: None,
             rows,
             since: Instant::now(),
             permit: None,
+            reserved: None,
         }
     }
 
@@ -120,6 +137,7 @@ impl Run {
                 (who, self.since + RUN_FOR)
             }),
             permit: Mutex::new(self.permit.take()),
+            reserved: Mutex::new(self.reserved.take()),
         }
     }
 
@@ -127,9 +145,10 @@ impl Run {
     /// else the run begins anew (with what its move read, if it moved).
     pub(crate) fn went(&mut self, turn: &Released, ahead: Ahead) -> Option<Released> {
         match ahead {
-            Ahead::HandedOn(permit) => {
+            Ahead::HandedOn { reserved, place } => {
                 self.from = Some(self.from.unwrap_or(turn.seq));
-                self.permit = permit;
+                self.permit = place;
+                self.reserved = Some(reserved);
                 self.rows.pop_front()
             }
             ahead => {
@@ -138,4 +157,11 @@ impl Run {
             }
         }
     }
+}
+
+/// What `slot` holds, taken out of it.
+fn taken<T>(slot: &Mutex<Option<T>>) -> Option<T> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
 }
