@@ -201,12 +201,13 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
     };
     let mut entries: Vec<Entry> = [2, 3, 4, 5, 6, 7, 9].map(|n| entry("r", n)).into();
     entries.extend([5, 6].map(|n| entry("f", n)));
+    entries.extend([7, 8].map(|n| entry("g", n)));
     let day = Duration::from_secs(24 * 3600);
     let parked = park(&pool, None, day, &entries).await.unwrap();
     assert!(parked.iter().all(|p| *p == Parked::Kept), "{parked:?}");
     sqlx::query(
         "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
-         VALUES ('s', 'r', 2, 9), ('s', 'f', 6, 6)
+         VALUES ('s', 'r', 2, 9), ('s', 'f', 6, 6), ('s', 'g', 5, 8)
          ON CONFLICT (scope, ordering_key) DO UPDATE SET next_seq = excluded.next_seq",
     )
     .execute(&pool)
@@ -219,9 +220,8 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
         from,
     };
     let release = Then::Release { ahead: 32 };
-    let moved = move_on(&pool, None, &[turn("r", 4, 2), turn("f", 7, 5)], release)
-        .await
-        .unwrap();
+    let turns = [turn("r", 4, 2), turn("f", 7, 5), turn("g", 5, 5)];
+    let moved = move_on(&pool, None, &turns, release).await.unwrap();
     let seqs = |rows: &[crate::ordering::Released]| rows.iter().map(|r| r.seq).collect::<Vec<_>>();
     assert!(moved[0].moved);
     assert_eq!(seqs(&moved[0].next), vec![5], "the next row released");
@@ -235,6 +235,13 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
         "f's position is not at the run's first number"
     );
     assert!(moved[1].next.is_empty() && moved[1].ahead.is_empty());
+    // g's 6 is missing: nothing released, nor read past the gap.
+    assert!(moved[2].moved);
+    assert!(
+        moved[2].next.is_empty() && moved[2].ahead.is_empty(),
+        "{:?}",
+        moved[2]
+    );
     let rows = |key: &'static str| {
         let pool = pool.clone();
         async move {
