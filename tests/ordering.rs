@@ -589,6 +589,35 @@ async fn owned_order_a_leased_turn_moves_after_its_commit_under_load(
     owned_leased_move_across_a_crash_after_the_commit(o, c, "1", false).await;
 }
 
+/// Account `r`'s entries `last` down to 2, parked (the worker has taken them all),
+/// then its 1: a completion whose move finds the rest parked after it.
+async fn parked_then_first(pool: &PgPool, q: &TestQueue, last: i64) {
+    for v in (2..=last).rev() {
+        q.publish(&entry("r", v)).await;
+    }
+    wait_until(SETTLE, "r's entries after 1 parked", || async {
+        waiting(pool).await == last - 1 && all_settled(q).await
+    })
+    .await;
+    q.publish(&entry("r", 1)).await;
+}
+
+/// Waits until account `r`'s 1 to `last` are applied, nothing waits or stays queued,
+/// and its position is past them; they applied once each, in order.
+async fn r_applied_to(pool: &PgPool, q: &TestQueue, last: i64) {
+    wait_until(SETTLE, "r applied to its last entry", || async {
+        applied(pool)
+            .await
+            .get("r")
+            .is_some_and(|v| v.len() as i64 == last)
+            && next_seq(pool, "account-r").await == last + 1
+            && waiting(pool).await == 0
+            && all_settled(q).await
+    })
+    .await;
+    assert_eq!(applied(pool).await["r"], (1..=last).collect::<Vec<_>>());
+}
+
 /// Owned order, leased mode, under load (concurrency 1: the moves go after the commit):
 /// a completion's move releases the row at the next number and reads the rows after it,
 /// and the task hands each turn on to the next without moving the position (a run);
@@ -609,14 +638,7 @@ async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let crash = [("IDEM_FAILPOINT", "after-hand-on")];
     let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
-    for v in (2..=10).rev() {
-        q.publish(&entry("r", v)).await;
-    }
-    wait_until(SETTLE, "r's 2 to 10 parked", || async {
-        waiting(&pool).await == 9 && all_settled(&q).await
-    })
-    .await;
-    q.publish(&entry("r", 1)).await;
+    parked_then_first(&pool, &q, 10).await;
     let status = tokio::time::timeout(SETTLE, crashing.child.wait())
         .await
         .expect("a turn hands on to the next (the failpoint)")
@@ -632,14 +654,7 @@ async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
         "the turn that handed on did not move the position"
     );
     let _next = spawn_accounts_worker(&url, &q.name, &args);
-    wait_until(SETTLE, "r's 1 to 10 applied", || async {
-        applied(&pool).await.get("r").is_some_and(|v| v.len() == 10)
-            && next_seq(&pool, "account-r").await == 11
-            && waiting(&pool).await == 0
-            && all_settled(&q).await
-    })
-    .await;
-    assert_eq!(applied(&pool).await["r"], (1..=10).collect::<Vec<_>>());
+    r_applied_to(&pool, &q, 10).await;
 }
 
 /// A turn of a leased run that fails for good moves the position from the run's first
@@ -661,14 +676,7 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
         .unwrap();
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let _w = spawn_accounts_worker(&url, &q.name, &args);
-    for v in (2..=6).rev() {
-        q.publish(&entry("r", v)).await;
-    }
-    wait_until(SETTLE, "r's 2 to 6 parked", || async {
-        waiting(&pool).await == 5 && all_settled(&q).await
-    })
-    .await;
-    q.publish(&entry("r", 1)).await;
+    parked_then_first(&pool, &q, 6).await;
     wait_until(SETTLE, "r's 1 to 3 applied, 4 dead-lettered", || async {
         applied(&pool).await.get("r").is_some_and(|v| v.len() == 3)
             && q.counts(&q.dlq()).await.0 == 1
@@ -684,14 +692,7 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
         .await
         .unwrap();
     idem_cli(&url, &["dlq", "replay", "--queue", &q.name]).await;
-    wait_until(SETTLE, "r done", || async {
-        applied(&pool).await.get("r").is_some_and(|v| v.len() == 6)
-            && next_seq(&pool, "account-r").await == 7
-            && waiting(&pool).await == 0
-            && all_settled(&q).await
-    })
-    .await;
-    assert_eq!(applied(&pool).await["r"], (1..=6).collect::<Vec<_>>());
+    r_applied_to(&pool, &q, 6).await;
 }
 
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries

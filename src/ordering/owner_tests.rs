@@ -18,6 +18,19 @@ pub(in crate::ordering) fn done(ordering_key: &str) -> Done {
     }
 }
 
+/// The entry of `key` numbered `seq` (scope `s`), kept with `properties`.
+fn entry(key: &str, seq: i64, properties: Vec<u8>) -> Entry {
+    Entry {
+        key: Key::new("s", "accounts.apply", format!("{key}-{seq}")).unwrap(),
+        ordered: Ordered::by(key).sequence(seq),
+        fingerprint: format!("fp-{key}-{seq}"),
+        also: None,
+        queue: "q".into(),
+        body: b"{}".to_vec(),
+        properties,
+    }
+}
+
 /// A move of several entities locks their positions in (scope, ordering key) order, as
 /// the sweep's release and the gate do, whatever order its array and the table have:
 /// while a sweep holds `a` and the move waits for it, the sweep can still take `b`.
@@ -140,15 +153,7 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
         .await
         .unwrap();
 
-    let entry = |key: &str, seq: i64| Entry {
-        key: Key::new("s", "accounts.apply", format!("{key}-{seq}")).unwrap(),
-        ordered: Ordered::by(key).sequence(seq),
-        fingerprint: format!("fp-{key}-{seq}"),
-        also: None,
-        queue: "q".into(),
-        body: b"{}".to_vec(),
-        properties: Vec::new(),
-    };
+    let entry = |key: &str, seq: i64| entry(key, seq, Vec::new());
     let parked = park(
         &pool,
         None,
@@ -190,15 +195,7 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
 async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool) {
     let properties =
         crate::ordering::table::stored_properties(&lapin::BasicProperties::default()).unwrap();
-    let entry = |key: &str, seq: i64| Entry {
-        key: Key::new("s", "accounts.apply", format!("{key}-{seq}")).unwrap(),
-        ordered: Ordered::by(key).sequence(seq),
-        fingerprint: format!("fp-{key}-{seq}"),
-        also: None,
-        queue: "q".into(),
-        body: b"{}".to_vec(),
-        properties: properties.clone(),
-    };
+    let entry = |key: &str, seq: i64| entry(key, seq, properties.clone());
     let mut entries: Vec<Entry> = [2, 3, 4, 5, 6, 7, 9].map(|n| entry("r", n)).into();
     entries.extend([5, 6].map(|n| entry("f", n)));
     entries.extend([7, 8].map(|n| entry("g", n)));

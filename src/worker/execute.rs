@@ -231,14 +231,7 @@ pub(crate) async fn walk<H: Handler>(
         };
     // A turn of a leased run: the position stands at the run's first number, and the
     // row after it may be in hand (`owned/run.rs`).
-    let mut hand_to = None;
-    if let Some(held) = &mut turn {
-        incoming.link.entered();
-        if let Some(from) = incoming.link.from {
-            held.ran_from(from);
-        }
-        hand_to = incoming.link.hands_to();
-    }
+    let hand_to = turn.as_mut().and_then(|held| incoming.link.entered(held));
     // With a single active consumer, deliveries are taken up to the prefetch: the runs
     // are held to the concurrency here (after the early ones were parked).
     let mut running = match (&incoming.positions, incoming.link.permit()) {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::{Reserved, Who};
+use super::{Reserved, Turn, Who};
 use crate::ordering::Released;
 
 /// Most rows a move reads after the one it releases.
@@ -56,7 +56,7 @@ pub(crate) enum Ahead {
 pub(crate) struct Link {
     /// The number of the run's first turn, when turns before this one ran without
     /// moving the position.
-    pub(crate) from: Option<i64>,
+    from: Option<i64>,
     /// The row at the number after this turn's, and until when the run may go on: a
     /// completion before then hands the turn on to it.
     next: Option<(Who, Instant)>,
@@ -70,13 +70,18 @@ impl Link {
         taken(&self.permit)
     }
 
-    /// The row entered and holds the turn the one before it kept for it: the memory is
-    /// its [`super::Turn`]'s now. A link dropped before sends the memory back to the
-    /// run's first number ([`Reserved`]).
-    pub(crate) fn entered(&self) {
+    /// The row entered and holds `turn`: the memory the turn before it kept for it is
+    /// the turn's now (a link dropped before sends the memory back to the run's first
+    /// number: [`Reserved`]), and the turn moves the position from that number. Who
+    /// runs the row after it, if the turn, completed now, hands on to it.
+    pub(crate) fn entered(&self, turn: &mut Turn) -> Option<Who> {
         if let Some(reserved) = taken(&self.reserved) {
             reserved.taken();
         }
+        if let Some(from) = self.from {
+            turn.ran_from(from);
+        }
+        self.hands_to()
     }
 
     /// Who runs the row after this turn, if the turn, completed now, hands on to it.
