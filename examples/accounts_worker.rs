@@ -12,7 +12,8 @@
 //! handler's transaction; its `applied` column (an identity) shows the order the
 //! entries ran in, `started` and `at` when each began and wrote. An entry listed in `account_failures` fails (for good, or
 //! transiently with `kind = 'transient'`) while it is listed: a predecessor that blocks
-//! its account, and only it.
+//! its account, and only it. With `kind = 'slow'` it waits for its row's lock (a test
+//! holds it `FOR UPDATE` to make the entry run long), then applies.
 //!
 //! `--arrival` orders each account's entries by arrival instead (no version needed);
 //! `--unordered` turns ordering off (the baseline of `examples/ordering_bench.rs`).
@@ -118,6 +119,15 @@ impl Handler for Accounts {
         .fetch_optional(&mut *tx)
         .await?;
         match failing.as_deref() {
+            Some("slow") => {
+                sqlx::query(
+                    "SELECT 1 FROM account_failures WHERE account = $1 AND event_id = $2 FOR SHARE",
+                )
+                .bind(&entry.account)
+                .bind(&entry.event_id)
+                .execute(&mut *tx)
+                .await?;
+            }
             Some("transient") => return Err(HandlerError::transient("account_failures says so")),
             Some(_) => return Err(HandlerError::permanent("account_failures says so")),
             None => {}

@@ -695,6 +695,80 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     r_applied_to(&pool, &q, 6).await;
 }
 
+/// A turn of a leased run that runs long moves the position to its own number and
+/// holds it, half a second in, where a turn handed on alone would stand: account `r`'s
+/// 2 to 6 are parked, then 1 comes, and 4 waits on a lock the test holds (`slow`). The
+/// sweep is slowed to once in ten minutes: the mark alone moves the position (before,
+/// the position stood at the run's first number until the sweep published that row
+/// again and moved it on). One statement moved it past 3 and marked 4 its holder
+/// (`moved_at` is `held_since`: had 3 moved it itself, outside a run, the mark would
+/// have come apart from the move). The rows of 2 and 3 are gone, 4's is released; the
+/// listing shows 4 `running` at its number and a skip is refused. Let go, 4 to 6 apply
+/// in order, each once.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-run-long").await;
+    prepare_as(&pool, &url, &q, true).await;
+    sqlx::query(
+        "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v4', 'slow')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = 'r-v4' FOR UPDATE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let slow_sweep = ["--concurrency", "1", "--sweep-every-ms", "600000"];
+    let args = worker_args("leased", true, &slow_sweep);
+    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    parked_then_first(&pool, &q, 6).await;
+    wait_until(SETTLE, "4 holds the position at its number", || async {
+        next_seq(&pool, "account-r").await == 4
+            && holder(&pool, "r").await.as_deref() == Some("r-v4")
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], vec![1, 2, 3]);
+    let one_statement: bool = sqlx::query_scalar(
+        "SELECT moved_at = held_since FROM ordering_positions WHERE ordering_key = 'account-r'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        one_statement,
+        "4 was handed on in a run (3 completed within 250 ms of the run's start), and its \
+         mark moved the position"
+    );
+    let rows: Vec<(i64, i32)> = sqlx::query_as(
+        "SELECT seq, releases FROM ordering_waiting WHERE ordering_key = 'account-r' ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, vec![(4, 1), (5, 0), (6, 0)]);
+    let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed[0]["blocked_by"], "running", "{listed}");
+    assert_eq!(listed[0]["next_seq"], 4, "{listed}");
+    let refused = idem_command(&url, &skip_args("acme", "account-r", &["--note", "x"]))
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        !refused.status.success(),
+        "the skip of a running turn is refused"
+    );
+    lock.rollback().await.unwrap();
+    r_applied_to(&pool, &q, 6).await;
+}
+
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries
 /// wait (no retry tier, no dead letter), while account `b` runs to its end. `idem ops
 /// ordering list` says what blocks `a`; once the failure is fixed and the dead letter

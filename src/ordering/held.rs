@@ -133,40 +133,76 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool
     Ok(written)
 }
 
+/// What a long turn's mark ([`running`]) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Marked {
+    /// The position is locked (its move, or another write, is in flight), or gone: the
+    /// mark did not wait for it.
+    Locked,
+    /// The position was looked at: the turn is its holder now, or something else was (a
+    /// move that committed first, a holder written since).
+    Looked,
+    /// A turn of a leased run: the position moved from the run's first number to the
+    /// turn's own, past the turns that completed before it (their rows gone), and the
+    /// turn holds it. Its move goes from there now.
+    Moved,
+}
+
 /// Records the turn at `place` as held by the delivery running it, which has run for a
 /// second (`MARK_AFTER` in `worker/owned/mod.rs`): the listing shows it running and a skip
 /// is refused, as under the gate. Only while the position is at its number with no
 /// holder: a move that committed first (the turn ended) or a holder written since wins.
-/// False when the position is locked (its move, or another write, is in flight), or
-/// gone: the mark does not wait for it. A transactional batch holds its turns'
+/// It does not wait for a locked position: a transactional batch holds its turns'
 /// positions from its move to its commit, and marks that waited for them held a
-/// connection each, 47 ms on average, to find the turn moved (docs/PERFORMANCE.md). A
-/// turn of a leased run past its first is not marked: the position stands at the run's
-/// first number, and its holder must be the turn at it (a takeover and the sweep
-/// publish the row there only when it holds its own turn).
-pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<bool, StoreError> {
+/// connection each, 47 ms on average, to find the turn moved (docs/PERFORMANCE.md).
+///
+/// A turn of a leased run past its first (its [`Done::from`] behind its number) is
+/// marked after half that: the position stands at the run's first number, whose row was
+/// released, and the sweep would publish that row a second after its release and move
+/// the position through the run's completed turns. The mark moves the position from
+/// there to the turn's own number, deletes the rows of the turns between, and marks its
+/// own row released, so that the position, the listing and the sweep see what a turn
+/// handed on alone would show: a released turn running under its lease.
+pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<Marked, StoreError> {
     let (scope, ordering_key, seq) = &done.place;
-    let looked: bool = sqlx::query_scalar(
+    let (looked, moved): (bool, bool) = sqlx::query_as(
         "WITH p AS (SELECT scope, ordering_key FROM ordering_positions
                      WHERE scope = $1 AND ordering_key = $2
                        FOR NO KEY UPDATE SKIP LOCKED),
               marked AS (
                  UPDATE ordering_positions o
-                    SET holder_operation = $4, holder_key = $5, held_since = now()
+                    SET holder_operation = $4, holder_key = $5, held_since = now(),
+                        next_seq = $3, last_seq = greatest(o.last_seq, $3 - 1),
+                        moved_at = CASE WHEN $6 < $3 THEN now() ELSE o.moved_at END
                    FROM p
                   WHERE o.scope = p.scope AND o.ordering_key = p.ordering_key
-                    AND o.next_seq = $3 AND o.holder_key IS NULL
-                 RETURNING 1)
-         SELECT EXISTS (SELECT 1 FROM p)",
+                    AND o.next_seq = $6 AND ($6 < $3 OR o.holder_key IS NULL)
+                 RETURNING 1),
+              ran AS (
+                 DELETE FROM ordering_waiting
+                  WHERE $6 < $3 AND EXISTS (SELECT 1 FROM marked)
+                    AND scope = $1 AND ordering_key = $2 AND seq >= $6 AND seq < $3),
+              own AS (
+                 UPDATE ordering_waiting
+                    SET released_at = clock_timestamp(), releases = releases + 1
+                  WHERE $6 < $3 AND EXISTS (SELECT 1 FROM marked)
+                    AND scope = $1 AND operation = $4 AND idempotency_key = $5
+                    AND released_at IS NULL)
+         SELECT EXISTS (SELECT 1 FROM p), $6 < $3 AND EXISTS (SELECT 1 FROM marked)",
     )
     .bind(scope)
     .bind(ordering_key)
     .bind(seq)
     .bind(&done.operation)
     .bind(&done.idempotency_key)
+    .bind(done.from)
     .fetch_one(pool)
     .await?;
-    Ok(looked)
+    Ok(match (looked, moved) {
+        (false, _) => Marked::Locked,
+        (true, false) => Marked::Looked,
+        (true, true) => Marked::Moved,
+    })
 }
 
 /// Whether the record of `(scope, operation, idempotency key)` decides a delivery
@@ -203,7 +239,7 @@ mod tests {
 
     use sqlx::PgPool;
 
-    use super::running;
+    use super::{Marked, running};
     use crate::ordering::owner::tests::done;
 
     /// A long turn's mark does not wait for a locked position (a batch's move holds it
@@ -239,17 +275,28 @@ mod tests {
         let locked = tokio::time::timeout(Duration::from_secs(10), running(&pool, &done("a")))
             .await
             .expect("the mark waited for the lock");
-        assert!(!locked.unwrap(), "a locked position is not looked at");
+        assert_eq!(
+            locked.unwrap(),
+            Marked::Locked,
+            "a locked position is not looked at"
+        );
         moving.commit().await.unwrap();
         assert_eq!(holder("a").await, None, "nothing written while locked");
-        assert!(running(&pool, &done("a")).await.unwrap());
+        assert_eq!(running(&pool, &done("a")).await.unwrap(), Marked::Looked);
         assert_eq!(holder("a").await.as_deref(), Some("entry-a"));
-        assert!(running(&pool, &done("moved")).await.unwrap());
+        assert_eq!(
+            running(&pool, &done("moved")).await.unwrap(),
+            Marked::Looked
+        );
         assert_eq!(
             holder("moved").await,
             None,
             "fenced: the position is past 1"
         );
-        assert!(!running(&pool, &done("gone")).await.unwrap(), "no position");
+        assert_eq!(
+            running(&pool, &done("gone")).await.unwrap(),
+            Marked::Locked,
+            "no position"
+        );
     }
 }

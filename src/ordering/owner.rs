@@ -294,7 +294,7 @@ fn read_back(row: MovedRow, keys: Option<&Keys>) -> (i64, Option<Released>) {
 }
 
 /// Moves each entity past its completed turn, fenced (only where the position is at
-/// the turn's [`Done::from`]), with the turn's waiting row if it had one and the rows of
+/// the turn's [`Done::from`], or at its number held by it), with the turn's waiting row if it had one and the rows of
 /// the turns a leased run ran from `from` without moving it, then releases or reads the
 /// rows parked after it as `then` says. On `executor`: the pool, or a transaction. A
 /// transactional batch runs the rows read ([`Then::Read`]) in the same commit
@@ -345,7 +345,12 @@ pub(crate) async fn move_on<'e>(
                                     ELSE p.moved_at END,
                     holder_operation = NULL, holder_key = NULL, held_since = NULL
                FROM t JOIN locked l ON l.scope = t.s AND l.ordering_key = t.k
-              WHERE p.scope = t.s AND p.ordering_key = t.k AND p.next_seq = t.f
+              WHERE p.scope = t.s AND p.ordering_key = t.k
+                -- At the run's first number, or at the turn's own if its long-turn
+                -- mark moved it there while its move waited in its commit.
+                AND (p.next_seq = t.f
+                     OR (p.next_seq = t.n AND p.holder_key = t.idem
+                         AND p.holder_operation = t.op))
              RETURNING t.i, t.s, t.k, t.n, t.op, t.idem, t.f),
          gone AS (
              DELETE FROM ordering_waiting w USING moved m

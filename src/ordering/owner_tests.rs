@@ -293,3 +293,95 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
     assert_eq!(position("f").await, (6, None));
     assert_eq!(rows("f").await, vec![(5, false)], "only its own row went");
 }
+
+/// A turn of a leased run that runs long is marked ([`crate::ordering::held::running`]):
+/// the position moves from the run's first number to the turn's own, held by it, the
+/// rows of the turns between go, and its own row is marked released. Its move, whose
+/// fence was taken at the run's first number (a move in its handler's commit), still
+/// moves it on from there; a move from a number the position is not at, and not held by
+/// the turn, is fenced out. A mark whose run's first number was passed (a skip) writes
+/// nothing.
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_long_run_turns_mark_moves_the_position_to_its_number(pool: PgPool) {
+    use crate::ordering::held::{Marked, running};
+    let properties =
+        crate::ordering::table::stored_properties(&lapin::BasicProperties::default()).unwrap();
+    let entries: Vec<Entry> = [("r", 2), ("r", 3), ("r", 4), ("r", 5), ("f", 7)]
+        .map(|(key, n)| entry(key, n, properties.clone()))
+        .into();
+    let day = Duration::from_secs(24 * 3600);
+    park(&pool, None, day, &entries).await.unwrap();
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+         VALUES ('s', 'r', 2, 5), ('s', 'f', 6, 7), ('s', 'g', 5, 5)
+         ON CONFLICT (scope, ordering_key) DO UPDATE SET next_seq = excluded.next_seq",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let turn = |key: &str, seq: i64, from: i64| Done {
+        place: ("s".into(), key.into(), seq),
+        operation: "accounts.apply".into(),
+        idempotency_key: format!("{key}-{seq}"),
+        from,
+    };
+    let rows = |key: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, bool)>(
+                "SELECT seq, released_at IS NOT NULL FROM ordering_waiting
+                  WHERE ordering_key = $1 ORDER BY seq",
+            )
+            .bind(key)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let position = |key: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, Option<String>)>(
+                "SELECT next_seq, holder_key FROM ordering_positions WHERE ordering_key = $1",
+            )
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        running(&pool, &turn("r", 4, 2)).await.unwrap(),
+        Marked::Moved
+    );
+    assert_eq!(position("r").await, (4, Some("r-4".into())));
+    assert_eq!(
+        rows("r").await,
+        vec![(4, true), (5, false)],
+        "2 and 3 went, 4 is released"
+    );
+    let release = Then::Release { ahead: 32 };
+    let moved = move_on(&pool, None, &[turn("r", 4, 2), turn("g", 5, 3)], release)
+        .await
+        .unwrap();
+    assert!(moved[0].moved, "the turn holds the position at its number");
+    assert_eq!(
+        moved[0].next.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        vec![5]
+    );
+    assert_eq!(position("r").await, (5, None));
+    assert_eq!(rows("r").await, vec![(5, true)]);
+    assert!(!moved[1].moved, "g is at 5, held by nobody: not the turn's");
+    assert_eq!(position("g").await, (5, None));
+
+    assert_eq!(
+        running(&pool, &turn("f", 7, 5)).await.unwrap(),
+        Marked::Looked
+    );
+    assert_eq!(
+        position("f").await,
+        (6, None),
+        "f is past 5: nothing written"
+    );
+    assert_eq!(rows("f").await, vec![(7, false)]);
+}

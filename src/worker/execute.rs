@@ -274,7 +274,7 @@ pub(crate) async fn walk<H: Handler>(
     // as the pinned local, and copied between them.
     let (verdict, handed, chained) = {
         let run = std::pin::pin!(run);
-        match (&turn, &runtime.owner) {
+        match (&mut turn, &runtime.owner) {
             (Some(held), Some(owner)) => owner.marked_if_long(held, run).await?,
             _ => run.await?,
         }

@@ -30,10 +30,10 @@ use super::batch::Batcher;
 use super::ordered::Entity;
 use super::{Failure, WorkerConfig};
 use crate::key::Key;
-use crate::ordering::held;
+use crate::ordering::held::{self, Marked};
 use crate::ordering::owner::{self, Done, Moved, Parked, Place, Then};
 use crate::ordering::{Entry, Released};
-use crate::store::{Store, StoreError};
+use crate::store::Store;
 
 use positions::Look;
 pub(crate) use positions::{Positions, Reserved, Turn};
@@ -187,34 +187,42 @@ impl Owner {
     /// recorded as its entity's holder meanwhile (fenced: only while the position is at
     /// its number and has no holder). Its completion's move clears the holder. A mark
     /// that finds the position locked (a move in flight) looks again after another
-    /// [`MARK_AFTER`], while the run lasts.
-    pub(super) async fn marked_if_long<F: Future>(&self, turn: &Turn, run: F) -> F::Output {
+    /// [`MARK_AFTER`], while the run lasts. A turn of a leased run past its first is
+    /// marked after half that, and its mark moves the position to its number first
+    /// ([`held::running`]): its move then goes from there.
+    pub(super) async fn marked_if_long<F: Future>(&self, turn: &mut Turn, run: F) -> F::Output {
         let mut run = std::pin::pin!(run);
         loop {
+            let after = match turn.behind() {
+                true => MARK_AFTER / 2,
+                false => MARK_AFTER,
+            };
             tokio::select! {
                 biased;
                 out = &mut run => return out,
-                () = tokio::time::sleep(MARK_AFTER) => {}
+                () = tokio::time::sleep(after) => {}
             }
             let done = turn.done();
             let mut mark = std::pin::pin!(held::running(self.store.pool(), &done));
-            let looked = tokio::select! {
+            let (marked, out) = tokio::select! {
                 biased;
-                looked = &mut mark => looked,
-                out = &mut run => {
-                    // The mark is let finish: a statement dropped half-sent would cost
-                    // its connection.
-                    not_marked(mark.await);
-                    return out;
-                }
+                marked = &mut mark => (marked, None),
+                // The mark is let finish: a statement dropped half-sent would cost its
+                // connection.
+                out = &mut run => (mark.await, Some(out)),
             };
-            match looked {
-                Ok(false) => continue,
-                looked => {
-                    not_marked(looked);
-                    break;
+            match marked {
+                Ok(Marked::Moved) => turn.stands_at_own(),
+                Ok(Marked::Locked) if out.is_none() => continue,
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded")
                 }
             }
+            if let Some(out) = out {
+                return out;
+            }
+            break;
         }
         run.await
     }
@@ -267,12 +275,5 @@ pub(crate) struct Who(String, String);
 impl Who {
     fn of(key: &Key) -> Self {
         Self(key.operation().to_owned(), key.idempotency_key().to_owned())
-    }
-}
-
-/// Warns of a long turn's mark that failed (the turn runs on; only the listing misses it).
-fn not_marked(mark: Result<bool, StoreError>) {
-    if let Err(error) = mark {
-        warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
     }
 }

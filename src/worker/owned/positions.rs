@@ -314,8 +314,14 @@ impl Turn {
     }
 
     /// Whether the position stands behind the turn in the database (a leased run).
-    fn behind(&self) -> bool {
+    pub(super) fn behind(&self) -> bool {
         self.from < self.seq
+    }
+
+    /// The turn's long-run mark moved the position to its number
+    /// ([`crate::ordering::held::Marked::Moved`]): its move goes from there.
+    pub(super) fn stands_at_own(&mut self) {
+        self.from = self.seq;
     }
 
     /// The turn's place and who runs it.

@@ -23,11 +23,9 @@ pub(crate) const AHEAD: i64 = 32;
 /// How long after the move that began it a run hands turns on without moving the
 /// position: well within the second after which the sweep takes a released row whose
 /// position has not moved for one nobody runs (`table::RELEASE_STALE`), and the skip's
-/// wait, so that neither normally meets a run. A turn of the run that runs long still
-/// keeps the position at the run's first number while it runs: the sweep then publishes
-/// that row (a duplicate) and may move the position through the run's completed turns,
-/// and a skip passes a completed turn; the run's move is fenced out, the memory read
-/// again, and the claims keep every effect once.
+/// wait, so that neither normally meets a run. A turn of the run that runs half a second
+/// moves the position to its own number and holds it (`held::running`), as a turn handed
+/// on alone would stand, before the sweep would take the run's first row.
 const RUN_FOR: Duration = Duration::from_millis(250);
 
 /// What a completed turn's end leaves its task of its entity's rows, besides the turn
