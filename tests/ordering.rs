@@ -618,6 +618,20 @@ async fn r_applied_to(pool: &PgPool, q: &TestQueue, last: i64) {
     assert_eq!(applied(pool).await["r"], (1..=last).collect::<Vec<_>>());
 }
 
+/// Whether `account`'s position was moved by the statement that wrote its holder
+/// (`moved_at` is `held_since`): a turn of a leased run that held it, moving the position
+/// from the run's first number to its own. A turn that stood at its own number (its
+/// predecessor moved the position) writes only its holder, later than any move.
+async fn moved_by_its_holder(pool: &PgPool, account: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT moved_at = held_since FROM ordering_positions WHERE ordering_key = $1",
+    )
+    .bind(format!("account-{account}"))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// Owned order, leased mode, under load (concurrency 1: the moves go after the commit):
 /// a completion's move releases the row at the next number and reads the rows after it,
 /// and the task hands each turn on to the next without moving the position (a run);
@@ -658,8 +672,8 @@ async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
 }
 
 /// A turn of a leased run that fails for good moves the position from the run's first
-/// number to its own and holds it: account `r`'s 2 to 6 are parked, then 1 comes, and
-/// 4 fails. 1 to 3 apply, 4 is dead-lettered and listed as what blocks `r` (its number,
+/// number to its own and holds it, in one statement: account `r`'s 2 to 6 are parked,
+/// then 1 comes, and 4 fails. 1 to 3 apply, 4 is dead-lettered and listed as what blocks `r` (its number,
 /// its key), 5 and 6 wait; replayed once fixed, 4 to 6 apply in order.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
@@ -686,6 +700,11 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     assert_eq!(applied(&pool).await["r"], vec![1, 2, 3]);
     assert_eq!(next_seq(&pool, "account-r").await, 4);
     assert_eq!(holder(&pool, "r").await.as_deref(), Some("r-v4"));
+    assert!(
+        moved_by_its_holder(&pool, "r").await,
+        "4 was handed on in a run (3 completed within 250 ms of the run's start), and its \
+         hold moved the position from the run's first number"
+    );
     assert_eq!(waiting(&pool).await, 2, "5 and 6 wait");
     sqlx::query("DELETE FROM account_failures")
         .execute(&pool)
@@ -735,14 +754,8 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     })
     .await;
     assert_eq!(applied(&pool).await["r"], vec![1, 2, 3]);
-    let one_statement: bool = sqlx::query_scalar(
-        "SELECT moved_at = held_since FROM ordering_positions WHERE ordering_key = 'account-r'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
     assert!(
-        one_statement,
+        moved_by_its_holder(&pool, "r").await,
         "4 was handed on in a run (3 completed within 250 ms of the run's start), and its \
          mark moved the position"
     );
