@@ -229,27 +229,8 @@ pub(crate) async fn walk<H: Handler>(
             Ok(entered) => entered,
             Err(verdict) => return Ok(Decided::with_key(verdict, parsed.key, None)),
         };
-    // A turn of a leased run: the position stands at the run's first number, and the
-    // row after it may be in hand (`owned/run.rs`).
-    let hand_to = turn.as_mut().and_then(|held| incoming.link.entered(held));
-    // With a single active consumer, deliveries are taken up to the prefetch: the runs
-    // are held to the concurrency here (after the early ones were parked).
-    let mut running = match (&incoming.positions, incoming.link.permit()) {
-        (Some(_), Some(handed)) => Some(handed),
-        (Some(positions), None) => positions.run().await,
-        (None, _) => None,
-    };
-    // A turn held in memory moves in its completion's commit (the batch's, or the
-    // handler's transaction in leased mode) when few others run: one entity's turns
-    // after one another (a hot entity) then save a round trip each. Under load, a
-    // leased turn's move goes with others', batched after its commit: one move in each
-    // handler's commit cost the shuffled bench a quarter of its pace (PERFORMANCE.md).
-    if let (Some(held), Some(positions)) = (&turn, &incoming.positions)
-        && hand_to.is_none()
-        && (runtime.transactions.is_some() || positions.quiet())
-    {
-        parsed.owned = Some(held.done());
-    }
+    let (hand_to, running) =
+        ordered::begin_owned(runtime, incoming, turn.as_mut(), &mut parsed).await;
     let run = async {
         match &runtime.transactions {
             Some(transactions) => {
@@ -282,22 +263,13 @@ pub(crate) async fn walk<H: Handler>(
     let mut decided = Decided::with_key(verdict, parsed.key, entity);
     decided.handed = handed;
     decided.chained = chained;
-    // Completed too late, the turn moves the position itself.
-    let hand_to = hand_to.and_then(|_| incoming.link.hands_to());
-    if hand_to.is_none() {
-        drop(running.take());
-    }
-    if let (Some(turn), Some(owner)) = (turn, &runtime.owner)
-        && let Err(error) = ordered::move_owned(owner, turn, &mut decided, hand_to).await
+    if let Err(error) =
+        ordered::end_owned(runtime, incoming, turn, &mut decided, hand_to, running).await
     {
         // The turns its batch chained committed with it: they count whatever becomes of
         // this delivery (requeued now, a duplicate when it comes back).
         count_chained(runtime, decided.chained.take());
         return Err(error);
-    }
-    // Handed on in a run: the next turn runs in this one's place among the queue's runs.
-    if let Ahead::HandedOn { place, .. } = &mut decided.ahead {
-        *place = running;
     }
     Ok(decided)
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::{BasicProperties, Channel};
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, warn};
 
 use super::batch::Batcher;
@@ -66,6 +67,68 @@ pub(super) async fn enter_order<H: Handler>(
         entity: Some(entity),
         turn: None,
     }))
+}
+
+/// Where a delivery of a queue with a single active consumer begins its run: whom its
+/// turn may hand on to, if it joined a leased run (the position stands at the run's
+/// first number, and the row after it may be in hand: `owned/run.rs`), and its place
+/// among the queue's runs (deliveries are taken up to the prefetch, and the runs held
+/// to the concurrency here, after the early ones were parked; a turn handed on keeps
+/// the place of the turn before it). Nothing for other queues.
+///
+/// A turn held in memory moves in its completion's commit (the batch's, or the
+/// handler's transaction in leased mode: `parsed.owned`) when few others run: one
+/// entity's turns after one another (a hot entity) then save a round trip each. Under
+/// load, a leased turn's move goes with others', batched after its commit: one move in
+/// each handler's commit cost the shuffled bench a quarter of its pace (PERFORMANCE.md).
+pub(super) async fn begin_owned<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    turn: Option<&mut Turn>,
+    parsed: &mut Parsed,
+) -> (Option<Who>, Option<OwnedSemaphorePermit>) {
+    let Some(positions) = &incoming.positions else {
+        return (None, None);
+    };
+    let (hand_to, turn) = match turn {
+        Some(held) => (incoming.link.entered(held), Some(held)),
+        None => (None, None),
+    };
+    let running = match incoming.link.permit() {
+        Some(handed) => Some(handed),
+        None => positions.run().await,
+    };
+    if let Some(held) = turn
+        && hand_to.is_none()
+        && (runtime.transactions.is_some() || positions.quiet())
+    {
+        parsed.owned = Some(held.done());
+    }
+    (hand_to, running)
+}
+
+/// Ends an owned turn's run ([`begin_owned`]): a turn that completed too late for its
+/// run moves the position itself and gives its place among the queue's runs back; one
+/// handed on passes its place to the next turn ([`move_owned`]).
+pub(super) async fn end_owned<H: Handler>(
+    runtime: &Runtime<H>,
+    incoming: &Incoming<'_>,
+    turn: Option<Turn>,
+    decided: &mut Decided,
+    hand_to: Option<Who>,
+    mut running: Option<OwnedSemaphorePermit>,
+) -> Result<(), Failure> {
+    let hand_to = hand_to.and_then(|_| incoming.link.hands_to());
+    if hand_to.is_none() {
+        drop(running.take());
+    }
+    if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
+        move_owned(owner, turn, decided, hand_to).await?;
+    }
+    if let Ahead::HandedOn { place, .. } = &mut decided.ahead {
+        *place = running;
+    }
+    Ok(())
 }
 
 /// Moves an owned turn's entity on before the ack, when its run completed (in
