@@ -782,6 +782,71 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     r_applied_to(&pool, &q, 6).await;
 }
 
+/// A row handed the turn in a leased run that does not enter (its body no longer
+/// parses: a deploy whose handler refuses what an older one parked) is dead-lettered
+/// `malformed`, and the memory the turn before it kept for it goes back to the run's
+/// first number (the `Reserved` guard): account `r`'s 2 to 6 are parked, 3's body is
+/// spoiled, then 1 comes. 1 and 2 apply and 3 is dead-lettered; the sweep publishes the
+/// run's first row again (a duplicate), which moves the entity on to 3, listed as a gap
+/// with 4 to 6 waiting. Skipped, 4 to 6 apply in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipped(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(&c);
+    let q = TestQueue::new("ordering-run-spoiled").await;
+    prepare_as(&pool, &url, &q, true).await;
+    let args = worker_args("leased", true, &["--concurrency", "1"]);
+    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    for v in (2..=6).rev() {
+        q.publish(&entry("r", v)).await;
+    }
+    wait_until(SETTLE, "r's 2 to 6 parked", || async {
+        waiting(&pool).await == 5 && all_settled(&q).await
+    })
+    .await;
+    sqlx::query(
+        "UPDATE ordering_waiting SET body = convert_to('not an entry', 'UTF8')
+          WHERE ordering_key = 'account-r' AND seq = 3",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    q.publish(&entry("r", 1)).await;
+    wait_until(SETTLE, "1 and 2 applied, 3 dead-lettered", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 2)
+            && q.counts(&q.dlq()).await.0 == 1
+            && all_settled(&q).await
+    })
+    .await;
+    // The position stood at the run's first number, 2, whose row the sweep publishes
+    // once stale: its copy, a duplicate, moves the entity on to the gap at 3.
+    wait_until(SETTLE, "r's position at 3, a gap", || async {
+        next_seq(&pool, "account-r").await == 3
+    })
+    .await;
+    let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed[0]["blocked_by"], "gap", "{listed}");
+    assert_eq!(waiting(&pool).await, 3, "4 to 6 wait");
+    let said = idem_cli(
+        &url,
+        &skip_args("acme", "account-r", &["--note", "3 no longer parses"]),
+    )
+    .await;
+    assert!(said.contains("4 runs next"), "{said}");
+    wait_until(SETTLE, "r's 4 to 6 applied", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 5)
+            && next_seq(&pool, "account-r").await == 7
+            && waiting(&pool).await == 0
+            && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], vec![1, 2, 4, 5, 6]);
+}
+
 /// Account `a`'s third entry fails for good: it is dead-lettered and a's later entries
 /// wait (no retry tier, no dead letter), while account `b` runs to its end. `idem ops
 /// ordering list` says what blocks `a`; once the failure is fixed and the dead letter
