@@ -673,8 +673,9 @@ async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
 
 /// A turn of a leased run that fails for good moves the position from the run's first
 /// number to its own and holds it, in one statement: account `r`'s 2 to 6 are parked,
-/// then 1 comes, and 4 fails. 1 to 3 apply, 4 is dead-lettered and listed as what blocks `r` (its number,
-/// its key), 5 and 6 wait; replayed once fixed, 4 to 6 apply in order.
+/// then 1 comes, and 3 fails. 1 and 2 apply, 3 is dead-lettered and listed as what
+/// blocks `r` (its number, its key), 4 to 6 wait; replayed once fixed, 3 to 6 apply in
+/// order.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     o: PgPoolOptions,
@@ -684,28 +685,28 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     let url = database_url(&c);
     let q = TestQueue::new("ordering-run-fail").await;
     prepare_as(&pool, &url, &q, true).await;
-    sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('r', 'r-v4')")
+    sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('r', 'r-v3')")
         .execute(&pool)
         .await
         .unwrap();
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let _w = spawn_accounts_worker(&url, &q.name, &args);
     parked_then_first(&pool, &q, 6).await;
-    wait_until(SETTLE, "r's 1 to 3 applied, 4 dead-lettered", || async {
-        applied(&pool).await.get("r").is_some_and(|v| v.len() == 3)
+    wait_until(SETTLE, "r's 1 and 2 applied, 3 dead-lettered", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 2)
             && q.counts(&q.dlq()).await.0 == 1
             && all_settled(&q).await
     })
     .await;
-    assert_eq!(applied(&pool).await["r"], vec![1, 2, 3]);
-    assert_eq!(next_seq(&pool, "account-r").await, 4);
-    assert_eq!(holder(&pool, "r").await.as_deref(), Some("r-v4"));
+    assert_eq!(applied(&pool).await["r"], vec![1, 2]);
+    assert_eq!(next_seq(&pool, "account-r").await, 3);
+    assert_eq!(holder(&pool, "r").await.as_deref(), Some("r-v3"));
     assert!(
         moved_by_its_holder(&pool, "r").await,
-        "4 was handed on in a run (3 completed within 250 ms of the run's start), and its \
+        "3 was handed on in a run (2 completed within 250 ms of the run's start), and its \
          hold moved the position from the run's first number"
     );
-    assert_eq!(waiting(&pool).await, 2, "5 and 6 wait");
+    assert_eq!(waiting(&pool).await, 3, "4 to 6 wait");
     sqlx::query("DELETE FROM account_failures")
         .execute(&pool)
         .await
@@ -716,14 +717,14 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
 
 /// A turn of a leased run that runs long moves the position to its own number and
 /// holds it, half a second in, where a turn handed on alone would stand: account `r`'s
-/// 2 to 6 are parked, then 1 comes, and 4 waits on a lock the test holds (`slow`). The
+/// 2 to 6 are parked, then 1 comes, and 3 waits on a lock the test holds (`slow`). The
 /// sweep is slowed to once in ten minutes: the mark alone moves the position (before,
 /// the position stood at the run's first number until the sweep published that row
-/// again and moved it on). One statement moved it past 3 and marked 4 its holder
-/// (`moved_at` is `held_since`: had 3 moved it itself, outside a run, the mark would
-/// have come apart from the move). The rows of 2 and 3 are gone, 4's is released; the
-/// listing shows 4 `running` at its number and a skip is refused. Let go, 4 to 6 apply
-/// in order, each once.
+/// again and moved it on). One statement moved it past 2 and marked 3 its holder
+/// (`moved_at` is `held_since`: had 2 moved it itself, outside a run, the mark would
+/// have come apart from the move). 2's row is gone, 3's is released; the listing shows
+/// 3 `running` at its number and a skip is refused. Let go, 3 to 6 apply in order,
+/// each once.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     o: PgPoolOptions,
@@ -734,13 +735,13 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     let q = TestQueue::new("ordering-run-long").await;
     prepare_as(&pool, &url, &q, true).await;
     sqlx::query(
-        "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v4', 'slow')",
+        "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v3', 'slow')",
     )
     .execute(&pool)
     .await
     .unwrap();
     let mut lock = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = 'r-v4' FOR UPDATE")
+    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = 'r-v3' FOR UPDATE")
         .execute(&mut *lock)
         .await
         .unwrap();
@@ -748,15 +749,15 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     let args = worker_args("leased", true, &slow_sweep);
     let _w = spawn_accounts_worker(&url, &q.name, &args);
     parked_then_first(&pool, &q, 6).await;
-    wait_until(SETTLE, "4 holds the position at its number", || async {
-        next_seq(&pool, "account-r").await == 4
-            && holder(&pool, "r").await.as_deref() == Some("r-v4")
+    wait_until(SETTLE, "3 holds the position at its number", || async {
+        next_seq(&pool, "account-r").await == 3
+            && holder(&pool, "r").await.as_deref() == Some("r-v3")
     })
     .await;
-    assert_eq!(applied(&pool).await["r"], vec![1, 2, 3]);
+    assert_eq!(applied(&pool).await["r"], vec![1, 2]);
     assert!(
         moved_by_its_holder(&pool, "r").await,
-        "4 was handed on in a run (3 completed within 250 ms of the run's start), and its \
+        "3 was handed on in a run (2 completed within 250 ms of the run's start), and its \
          mark moved the position"
     );
     let rows: Vec<(i64, i32)> = sqlx::query_as(
@@ -765,19 +766,21 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(rows, vec![(4, 1), (5, 0), (6, 0)]);
+    assert_eq!(rows, vec![(3, 1), (4, 0), (5, 0), (6, 0)]);
     let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
     let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
     assert_eq!(listed[0]["blocked_by"], "running", "{listed}");
-    assert_eq!(listed[0]["next_seq"], 4, "{listed}");
+    assert_eq!(listed[0]["next_seq"], 3, "{listed}");
     let refused = idem_command(&url, &skip_args("acme", "account-r", &["--note", "x"]))
         .output()
         .await
         .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
     assert!(
         !refused.status.success(),
         "the skip of a running turn is refused"
     );
+    assert!(said.contains("runs now"), "{said}");
     lock.rollback().await.unwrap();
     r_applied_to(&pool, &q, 6).await;
 }

@@ -151,7 +151,8 @@ pub(crate) enum Marked {
 /// Records the turn at `place` as held by the delivery running it, which has run for a
 /// second (`MARK_AFTER` in `worker/owned/mod.rs`): the listing shows it running and a skip
 /// is refused, as under the gate. Only while the position is at its number with no
-/// holder: a move that committed first (the turn ended) or a holder written since wins.
+/// holder (a turn of a leased run: at the run's first number, whatever its holder): a
+/// move that committed first (the turn ended), a skip, or a holder written since wins.
 /// It does not wait for a locked position: a transactional batch holds its turns'
 /// positions from its move to its commit, and marks that waited for them held a
 /// connection each, 47 ms on average, to find the turn moved (docs/PERFORMANCE.md).
@@ -162,7 +163,9 @@ pub(crate) enum Marked {
 /// the position through the run's completed turns. The mark moves the position from
 /// there to the turn's own number, deletes the rows of the turns between, and marks its
 /// own row released, so that the position, the listing and the sweep see what a turn
-/// handed on alone would show: a released turn running under its lease.
+/// handed on alone would show: a released turn running under its lease. (The move from
+/// a run's first number, deleting the rows between, is also in [`hold`] and in
+/// `owner::move_on`: their fences change together.)
 pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<Marked, StoreError> {
     let (scope, ordering_key, seq) = &done.place;
     let (looked, moved): (bool, bool) = sqlx::query_as(

@@ -294,9 +294,11 @@ fn read_back(row: MovedRow, keys: Option<&Keys>) -> (i64, Option<Released>) {
 }
 
 /// Moves each entity past its completed turn, fenced (only where the position is at
-/// the turn's [`Done::from`], or at its number held by it), with the turn's waiting row if it had one and the rows of
-/// the turns a leased run ran from `from` without moving it, then releases or reads the
-/// rows parked after it as `then` says. On `executor`: the pool, or a transaction. A
+/// the turn's [`Done::from`], or at its number held by it), with the turn's waiting row
+/// if it had one and the rows of the turns a leased run ran from `from` without moving
+/// it (as `held::hold` and `held::running` move a run's turn to its own number: their
+/// fences change together), then releases or reads the rows parked after it as `then`
+/// says. On `executor`: the pool, or a transaction. A
 /// transactional batch runs the rows read ([`Then::Read`]) in the same commit
 /// (`worker/transactional/chain.rs`, which ends with [`chain_end`]).
 ///

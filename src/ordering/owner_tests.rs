@@ -210,12 +210,6 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
     .execute(&pool)
     .await
     .unwrap();
-    let turn = |key: &str, seq: i64, from: i64| Done {
-        place: ("s".into(), key.into(), seq),
-        operation: "accounts.apply".into(),
-        idempotency_key: format!("{key}-{seq}"),
-        from,
-    };
     let release = Then::Release { ahead: 32 };
     let turns = [turn("r", 4, 2), turn("f", 7, 5), turn("g", 5, 5)];
     let moved = move_on(&pool, None, &turns, release).await.unwrap();
@@ -239,43 +233,18 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
         "{:?}",
         moved[2]
     );
-    let rows = |key: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_as::<_, (i64, bool)>(
-                "SELECT seq, released_at IS NOT NULL FROM ordering_waiting
-                  WHERE ordering_key = $1 ORDER BY seq",
-            )
-            .bind(key)
-            .fetch_all(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    let position = |key: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_as::<_, (i64, Option<String>)>(
-                "SELECT next_seq, holder_key FROM ordering_positions WHERE ordering_key = $1",
-            )
-            .bind(key)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
     assert_eq!(
-        rows("r").await,
+        rows(&pool, "r").await,
         vec![(5, true), (6, false), (7, false), (9, false)],
         "the run's rows 2 to 4 went, 5 is released, the rows read ahead are not"
     );
-    assert_eq!(position("r").await, (5, None));
+    assert_eq!(position(&pool, "r").await, (5, None));
     assert_eq!(
-        rows("f").await,
+        rows(&pool, "f").await,
         vec![(5, false), (6, false)],
         "nothing deleted"
     );
-    assert_eq!(position("f").await, (6, None));
+    assert_eq!(position(&pool, "f").await, (6, None));
 
     // 5 and 6 completed in the run, 7 failed for good: the position moves from 5 to 7,
     // held by 7; 5's and 6's rows go, and 7's (its dead letter is safe).
@@ -283,15 +252,19 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
         .await
         .unwrap();
     assert!(held);
-    assert_eq!(position("r").await, (7, Some("r-7".into())));
-    assert_eq!(rows("r").await, vec![(9, false)]);
+    assert_eq!(position(&pool, "r").await, (7, Some("r-7".into())));
+    assert_eq!(rows(&pool, "r").await, vec![(9, false)]);
     // Fenced out the same way: f's position is not at 5.
     let held = crate::ordering::held::hold(&pool, &turn("f", 6, 5), true)
         .await
         .unwrap();
     assert!(!held);
-    assert_eq!(position("f").await, (6, None));
-    assert_eq!(rows("f").await, vec![(5, false)], "only its own row went");
+    assert_eq!(position(&pool, "f").await, (6, None));
+    assert_eq!(
+        rows(&pool, "f").await,
+        vec![(5, false)],
+        "only its own row went"
+    );
 }
 
 /// A turn of a leased run that runs long is marked ([`crate::ordering::held::running`]):
@@ -319,44 +292,13 @@ async fn a_long_run_turns_mark_moves_the_position_to_its_number(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    let turn = |key: &str, seq: i64, from: i64| Done {
-        place: ("s".into(), key.into(), seq),
-        operation: "accounts.apply".into(),
-        idempotency_key: format!("{key}-{seq}"),
-        from,
-    };
-    let rows = |key: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_as::<_, (i64, bool)>(
-                "SELECT seq, released_at IS NOT NULL FROM ordering_waiting
-                  WHERE ordering_key = $1 ORDER BY seq",
-            )
-            .bind(key)
-            .fetch_all(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    let position = |key: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_as::<_, (i64, Option<String>)>(
-                "SELECT next_seq, holder_key FROM ordering_positions WHERE ordering_key = $1",
-            )
-            .bind(key)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
     assert_eq!(
         running(&pool, &turn("r", 4, 2)).await.unwrap(),
         Marked::Moved
     );
-    assert_eq!(position("r").await, (4, Some("r-4".into())));
+    assert_eq!(position(&pool, "r").await, (4, Some("r-4".into())));
     assert_eq!(
-        rows("r").await,
+        rows(&pool, "r").await,
         vec![(4, true), (5, false)],
         "2 and 3 went, 4 is released"
     );
@@ -369,19 +311,51 @@ async fn a_long_run_turns_mark_moves_the_position_to_its_number(pool: PgPool) {
         moved[0].next.iter().map(|r| r.seq).collect::<Vec<_>>(),
         vec![5]
     );
-    assert_eq!(position("r").await, (5, None));
-    assert_eq!(rows("r").await, vec![(5, true)]);
+    assert_eq!(position(&pool, "r").await, (5, None));
+    assert_eq!(rows(&pool, "r").await, vec![(5, true)]);
     assert!(!moved[1].moved, "g is at 5, held by nobody: not the turn's");
-    assert_eq!(position("g").await, (5, None));
+    assert_eq!(position(&pool, "g").await, (5, None));
 
     assert_eq!(
         running(&pool, &turn("f", 7, 5)).await.unwrap(),
         Marked::Looked
     );
     assert_eq!(
-        position("f").await,
+        position(&pool, "f").await,
         (6, None),
         "f is past 5: nothing written"
     );
-    assert_eq!(rows("f").await, vec![(7, false)]);
+    assert_eq!(rows(&pool, "f").await, vec![(7, false)]);
+}
+
+/// A leased turn of `key` (scope `s`) at `seq`, run by `<key>-<seq>`, whose position
+/// stands at `from`.
+fn turn(key: &str, seq: i64, from: i64) -> Done {
+    Done {
+        place: ("s".into(), key.into(), seq),
+        operation: "accounts.apply".into(),
+        idempotency_key: format!("{key}-{seq}"),
+        from,
+    }
+}
+
+/// The waiting rows of `key`: each number, and whether it was released.
+async fn rows(pool: &PgPool, key: &str) -> Vec<(i64, bool)> {
+    sqlx::query_as(
+        "SELECT seq, released_at IS NOT NULL FROM ordering_waiting
+          WHERE ordering_key = $1 ORDER BY seq",
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// `key`'s position and holder.
+async fn position(pool: &PgPool, key: &str) -> (i64, Option<String>) {
+    sqlx::query_as("SELECT next_seq, holder_key FROM ordering_positions WHERE ordering_key = $1")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }

@@ -439,7 +439,7 @@ pub(super) async fn hand_on<H: Handler>(
         let link = run.link(&turn, H::OPERATION, queue, handed_on < MAX_HANDED_ON);
         let ahead;
         (released, ahead) = run_turn(runtime, links, &turn, link).await;
-        next = run.went(&turn, ahead);
+        next = run.went(ahead);
     }
 }
 

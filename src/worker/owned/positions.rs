@@ -249,6 +249,13 @@ pub(crate) struct Reserved {
 }
 
 impl Reserved {
+    /// Where the position stands in the database for the row's turn: the run's first
+    /// number, or the number of the turn that handed on, if its long-turn mark moved
+    /// the position there ([`Turn::stands_at_own`]).
+    pub(in crate::worker) fn from(&self) -> i64 {
+        self.from
+    }
+
     /// The row entered and holds the turn now (its [`Turn`] ends it).
     pub(in crate::worker) fn taken(mut self) {
         self.taken = true;
@@ -505,5 +512,23 @@ mod tests {
                 ));
             }
         }
+    }
+
+    /// A turn of a leased run whose long-turn mark moved the position to its own
+    /// number moves from there, and so does the turn it hands on to (else their moves
+    /// and holds would be fenced on the run's first number, which the database left).
+    #[test]
+    fn a_marked_turn_of_a_run_moves_from_its_own_number() {
+        let positions = Arc::new(Positions::new(4));
+        let entity: Entity = ("s".into(), "account-a".into());
+        positions.loaded(&entity, 3);
+        let mut turn = Turn::new(&positions, &entity, 5, who("a-5"));
+        turn.ran_from(3);
+        assert_eq!(turn.done().from, 3);
+        turn.stands_at_own();
+        assert_eq!(turn.done().from, 5);
+        let reserved = turn.hand_on(who("a-6"));
+        assert_eq!(reserved.from(), 5);
+        reserved.taken();
     }
 }

@@ -144,12 +144,14 @@ impl Run {
         }
     }
 
-    /// `turn` ended, leaving `ahead`: the turn the run goes on with, when it handed on;
-    /// else the run begins anew (with what its move read, if it moved).
-    pub(crate) fn went(&mut self, turn: &Released, ahead: Ahead) -> Option<Released> {
+    /// The run's turn ended, leaving `ahead`: the turn the run goes on with, when it
+    /// handed on; else the run begins anew (with what its move read, if it moved).
+    pub(crate) fn went(&mut self, ahead: Ahead) -> Option<Released> {
         match ahead {
             Ahead::HandedOn { reserved, place } => {
-                self.from = Some(self.from.unwrap_or(turn.seq));
+                // The run's first number, or the turn's own if its long-turn mark moved
+                // the position there.
+                self.from = Some(reserved.from());
                 self.permit = place;
                 self.reserved = Some(reserved);
                 self.rows.pop_front()
