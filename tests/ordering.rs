@@ -592,6 +592,12 @@ async fn owned_order_a_leased_turn_moves_after_its_commit_under_load(
 /// Account `r`'s entries `last` down to 2, parked (the worker has taken them all),
 /// then its 1: a completion whose move finds the rest parked after it.
 async fn parked_then_first(pool: &PgPool, q: &TestQueue, last: i64) {
+    parked_after_first(pool, q, last).await;
+    q.publish(&entry("r", 1)).await;
+}
+
+/// Account `r`'s entries `last` down to 2, parked: the worker has taken them all.
+async fn parked_after_first(pool: &PgPool, q: &TestQueue, last: i64) {
     for v in (2..=last).rev() {
         q.publish(&entry("r", v)).await;
     }
@@ -599,7 +605,18 @@ async fn parked_then_first(pool: &PgPool, q: &TestQueue, last: i64) {
         waiting(pool).await == last - 1 && all_settled(q).await
     })
     .await;
-    q.publish(&entry("r", 1)).await;
+}
+
+/// Waits until account `r`'s 1 and 2 are applied and its 3 is dead-lettered, nothing
+/// queued; only 1 and 2 applied, in order.
+async fn r_applied_to_2_and_3_dead_lettered(pool: &PgPool, q: &TestQueue) {
+    wait_until(SETTLE, "r's 1 and 2 applied, 3 dead-lettered", || async {
+        applied(pool).await.get("r").is_some_and(|v| v.len() == 2)
+            && q.counts(&q.dlq()).await.0 == 1
+            && all_settled(q).await
+    })
+    .await;
+    assert_eq!(applied(pool).await["r"], vec![1, 2]);
 }
 
 /// Waits until account `r`'s 1 to `last` are applied, nothing waits or stays queued,
@@ -692,13 +709,7 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let _w = spawn_accounts_worker(&url, &q.name, &args);
     parked_then_first(&pool, &q, 6).await;
-    wait_until(SETTLE, "r's 1 and 2 applied, 3 dead-lettered", || async {
-        applied(&pool).await.get("r").is_some_and(|v| v.len() == 2)
-            && q.counts(&q.dlq()).await.0 == 1
-            && all_settled(&q).await
-    })
-    .await;
-    assert_eq!(applied(&pool).await["r"], vec![1, 2]);
+    r_applied_to_2_and_3_dead_lettered(&pool, &q).await;
     assert_eq!(next_seq(&pool, "account-r").await, 3);
     assert_eq!(holder(&pool, "r").await.as_deref(), Some("r-v3"));
     assert!(
@@ -803,13 +814,7 @@ async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipp
     prepare_as(&pool, &url, &q, true).await;
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let _w = spawn_accounts_worker(&url, &q.name, &args);
-    for v in (2..=6).rev() {
-        q.publish(&entry("r", v)).await;
-    }
-    wait_until(SETTLE, "r's 2 to 6 parked", || async {
-        waiting(&pool).await == 5 && all_settled(&q).await
-    })
-    .await;
+    parked_after_first(&pool, &q, 6).await;
     sqlx::query(
         "UPDATE ordering_waiting SET body = convert_to('not an entry', 'UTF8')
           WHERE ordering_key = 'account-r' AND seq = 3",
@@ -818,12 +823,7 @@ async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipp
     .await
     .unwrap();
     q.publish(&entry("r", 1)).await;
-    wait_until(SETTLE, "1 and 2 applied, 3 dead-lettered", || async {
-        applied(&pool).await.get("r").is_some_and(|v| v.len() == 2)
-            && q.counts(&q.dlq()).await.0 == 1
-            && all_settled(&q).await
-    })
-    .await;
+    r_applied_to_2_and_3_dead_lettered(&pool, &q).await;
     // The position stood at the run's first number, 2, whose row the sweep publishes
     // once stale: its copy, a duplicate, moves the entity on to the gap at 3.
     wait_until(SETTLE, "r's position at 3, a gap", || async {
