@@ -813,7 +813,7 @@ async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipp
     let q = TestQueue::new("ordering-run-spoiled").await;
     prepare_as(&pool, &url, &q, true).await;
     let args = worker_args("leased", true, &["--concurrency", "1"]);
-    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    let w = spawn_accounts_worker(&url, &q.name, &args);
     parked_after_first(&pool, &q, 6).await;
     sqlx::query(
         "UPDATE ordering_waiting SET body = convert_to('not an entry', 'UTF8')
@@ -826,9 +826,15 @@ async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipp
     r_applied_to_2_and_3_dead_lettered(&pool, &q).await;
     // The position stood at the run's first number, 2, whose row the sweep publishes
     // once stale: its copy, a duplicate, moves the entity on to the gap at 3.
-    wait_until(SETTLE, "r's position at 3, a gap", || async {
-        next_seq(&pool, "account-r").await == 3
-    })
+    // Handed on alone (no run), 2 would have moved the position past itself: no copy.
+    wait_until(
+        SETTLE,
+        "2's copy a duplicate, r's position at 3",
+        || async {
+            next_seq(&pool, "account-r").await == 3
+                && w.log_count("outcome=\"duplicate_completed\"") == 1
+        },
+    )
     .await;
     let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
     let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();

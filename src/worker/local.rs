@@ -11,7 +11,7 @@ use tracing::Instrument;
 use super::background::Wakes;
 use super::decision::{Decided, Outcome, Settle};
 use super::settle::Incoming;
-use super::{Failure, Runtime, WorkerConfig, execute, ordered};
+use super::{Failure, Runtime, WorkerConfig, execute, hand_on};
 use crate::fault::Fault;
 use crate::handler::{Envelope, Handler};
 use crate::key::Key;
@@ -68,8 +68,8 @@ impl<H: Handler> Local<H> {
     ) -> Result<LocalDecision, Failure> {
         let incoming = Incoming::new(data, envelope, None);
         let (mut decision, mut released) = self.decide_one(&incoming).await?;
-        while let Some(turn) = ordered::take_turn(&self.runtime, &mut released) {
-            let mut incoming = Incoming::new(&turn.body, ordered::envelope_of(&turn), None);
+        while let Some(turn) = hand_on::take_turn(&self.runtime, &mut released) {
+            let mut incoming = Incoming::new(&turn.body, hand_on::envelope_of(&turn), None);
             incoming.holds_turn = true;
             let (next, more) = self.decide_one(&incoming).await?;
             // Its row goes once it is settled (its copy or dead letter would be
@@ -115,7 +115,7 @@ impl<H: Handler> Local<H> {
         {
             self.pin(id).await?;
         }
-        let released = ordered::released_by(&self.runtime, verdict.outcome, entity, handed).await;
+        let released = hand_on::released_by(&self.runtime, verdict.outcome, entity, handed).await;
         let decision = LocalDecision {
             outcome: verdict.outcome,
             settle: verdict.action,

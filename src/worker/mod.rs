@@ -43,6 +43,7 @@ mod decision;
 mod execute;
 mod follow_ups;
 mod guard;
+mod hand_on;
 mod handle;
 #[cfg(feature = "testing")]
 mod local;

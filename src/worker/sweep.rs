@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::ordered::publish;
+use super::hand_on::publish;
 use crate::connector::Connector;
 use crate::metrics;
 use crate::ordering::{held, table};

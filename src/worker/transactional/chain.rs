@@ -28,7 +28,7 @@ use crate::ordering::owner::{ChainEnd, Done};
 use crate::store::{ClaimRequest, Store, StoreError};
 use crate::trace::{self, TraceContext};
 use crate::worker::decision::{Chained, ChainedTurn, Ran};
-use crate::worker::ordered::envelope_of;
+use crate::worker::hand_on::envelope_of;
 use crate::worker::parse::parse;
 
 /// Rows ahead of a completed turn read for its chain: the most one entity's chain runs.

@@ -1,0 +1,76 @@
+use super::*;
+
+fn who(key: &str) -> Who {
+    Who("accounts.apply".into(), key.into())
+}
+
+/// A turn of a leased run hands on to the row after it: that number is kept for the
+/// row (another message with it is refused, a copy waits, the row itself runs), and
+/// the memory is at it. A reservation the row never took (its body did not parse,
+/// the circuit kept it out) sends the memory back to the run's first number, to be
+/// read again: kept, the entity would wait for that row for ever. One it took stays.
+#[test]
+fn a_handed_on_turn_is_kept_for_its_row_and_given_back_if_never_taken() {
+    let positions = Arc::new(Positions::new(4));
+    let entity: Entity = ("s".into(), "account-a".into());
+    for taken in [false, true] {
+        positions.loaded(&entity, 5);
+        assert!(matches!(
+            positions.look(&entity, 5, &who("a-5"), false),
+            Look::Run
+        ));
+        let reserved = Turn::new(&positions, &entity, 5, who("a-5")).hand_on(who("a-6"));
+        assert!(matches!(
+            positions.look(&entity, 6, &who("b-6"), false),
+            Look::Taken
+        ));
+        assert!(matches!(
+            positions.look(&entity, 6, &who("a-6"), false),
+            Look::Wait(_)
+        ));
+        assert!(matches!(
+            positions.look(&entity, 6, &who("a-6"), true),
+            Look::Run
+        ));
+        assert!(matches!(
+            positions.look(&entity, 5, &who("a-5"), false),
+            Look::Behind
+        ));
+        if taken {
+            reserved.taken();
+            assert!(matches!(
+                positions.look(&entity, 5, &who("a-5"), false),
+                Look::Behind
+            ));
+        } else {
+            drop(reserved);
+            // At the run's first number again, not confirmed: read before it runs.
+            assert!(matches!(
+                positions.look(&entity, 5, &who("a-5"), false),
+                Look::Load
+            ));
+            assert!(matches!(
+                positions.look(&entity, 6, &who("a-6"), true),
+                Look::Park
+            ));
+        }
+    }
+}
+
+/// A turn of a leased run whose long-turn mark moved the position to its own
+/// number moves from there, and so does the turn it hands on to (else their moves
+/// and holds would be fenced on the run's first number, which the database left).
+#[test]
+fn a_marked_turn_of_a_run_moves_from_its_own_number() {
+    let positions = Arc::new(Positions::new(4));
+    let entity: Entity = ("s".into(), "account-a".into());
+    positions.loaded(&entity, 3);
+    let mut turn = Turn::new(&positions, &entity, 5, who("a-5"));
+    turn.ran_from(3);
+    assert_eq!(turn.done().from, 3);
+    turn.stands_at_own();
+    assert_eq!(turn.done().from, 5);
+    let reserved = turn.hand_on(who("a-6"));
+    assert_eq!(reserved.from(), 5);
+    reserved.taken();
+}
