@@ -895,10 +895,7 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
         .execute(&pool)
         .await
         .unwrap();
-    let addr = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().to_string()
-    };
+    let addr = free_addr();
     let more = ["--metrics-addr", addr.as_str()];
     let _w = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", true, &more));
     for (account, v) in [("a", 2), ("a", 4), ("c", 3), ("a", 5), ("a", 3), ("c", 2)] {
@@ -1047,8 +1044,9 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     let url = database_url(&c);
     let q = TestQueue::new(&format!("ordering-gap-{mode}")).await;
     prepare_as(&pool, &url, &q, owned).await;
-    let args = worker_args(mode, owned, &["--stall-after-ms", "300"]);
-    let worker = spawn_accounts_worker(&url, &q.name, &args);
+    let addr = free_addr();
+    let more = ["--stall-after-ms", "300", "--metrics-addr", addr.as_str()];
+    let worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, owned, &more));
     for v in [2, 5, 1, 4] {
         q.publish(&entry("g", v)).await;
     }
@@ -1076,6 +1074,16 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     wait_until(SETTLE, "the gap reported", || async {
         worker.log_contains("entities stalled")
     })
+    .await;
+    wait_until(
+        SETTLE,
+        "the gauges: 1 entity stalled, 2 waiting",
+        || async {
+            let (_, metrics) = scrape(&addr, "/metrics").await;
+            metrics.lines().any(|l| l == "idem_ordering_stalled 1")
+                && metrics.lines().any(|l| l == "idem_ordering_waiting 2")
+        },
+    )
     .await;
     let listed = idem_cli(
         &url,
@@ -1120,6 +1128,12 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].reason.as_deref(), Some("sequence_passed"));
     assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
+}
+
+/// An address on this host that nothing listens on (for a worker's `--metrics-addr`).
+fn free_addr() -> String {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    probe.local_addr().unwrap().to_string()
 }
 
 /// A transaction holding `account_entries` locked against the handler's insert: a turn
