@@ -225,6 +225,9 @@ struct Args {
     /// Deliveries in flight (0: chosen from the mode and the pool).
     #[arg(long, default_value_t = 0)]
     concurrency: usize,
+    /// Unacked deliveries the broker sends ahead (0: chosen from the concurrency).
+    #[arg(long, default_value_t = 0)]
+    prefetch: u16,
     /// Delayed retry tiers, in milliseconds.
     #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
     retry_delays_ms: Vec<u64>,
@@ -300,6 +303,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         queue: args.queue,
         mode: args.mode,
         concurrency: args.concurrency,
+        prefetch: args.prefetch,
         single_active_consumer: args.single_active_consumer,
         retry: RetryPolicy {
             delays: args
