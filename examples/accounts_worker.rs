@@ -225,7 +225,8 @@ struct Args {
     /// Deliveries in flight (0: chosen from the mode and the pool).
     #[arg(long, default_value_t = 0)]
     concurrency: usize,
-    /// Unacked deliveries the broker sends ahead (0: chosen from the concurrency).
+    /// Unacked deliveries the broker sends ahead (0: twice the concurrency, and at least
+    /// 512 with `--single-active-consumer`).
     #[arg(long, default_value_t = 0)]
     prefetch: u16,
     /// Delayed retry tiers, in milliseconds.

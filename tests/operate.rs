@@ -837,12 +837,6 @@ async fn gc_of_200k_expired_rows_never_blocks_live_claims(
     );
 }
 
-/// A free loopback address for a worker's metrics.
-fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
-}
-
 fn counter(metrics: &str, outcome: &str) -> u64 {
     let needle = format!("outcome=\"{outcome}\"");
     metrics

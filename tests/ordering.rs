@@ -832,7 +832,7 @@ async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipp
         "2's copy a duplicate, r's position at 3",
         || async {
             next_seq(&pool, "account-r").await == 3
-                && w.log_count("outcome=\"duplicate_completed\"") == 1
+                && w.log_count("outcome=\"duplicate_completed\"") >= 1
         },
     )
     .await;
@@ -1128,12 +1128,6 @@ async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: b
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].reason.as_deref(), Some("sequence_passed"));
     assert_eq!(applied(&pool).await["g"], vec![1, 2, 4, 5]);
-}
-
-/// An address on this host that nothing listens on (for a worker's `--metrics-addr`).
-fn free_addr() -> String {
-    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    probe.local_addr().unwrap().to_string()
 }
 
 /// A transaction holding `account_entries` locked against the handler's insert: a turn

@@ -6,12 +6,12 @@
 use lapin::{BasicProperties, Channel};
 use tracing::warn;
 
+use super::Runtime;
 use super::decision::Outcome;
 use super::execute::{decide, delivery_span};
 use super::ordered::{Entity, moves_on};
 use super::owned::{Ahead, Link, Run};
 use super::settle::{Incoming, Links, Source};
-use super::{Failure, Runtime};
 use crate::handler::{Envelope, Handler};
 use crate::metrics;
 use crate::ordering::Released;
@@ -38,13 +38,11 @@ pub(super) async fn released_by<H: Handler>(
 /// in this process, with rows whose turn passed while they waited (to publish, for their
 /// dead letter). A failure here only delays the next turn until the sweep.
 async fn leave<H: Handler>(runtime: &Runtime<H>, entity: Entity) -> Vec<Released> {
-    let released = runtime.orderings.releases.call(entity).await;
-    released
-        .and_then(|answer| answer.map_err(Failure::from))
-        .unwrap_or_else(|error| {
-            warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
-            Vec::new()
-        })
+    let released = runtime.orderings.release(entity).await;
+    released.unwrap_or_else(|error| {
+        warn!(error = %crate::text::error_line(&error), "the next turn waits for the sweep");
+        Vec::new()
+    })
 }
 
 /// Most turns one delivery's task hands on in this process, one after the other, before

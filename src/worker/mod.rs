@@ -18,6 +18,7 @@
 //! - `parse`: a delivery's message, key and fingerprint, or why it is malformed;
 //! - `execute`: claim, and walk the decision table to the settling step;
 //! - `ordered`: order per entity, entered before the claim, moved on after completion;
+//! - `hand_on`: the next turn of an entity that moved on, run in the same task;
 //! - `handle`: run or reconcile the handler under the lease, and record its outcome;
 //! - `follow_ups`: a run's follow-up messages, published after its commit;
 //! - `transactional`: transactional mode, a batch of deliveries in one transaction;

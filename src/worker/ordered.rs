@@ -2,7 +2,7 @@
 //! handler that answers [`Handler::ordering`] enters its entity's order before its
 //! claim: its turn goes on to the claim; one that came early is acked and waits in
 //! Postgres. Once a delivery's record completed, its entity moves on and the turn is
-//! handed to the delivery that waits for it, which `execute` runs next in the same task.
+//! handed to the delivery that waits for it, which `hand_on` runs next in the same task.
 //! What a crash or a skip leaves behind, the sweep publishes (`sweep.rs`).
 
 use std::sync::Arc;
@@ -188,7 +188,7 @@ pub(super) async fn move_owned(
 /// ([`Batcher::submit`]).
 pub(super) struct Orderings {
     entries: Batcher<Entry, Entered>,
-    pub(super) releases: Batcher<Entity, Vec<Released>>,
+    releases: Batcher<Entity, Vec<Released>>,
 }
 
 impl Orderings {
@@ -214,6 +214,12 @@ impl Orderings {
             },
         );
         Self { entries, releases }
+    }
+
+    /// Moves `entity` on past its completed holder and releases the next turn
+    /// ([`table::release`]), batched with other entities' releases.
+    pub(super) async fn release(&self, entity: Entity) -> Result<Vec<Released>, Failure> {
+        Ok(self.releases.call(entity).await??)
     }
 }
 
