@@ -333,7 +333,7 @@ pub(crate) async fn unmoved(
 pub(crate) async fn stats(pool: &PgPool, stall_after: Duration) -> Result<(i64, i64), StoreError> {
     // From the waiting rows (few), not the positions (one per entity seen within the
     // retention), counted per entity before the join: a distinct count of the joined
-    // rows took 1.9 s with a million waiting, this 0.15 s.
+    // rows took up to 1.9 s with a million waiting, this 0.15 s.
     let row = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE p.moved_at < now() - $1 * interval '1 millisecond'),
                 coalesce(sum(w.waiting), 0)::bigint

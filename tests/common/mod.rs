@@ -694,7 +694,6 @@ pub async fn unacked(queue: &str) -> u64 {
 
 pub mod proxy;
 
-/// One HTTP GET of `path` on `addr`: (status, body); (0, "") when nothing answers.
 /// A free loopback address for a worker's metrics (free when asked: the worker binds it
 /// a moment later).
 pub fn free_addr() -> String {
@@ -702,6 +701,7 @@ pub fn free_addr() -> String {
     format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
 }
 
+/// One HTTP GET of `path` on `addr`: (status, body); (0, "") when nothing answers.
 pub async fn scrape(addr: &str, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
