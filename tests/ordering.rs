@@ -132,6 +132,21 @@ async fn prepare_as(pool: &PgPool, url: &str, q: &TestQueue, owned: bool) {
     topology.declare(&q.connection).await.unwrap();
 }
 
+/// The test's pool, its database's URL and a queue named after `name`, prepared
+/// ([`prepare_as`]).
+async fn prepared(
+    o: PgPoolOptions,
+    c: &PgConnectOptions,
+    name: &str,
+    owned: bool,
+) -> (PgPool, String, TestQueue) {
+    let pool = o.connect_with(c.clone()).await.unwrap();
+    let url = database_url(c);
+    let q = TestQueue::new(name).await;
+    prepare_as(&pool, &url, &q, owned).await;
+    (pool, url, q)
+}
+
 async fn all_settled(q: &TestQueue) -> bool {
     q.counts(&q.name).await.0 == 0 && unacked(&q.name).await == 0
 }
@@ -167,10 +182,7 @@ async fn shuffled_in_order_across_a_blow(
     owned: bool,
     blow: Blow,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new(&format!("ordering-{mode}")).await;
-    prepare_as(&pool, &url, &q, owned).await;
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-{mode}"), owned).await;
     const ACCOUNTS: usize = 40;
     const VERSIONS: i64 = 15;
     // Under a closed connection, the last 5 rounds are published after the blow (see
@@ -482,10 +494,7 @@ async fn owned_order_a_turn_handed_to_an_owner_that_died_is_taken_over_by_the_ne
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-takeover").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-takeover", true).await;
     let args = worker_args("transactional", true, &["--sweep-every-ms", "60000"]);
     let first = spawn_accounts_worker(&url, &q.name, &args);
     q.publish(&entry("x", 2)).await;
@@ -539,10 +548,7 @@ async fn owned_leased_move_across_a_crash_after_the_commit(
     concurrency: &str,
     moved_in_commit: bool,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new(&format!("ordering-move-c{concurrency}")).await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-move-c{concurrency}"), true).await;
     let args = worker_args("leased", true, &["--concurrency", concurrency]);
     let crash = [("IDEM_FAILPOINT", "after-complete")];
     let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
@@ -662,10 +668,7 @@ async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-run-kill").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-run-kill", true).await;
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let crash = [("IDEM_FAILPOINT", "after-hand-on")];
     let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
@@ -698,10 +701,7 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-run-fail").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-run-fail", true).await;
     sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('r', 'r-v3')")
         .execute(&pool)
         .await
@@ -741,10 +741,7 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-run-long").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-run-long", true).await;
     sqlx::query(
         "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v3', 'slow')",
     )
@@ -808,10 +805,7 @@ async fn owned_order_a_handed_row_that_does_not_parse_is_dead_lettered_and_skipp
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-run-spoiled").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-run-spoiled", true).await;
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let w = spawn_accounts_worker(&url, &q.name, &args);
     parked_after_first(&pool, &q, 6).await;
@@ -887,10 +881,7 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-chains").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-chains", true).await;
     sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('a', 'a-v4')")
         .execute(&pool)
         .await
@@ -984,10 +975,7 @@ async fn executed(pool: &PgPool, queue: &str) -> i64 {
 }
 
 async fn blocked_until_replayed(o: PgPoolOptions, c: PgConnectOptions, owned: bool) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-blocked").await;
-    prepare_as(&pool, &url, &q, owned).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-blocked", owned).await;
     sqlx::query("INSERT INTO account_failures (account, event_id) VALUES ('a', 'a-v3')")
         .execute(&pool)
         .await
@@ -1040,10 +1028,7 @@ async fn blocked_until_replayed(o: PgPoolOptions, c: PgConnectOptions, owned: bo
 /// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.
 /// A copy of the completed 1 is acked at once while the gap holds (not parked).
 async fn gap_skipped(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: bool) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new(&format!("ordering-gap-{mode}")).await;
-    prepare_as(&pool, &url, &q, owned).await;
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-gap-{mode}"), owned).await;
     let addr = free_addr();
     let more = ["--stall-after-ms", "300", "--metrics-addr", addr.as_str()];
     let worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, owned, &more));
@@ -1178,10 +1163,7 @@ fn skip_args<'a>(scope: &'a str, key: &'a str, more: &[&'a str]) -> Vec<&'a str>
 /// is refused (it would run 2 beside 1). Once the lock goes, 1 and 2 apply in order and
 /// the move clears the holder.
 async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new(&format!("ordering-long-{mode}")).await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-long-{mode}"), true).await;
     // The position is there and locked, as a batch's move holds it until its commit:
     // the marks tried meanwhile (after 1 s and 2 s of the turn) must not wait for it, and
     // the next one, once the lock is gone, records the holder.
@@ -1286,10 +1268,7 @@ async fn owned_order_a_turn_in_its_first_second_is_not_skipped(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-first-second").await;
-    prepare_as(&pool, &url, &q, true).await;
+    let (pool, url, q) = prepared(o, &c, "ordering-first-second", true).await;
     let worker = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", true, &[]));
     // 1 applied: the position is there, as an operator's listing would have shown it.
     q.publish(&entry("f", 1)).await;
@@ -1372,10 +1351,7 @@ async fn owned_order_a_gap_is_reported_and_skipped_and_a_completed_duplicate_is_
 /// deliveries that arrive together) waits and runs third, once; the other key is
 /// dead-lettered `sequence_conflict`, each of its copies; nothing waits at the end.
 async fn early_entries_together(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: bool) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new(&format!("ordering-together-{mode}")).await;
-    prepare_as(&pool, &url, &q, owned).await;
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-together-{mode}"), owned).await;
     let mut other = serde_json::from_slice::<serde_json::Value>(&entry("t", 3)).unwrap();
     other["event_id"] = "t-other-3".into();
     q.publish(&entry("t", 3)).await;
