@@ -417,6 +417,9 @@ impl Bench {
         } else {
             0
         };
+        let t0: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+            .fetch_one(&self.pool)
+            .await?;
         let started = Instant::now();
         let mut children: Vec<Child> = (0..workers)
             .map(|_| self.spawn(&args))
@@ -499,6 +502,9 @@ impl Bench {
             }
         }
         let (in_order, once) = self.check(run, total).await?;
+        if self.args.timeline {
+            self.applied_per_slot(run, first, t0).await?;
+        }
         // Nothing of the load is a dead letter: a copy refused as out of sequence would be
         // one.
         if dead_lettered > 0 {
@@ -549,6 +555,37 @@ impl Bench {
             cpu.postgres, cpu.rabbitmq, cpu.children, cpu.this
         );
         Ok(ran)
+    }
+
+    /// With `--timeline`: the entries each worker process applied in every 100 ms of the
+    /// run (from the rows' own times): where a kill's stall falls, and who took over.
+    async fn applied_per_slot(&self, run: &str, first: i64, t0: f64) -> anyhow::Result<()> {
+        let rows: Vec<(i32, i32, i64)> = sqlx::query_as(
+            "SELECT (floor((extract(epoch FROM at) - $3) * 10))::int AS slot, pid, count(*)
+               FROM account_entries WHERE applied > $2 AND account LIKE $1 || '-%'
+              GROUP BY 1, 2 ORDER BY 1, 2",
+        )
+        .bind(run)
+        .bind(first)
+        .bind(t0)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut line = String::new();
+        let mut slot = None;
+        for (s, pid, n) in rows {
+            if slot != Some(s) {
+                if !line.is_empty() {
+                    eprintln!("{line}");
+                }
+                line = format!("ordering_bench run={run} slot_ms={}", s * 100);
+                slot = Some(s);
+            }
+            line.push_str(&format!(" {pid}={n}"));
+        }
+        if !line.is_empty() {
+            eprintln!("{line}");
+        }
+        Ok(())
     }
 
     fn spawn(&self, args: &[&str]) -> std::io::Result<Child> {
