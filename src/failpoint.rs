@@ -18,6 +18,28 @@
 //! | `http-single-after-claim` | a single-commit HTTP request holds its key in its transaction (the key's lock, or a claimed record), the route has not run |
 //! | `http-single-before-commit` | its record with the answer is written in that transaction (an answer stored without the route's writes: in a transaction of its own), not committed |
 //! | `http-single-after-commit` | it committed, the client has no answer yet |
+//!
+//! The same builds let tests stretch a timing the behaviour they prove depends on
+//! ([`stretched`]).
+
+/// `default`, or with the `failpoints` feature the milliseconds in the environment
+/// variable `var` when it holds a number: tests on a loaded machine stretch a timing
+/// that the behaviour they prove depends on (`IDEM_RUN_FOR_MS`: how long a leased run
+/// hands turns on without a move, `worker/owned/run.rs`).
+#[cfg(feature = "failpoints")]
+pub(crate) fn stretched(var: &str, default: std::time::Duration) -> std::time::Duration {
+    std::env::var(var)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map_or(default, std::time::Duration::from_millis)
+}
+
+/// `default`: built without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub(crate) fn stretched(_var: &str, default: std::time::Duration) -> std::time::Duration {
+    default
+}
 
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).
 #[cfg(feature = "failpoints")]

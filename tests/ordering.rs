@@ -655,6 +655,11 @@ async fn moved_by_its_holder(pool: &PgPool, account: &str) -> bool {
     .unwrap()
 }
 
+/// A leased run hands turns on without a move for 250 ms from its start; the tests
+/// that need a turn handed on in a run stretch that to 2 s (failpoints build), so that
+/// a loaded machine, where a turn may take longer, still runs their run.
+const RUN_WIDE: (&str, &str) = ("IDEM_RUN_FOR_MS", "2000");
+
 /// Owned order, leased mode, under load (concurrency 1: the moves go after the commit):
 /// a completion's move releases the row at the next number and reads the rows after it,
 /// and the task hands each turn on to the next without moving the position (a run);
@@ -670,7 +675,7 @@ async fn owned_order_a_leased_run_survives_a_kill_between_its_turns(
 ) {
     let (pool, url, q) = prepared(o, &c, "ordering-run-kill", true).await;
     let args = worker_args("leased", true, &["--concurrency", "1"]);
-    let crash = [("IDEM_FAILPOINT", "after-hand-on")];
+    let crash = [("IDEM_FAILPOINT", "after-hand-on"), RUN_WIDE];
     let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
     parked_then_first(&pool, &q, 10).await;
     let status = tokio::time::timeout(SETTLE, crashing.child.wait())
@@ -707,14 +712,14 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
         .await
         .unwrap();
     let args = worker_args("leased", true, &["--concurrency", "1"]);
-    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    let _w = spawn_accounts_worker_with_env(&url, &q.name, &args, &[RUN_WIDE]);
     parked_then_first(&pool, &q, 6).await;
     r_applied_to_2_and_3_dead_lettered(&pool, &q).await;
     assert_eq!(next_seq(&pool, "account-r").await, 3);
     assert_eq!(holder(&pool, "r").await.as_deref(), Some("r-v3"));
     assert!(
         moved_by_its_holder(&pool, "r").await,
-        "3 was handed on in a run (2 completed within 250 ms of the run's start), and its \
+        "3 was handed on in a run (2 completed within RUN_WIDE of the run's start), and its \
          hold moved the position from the run's first number"
     );
     assert_eq!(waiting(&pool).await, 3, "4 to 6 wait");
@@ -755,7 +760,7 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
         .unwrap();
     let slow_sweep = ["--concurrency", "1", "--sweep-every-ms", "600000"];
     let args = worker_args("leased", true, &slow_sweep);
-    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    let _w = spawn_accounts_worker_with_env(&url, &q.name, &args, &[RUN_WIDE]);
     parked_then_first(&pool, &q, 6).await;
     wait_until(SETTLE, "3 holds the position at its number", || async {
         next_seq(&pool, "account-r").await == 3
@@ -765,7 +770,7 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     assert_eq!(applied(&pool).await["r"], vec![1, 2]);
     assert!(
         moved_by_its_holder(&pool, "r").await,
-        "3 was handed on in a run (2 completed within 250 ms of the run's start), and its \
+        "3 was handed on in a run (2 completed within RUN_WIDE of the run's start), and its \
          mark moved the position"
     );
     let rows: Vec<(i64, i32)> = sqlx::query_as(

@@ -137,7 +137,8 @@ impl Run {
             from: self.from,
             next: next.map(|row| {
                 let who = Who(row.operation.clone(), row.idempotency_key.clone());
-                (who, self.since + RUN_FOR)
+                let run_for = crate::failpoint::stretched("IDEM_RUN_FOR_MS", RUN_FOR);
+                (who, self.since + run_for)
             }),
             permit: Mutex::new(self.permit.take()),
             reserved: Mutex::new(self.reserved.take()),
