@@ -19,6 +19,13 @@
 //! | `http-single-before-commit` | its record with the answer is written in that transaction (an answer stored without the route's writes: in a transaction of its own), not committed |
 //! | `http-single-after-commit` | it committed, the client has no answer yet |
 //!
+//! A few points fail instead, once per process, as an outage would (a pool timeout),
+//! and the process goes on ([`fails`]):
+//!
+//! | name | where |
+//! |---|---|
+//! | `owned-move-error` | an owned turn's move committed with it (a transactional batch's, with the turns it chained, or a leased handler's), its end in memory not yet made |
+//!
 //! The same builds let tests stretch a timing the behaviour they prove depends on
 //! ([`stretched`]).
 
@@ -39,6 +46,27 @@ pub(crate) fn stretched(var: &str, default: std::time::Duration) -> std::time::D
 #[inline(always)]
 pub(crate) fn stretched(_var: &str, default: std::time::Duration) -> std::time::Duration {
     default
+}
+
+/// Whether `IDEM_FAILPOINT` names this point and it has not failed yet in this process
+/// (feature `failpoints` only): the caller then fails as an outage would.
+#[cfg(feature = "failpoints")]
+pub(crate) fn fails(name: &str) -> bool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static FAILED: AtomicBool = AtomicBool::new(false);
+    std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name)
+        && !FAILED.swap(true, Ordering::SeqCst)
+        && {
+            eprintln!("failpoint {name}: failing once");
+            true
+        }
+}
+
+/// Never: built without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub(crate) fn fails(_name: &str) -> bool {
+    false
 }
 
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).

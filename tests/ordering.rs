@@ -967,6 +967,60 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
     );
 }
 
+/// The turns a chain ran committed with the turn that led it, so they are counted even
+/// when that one's delivery then fails before its ack (failpoint `owned-move-error`:
+/// its move in memory fails once, as an outage would). Account `r`'s 2 to 4 wait when
+/// its 1 comes: one commit applies 1 to 4, 1's delivery is requeued and comes back as a
+/// duplicate, and the tally counts three executed (2 to 4; 1's own run ends as
+/// `requeued`) besides the three parks.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_chain_is_counted_when_its_heads_move_fails(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let (pool, url, q) = prepared(o, &c, "ordering-chain-error", true).await;
+    let args = worker_args("transactional", true, &[]);
+    let failing = [("IDEM_FAILPOINT", "owned-move-error")];
+    let worker = spawn_accounts_worker_with_env(&url, &q.name, &args, &failing);
+    parked_then_first(&pool, &q, 4).await;
+    r_applied_to(&pool, &q, 4).await;
+    let commits: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT created_at) FROM processed_operations
+          WHERE idempotency_key LIKE 'r-v%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(commits, 1, "r's 1 to 4 committed together (a chain)");
+    wait_until(SETTLE, "1 requeued, then acked as a duplicate", || async {
+        worker.log_contains("failpoint owned-move-error")
+            && worker.log_contains("outcome=\"duplicate_completed\"")
+    })
+    .await;
+    let expected = [
+        ("duplicate_completed", 1),
+        ("executed", 3),
+        ("requeued", 1),
+        ("waiting", 3),
+    ];
+    wait_until(
+        SETTLE,
+        "2 to 4 executed in the tally, 1 requeued",
+        || async {
+            let tally: Vec<(String, i64)> = sqlx::query_as(
+                "SELECT outcome, sum(deliveries)::bigint FROM delivery_outcomes
+              WHERE queue = $1 GROUP BY outcome ORDER BY outcome",
+            )
+            .bind(&q.name)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            tally.iter().map(|(o, n)| (o.as_str(), *n)).eq(expected)
+        },
+    )
+    .await;
+}
+
 /// The deliveries of `queue` the tally counts as executed.
 async fn executed(pool: &PgPool, queue: &str) -> i64 {
     sqlx::query_scalar(

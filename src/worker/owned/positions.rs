@@ -385,6 +385,10 @@ impl Turn {
         next: Option<Vec<Released>>,
         to: Option<i64>,
     ) -> Result<Vec<Released>, Failure> {
+        if crate::failpoint::fails("owned-move-error") {
+            let outage = crate::store::StoreError::Database(sqlx::Error::PoolTimedOut);
+            return Err(outage.into());
+        }
         self.ended = true;
         let moved = next.is_some();
         let to = to.unwrap_or(self.seq + 1);
