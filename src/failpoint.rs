@@ -54,12 +54,12 @@ pub(crate) fn stretched(_var: &str, default: std::time::Duration) -> std::time::
 pub(crate) fn fails(name: &str) -> bool {
     use std::sync::atomic::{AtomicBool, Ordering};
     static FAILED: AtomicBool = AtomicBool::new(false);
-    std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name)
-        && !FAILED.swap(true, Ordering::SeqCst)
-        && {
-            eprintln!("failpoint {name}: failing once");
-            true
-        }
+    let failing = std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name)
+        && !FAILED.swap(true, Ordering::SeqCst);
+    if failing {
+        eprintln!("failpoint {name}: failing once");
+    }
+    failing
 }
 
 /// Never: built without the `failpoints` feature.
