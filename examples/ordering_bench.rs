@@ -417,9 +417,14 @@ impl Bench {
         } else {
             0
         };
-        let t0: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
-            .fetch_one(&self.pool)
-            .await?;
+        let t0: Option<f64> = match self.args.timeline {
+            true => Some(
+                sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+                    .fetch_one(&self.pool)
+                    .await?,
+            ),
+            false => None,
+        };
         let started = Instant::now();
         let mut children: Vec<Child> = (0..workers)
             .map(|_| self.spawn(&args))
@@ -502,7 +507,7 @@ impl Bench {
             }
         }
         let (in_order, once) = self.check(run, total).await?;
-        if self.args.timeline {
+        if let Some(t0) = t0 {
             self.applied_per_slot(run, first, t0).await?;
         }
         // Nothing of the load is a dead letter: a copy refused as out of sequence would be
@@ -558,8 +563,10 @@ impl Bench {
     }
 
     /// With `--timeline`: the entries each worker process applied in every 100 ms of the
-    /// run (from the rows' own times): where a kill's stall falls, and who took over.
+    /// run (from the rows' own times), an empty slot too: where a kill's stall falls, and
+    /// who took over.
     async fn applied_per_slot(&self, run: &str, first: i64, t0: f64) -> anyhow::Result<()> {
+        use std::fmt::Write;
         let rows: Vec<(i32, i32, i64)> = sqlx::query_as(
             "SELECT (floor((extract(epoch FROM at) - $3) * 10))::int AS slot, pid, count(*)
                FROM account_entries WHERE applied > $2 AND account LIKE $1 || '-%'
@@ -570,19 +577,14 @@ impl Bench {
         .bind(t0)
         .fetch_all(&self.pool)
         .await?;
-        let mut line = String::new();
-        let mut slot = None;
-        for (s, pid, n) in rows {
-            if slot != Some(s) {
-                if !line.is_empty() {
-                    eprintln!("{line}");
-                }
-                line = format!("ordering_bench run={run} slot_ms={}", s * 100);
-                slot = Some(s);
+        let (Some(low), Some(high)) = (rows.first(), rows.last()) else {
+            return Ok(());
+        };
+        for slot in low.0..=high.0 {
+            let mut line = format!("ordering_bench run={run} slot_ms={}", slot * 100);
+            for (_, pid, n) in rows.iter().filter(|row| row.0 == slot) {
+                write!(line, " {pid}={n}")?;
             }
-            line.push_str(&format!(" {pid}={n}"));
-        }
-        if !line.is_empty() {
             eprintln!("{line}");
         }
         Ok(())

@@ -1,8 +1,10 @@
-//! Failpoints: abort the process at a named point, to prove crash safety in tests.
+//! Failpoints: abort the process (or fail a step) at a named point, to prove crash
+//! safety in tests.
 //!
-//! Compiled in only with the `failpoints` cargo feature; without it [`hit`] is empty
-//! and costs nothing. With it, `IDEM_FAILPOINT=<name>` makes the process abort (no
-//! unwinding, no cleanup, like a `SIGKILL`) the first time it passes that point:
+//! Compiled in only with the `failpoints` cargo feature; without it [`hit`], [`fails`]
+//! and [`stretched`] are empty and cost nothing. With it, `IDEM_FAILPOINT=<name>` makes
+//! the process abort (no unwinding, no cleanup, like a `SIGKILL`) the first time it
+//! passes that point:
 //!
 //! | name | where |
 //! |---|---|
@@ -24,7 +26,7 @@
 //!
 //! | name | where |
 //! |---|---|
-//! | `owned-move-error` | an owned turn's move committed with it (a transactional batch's, with the turns it chained, or a leased handler's), its end in memory not yet made |
+//! | `owned-move-error` | an owned turn's move is made (in its commit: a transactional batch's, with the turns it chained, or a leased handler's; or on its own after it) and its end in memory too, nothing was handed to run next: where fetching a row parked meanwhile may fail |
 //!
 //! The same builds let tests stretch a timing the behaviour they prove depends on
 //! ([`stretched`]).

@@ -656,9 +656,11 @@ async fn moved_by_its_holder(pool: &PgPool, account: &str) -> bool {
 }
 
 /// A leased run hands turns on without a move for 250 ms from its start; the tests
-/// that need a turn handed on in a run stretch that to 2 s (failpoints build), so that
-/// a loaded machine, where a turn may take longer, still runs their run.
-const RUN_WIDE: (&str, &str) = ("IDEM_RUN_FOR_MS", "2000");
+/// that need a turn handed on in a run stretch that to 900 ms (failpoints build), so
+/// that a loaded machine, where a turn may take longer, still runs their run. Not past
+/// a second: the sweep takes a released row whose position has not moved for that long
+/// (`RELEASE_STALE`), which a run must not normally meet.
+const RUN_WIDE: (&str, &str) = ("IDEM_RUN_FOR_MS", "900");
 
 /// Owned order, leased mode, under load (concurrency 1: the moves go after the commit):
 /// a completion's move releases the row at the next number and reads the rows after it,
@@ -917,15 +919,11 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
     })
     .await;
     assert_eq!(applied(&pool).await["c"], vec![1, 2, 3]);
-    // now() is the start of the transaction: one value for c's three records.
-    let commits: i64 = sqlx::query_scalar(
-        "SELECT count(DISTINCT created_at) FROM processed_operations
-          WHERE idempotency_key LIKE 'c-v%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(commits, 1, "c's 1, 2 and 3 committed together");
+    assert_eq!(
+        commits(&pool, "c").await,
+        1,
+        "c's 1, 2 and 3 committed together"
+    );
     q.publish(&entry("a", 1)).await;
     wait_until(SETTLE, "a blocked at 4", || async {
         applied(&pool).await.get("a").is_some_and(|v| v.len() == 3)
@@ -984,14 +982,11 @@ async fn owned_order_a_chain_is_counted_when_its_heads_move_fails(
     let worker = spawn_accounts_worker_with_env(&url, &q.name, &args, &failing);
     parked_then_first(&pool, &q, 4).await;
     r_applied_to(&pool, &q, 4).await;
-    let commits: i64 = sqlx::query_scalar(
-        "SELECT count(DISTINCT created_at) FROM processed_operations
-          WHERE idempotency_key LIKE 'r-v%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(commits, 1, "r's 1 to 4 committed together (a chain)");
+    assert_eq!(
+        commits(&pool, "r").await,
+        1,
+        "r's 1 to 4 committed together (a chain)"
+    );
     wait_until(SETTLE, "1 requeued, then acked as a duplicate", || async {
         worker.log_contains("failpoint owned-move-error")
             && worker.log_contains("outcome=\"duplicate_completed\"")
@@ -1019,6 +1014,19 @@ async fn owned_order_a_chain_is_counted_when_its_heads_move_fails(
         },
     )
     .await;
+}
+
+/// The transactions that wrote account `account`'s records: `created_at` is `now()`,
+/// the start of its transaction, so a chain's records share one.
+async fn commits(pool: &PgPool, account: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(DISTINCT created_at) FROM processed_operations
+          WHERE idempotency_key LIKE $1 || '-v%'",
+    )
+    .bind(account)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// The deliveries of `queue` the tally counts as executed.

@@ -385,10 +385,6 @@ impl Turn {
         next: Option<Vec<Released>>,
         to: Option<i64>,
     ) -> Result<Vec<Released>, Failure> {
-        if crate::failpoint::fails("owned-move-error") {
-            let outage = crate::store::StoreError::Database(sqlx::Error::PoolTimedOut);
-            return Err(outage.into());
-        }
         self.ended = true;
         let moved = next.is_some();
         let to = to.unwrap_or(self.seq + 1);
@@ -404,6 +400,11 @@ impl Turn {
             debug!(entity = ?self.entity, seq = self.seq, "owned order: the position moved without this process; read again");
         }
         let next = next.unwrap_or_default();
+        if next.is_empty() && crate::failpoint::fails("owned-move-error") {
+            // Where the fetch below may fail: the memory has ended, nothing was handed.
+            let outage = crate::store::StoreError::Database(sqlx::Error::PoolTimedOut);
+            return Err(outage.into());
+        }
         if !next.is_empty() || !parked_next {
             return Ok(next);
         }
