@@ -967,7 +967,7 @@ async fn owned_order_chains_run_parked_turns_in_one_commit_and_stop_at_a_failure
 
 /// The turns a chain ran committed with the turn that led it, so they are counted even
 /// when that one's delivery then fails before its ack (failpoint `owned-move-error`:
-/// its move in memory fails once, as an outage would). Account `r`'s 2 to 4 wait when
+/// the fetch after its move fails once, as an outage would). Account `r`'s 2 to 4 wait when
 /// its 1 comes: one commit applies 1 to 4, 1's delivery is requeued and comes back as a
 /// duplicate, and the tally counts three executed (2 to 4; 1's own run ends as
 /// `requeued`) besides the three parks.
