@@ -50,14 +50,19 @@ pub(crate) fn stretched(_var: &str, default: std::time::Duration) -> std::time::
     default
 }
 
+/// Whether `IDEM_FAILPOINT` names this point.
+#[cfg(feature = "failpoints")]
+fn chosen(name: &str) -> bool {
+    std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name)
+}
+
 /// Whether `IDEM_FAILPOINT` names this point and it has not failed yet in this process
 /// (feature `failpoints` only): the caller then fails as an outage would.
 #[cfg(feature = "failpoints")]
 pub(crate) fn fails(name: &str) -> bool {
     use std::sync::atomic::{AtomicBool, Ordering};
     static FAILED: AtomicBool = AtomicBool::new(false);
-    let failing = std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name)
-        && !FAILED.swap(true, Ordering::SeqCst);
+    let failing = chosen(name) && !FAILED.swap(true, Ordering::SeqCst);
     if failing {
         eprintln!("failpoint {name}: failing once");
     }
@@ -74,7 +79,7 @@ pub(crate) fn fails(_name: &str) -> bool {
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).
 #[cfg(feature = "failpoints")]
 pub(crate) fn hit(name: &str) {
-    if std::env::var("IDEM_FAILPOINT").is_ok_and(|point| point == name) {
+    if chosen(name) {
         eprintln!("failpoint {name}: aborting");
         std::process::abort();
     }
