@@ -17,7 +17,8 @@
 //! account in version order) and prints one line per run and a summary; it exits 1
 //! when a check failed. Per run it also prints where the cores went (CPU microseconds
 //! per entry of Postgres, RabbitMQ and the workers) and what Postgres wrote per entry
-//! (commits, rows inserted, updated (how many HOT) and deleted, WAL bytes).
+//! (commits, rows inserted, updated (how many HOT) and deleted, WAL bytes); with
+//! `--statements N`, the N statements that took Postgres longest (`pg_stat_statements`).
 
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
@@ -93,6 +94,13 @@ struct Args {
     /// the kill hits the active one. The unordered run is as without it.
     #[arg(long)]
     single_active_consumer: bool,
+    /// Print, per run, the N statements that took Postgres longest (executing and
+    /// planning, microseconds per entry; wall time, so waits count): where an ordered
+    /// entry's Postgres time goes. Needs `pg_stat_statements` in the server's
+    /// `shared_preload_libraries` (a restart); it resets the server's statistics before
+    /// each run.
+    #[arg(long, default_value_t = 0)]
+    statements: usize,
     /// More arguments for every worker process (repeatable, e.g. `--worker-arg=--sweep-every-ms=5000`).
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     worker_args: Vec<String>,
@@ -401,6 +409,15 @@ impl Bench {
             args.push("--single-active-consumer");
         }
         args.extend(self.args.worker_args.iter().map(String::as_str));
+        if self.args.statements > 0 {
+            sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                .execute(&self.pool)
+                .await
+                .context("--statements: pg_stat_statements must be preloaded")?;
+            sqlx::query("SELECT pg_stat_statements_reset()")
+                .execute(&self.pool)
+                .await?;
+        }
         let cpu = CpuTicks::now(None);
         let writes_before = self.writes().await?;
         // The progress poll reads this run's rows only, by the primary key from where the
@@ -492,6 +509,9 @@ impl Bench {
         // Postgres's counters reach its view a moment after a backend's last commit.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let writes = self.writes().await?;
+        if self.args.statements > 0 {
+            self.statements(run, total).await?;
+        }
         let channel = self.connection.create_channel().await?;
         let mut dead_lettered = 0;
         let dlq = topology.dlq();
@@ -586,6 +606,30 @@ impl Bench {
                 write!(line, " {pid}={n}")?;
             }
             eprintln!("{line}");
+        }
+        Ok(())
+    }
+
+    /// With `--statements N`: the run's N costliest statements in the bench's database
+    /// (the workers' and the bench's own progress poll), from `pg_stat_statements`.
+    async fn statements(&self, run: &str, total: i64) -> anyhow::Result<()> {
+        let rows: Vec<(i64, i64, i64, f64, f64, String)> = sqlx::query_as(
+            "SELECT calls, plans, rows, total_exec_time, total_plan_time,
+                    left(regexp_replace(query, '\\s+', ' ', 'g'), 90)
+               FROM pg_stat_statements
+              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+              ORDER BY total_exec_time + total_plan_time DESC LIMIT $1",
+        )
+        .bind(i64::try_from(self.args.statements)?)
+        .fetch_all(&self.pool)
+        .await?;
+        let per = |ms: f64| ms * 1000.0 / total as f64;
+        for (calls, plans, rows, exec, plan, query) in rows {
+            println!(
+                "ordering_bench run={run} statement: exec_us={:.1} plan_us={:.1} calls={calls} plans={plans} rows={rows} {query}",
+                per(exec),
+                per(plan)
+            );
         }
         Ok(())
     }

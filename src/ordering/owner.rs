@@ -130,33 +130,12 @@ pub(crate) async fn load(
     Ok(next)
 }
 
-/// Keeps early entries in `ordering_waiting` (their bodies sealed under data
-/// protection), answering for each whether it was kept or what row stood in its way.
-/// `retention`: gc's of positions (the store's).
-pub(crate) async fn park(
-    pool: &PgPool,
-    keys: Option<&Keys>,
-    retention: Duration,
-    entries: &[Entry],
-) -> Result<Vec<Parked>, StoreError> {
-    let text = |f: for<'a> fn(&'a Entry) -> &'a str| entries.iter().map(f).collect::<Vec<_>>();
-    let scopes = text(|e| e.key.scope());
-    let ordering_keys = text(|e| &e.ordered.key);
-    let operations = text(|e| e.key.operation());
-    let idempotency_keys = text(|e| e.key.idempotency_key());
-    let fingerprints = text(|e| &e.fingerprint);
-    let queues = text(|e| &e.queue);
-    let seqs: Vec<i64> = entries
-        .iter()
-        .map(|e| e.ordered.sequence.unwrap_or_default())
-        .collect();
-    let bodies: Vec<Vec<u8>> = entries
-        .iter()
-        .map(|e| protect::seal_body(keys, &e.body))
-        .collect();
-    let properties: Vec<&[u8]> = entries.iter().map(|e| e.properties.as_slice()).collect();
-    let rows: Vec<ParkRow> = sqlx::query_as(
-        "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
+/// The park's statement ([`park`]), with `$conflict` after its insert: the plain one
+/// (nothing) or the careful one (`ON CONFLICT DO NOTHING`).
+macro_rules! park_statement {
+    ($conflict:literal) => {
+        concat!(
+            "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
                                          $5::text[], $6::text[], $7::text[], $8::bytea[],
                                          $9::bytea[])
                                    WITH ORDINALITY AS t(s, k, n, op, idem, fp, q, body, props, i)),
@@ -169,8 +148,9 @@ pub(crate) async fn park(
                  idempotency_key, payload_sha256, queue, body, properties)
              SELECT e.s, e.k, e.n, e.op, e.idem, e.fp, e.q, e.body, e.props
                FROM early e ORDER BY e.s, e.k, e.n, e.i
-             ON CONFLICT DO NOTHING
-             RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256),
+",
+            $conflict,
+            "             RETURNING scope, ordering_key, seq, operation, idempotency_key, payload_sha256),
          -- As the gate's parks, last_seq at the highest number waiting keeps gc off
          -- the position, but only where gc could be deleting it now (moved longer
          -- than half the retention ago): a gc that missed this row must have begun
@@ -212,20 +192,67 @@ pub(crate) async fn park(
                   WHERE k.seq IS NULL AND o.scope = t.s
                     AND ((o.operation = t.op AND o.idempotency_key = t.idem)
                          OR (o.ordering_key = t.k AND o.seq = t.n))
-                  LIMIT 1) x ON true",
-    )
-    .bind(&scopes)
-    .bind(&ordering_keys)
-    .bind(&seqs)
-    .bind(&operations)
-    .bind(&idempotency_keys)
-    .bind(&fingerprints)
-    .bind(&queues)
-    .bind(&bodies)
-    .bind(&properties)
-    .bind(crate::db::millis(retention))
-    .fetch_all(pool)
-    .await?;
+                  LIMIT 1) x ON true"
+        )
+    };
+}
+
+/// The park's statement as it runs first: a plain insert, which a waiting row with the
+/// key or the place of one of the entries refuses (23505, and nothing is written).
+/// `ON CONFLICT DO NOTHING` makes Postgres look each unique index up before the insert
+/// and confirm the row after it: a quarter to a third more time for a batch of early
+/// entries (docs/PERFORMANCE.md), for a conflict that is rare (a copy of a delivery
+/// parked already, after a kill).
+const PARK_PLAIN: &str = park_statement!("");
+
+/// The park's statement once the plain one was refused: each entry kept or answered
+/// with the row in its way.
+const PARK_CAREFUL: &str = park_statement!("             ON CONFLICT DO NOTHING\n");
+
+/// Keeps early entries in `ordering_waiting` (their bodies sealed under data
+/// protection), answering for each whether it was kept or what row stood in its way.
+/// `retention`: gc's of positions (the store's).
+pub(crate) async fn park(
+    pool: &PgPool,
+    keys: Option<&Keys>,
+    retention: Duration,
+    entries: &[Entry],
+) -> Result<Vec<Parked>, StoreError> {
+    let text = |f: for<'a> fn(&'a Entry) -> &'a str| entries.iter().map(f).collect::<Vec<_>>();
+    let scopes = text(|e| e.key.scope());
+    let ordering_keys = text(|e| &e.ordered.key);
+    let operations = text(|e| e.key.operation());
+    let idempotency_keys = text(|e| e.key.idempotency_key());
+    let fingerprints = text(|e| &e.fingerprint);
+    let queues = text(|e| &e.queue);
+    let seqs: Vec<i64> = entries
+        .iter()
+        .map(|e| e.ordered.sequence.unwrap_or_default())
+        .collect();
+    let bodies: Vec<Vec<u8>> = entries
+        .iter()
+        .map(|e| protect::seal_body(keys, &e.body))
+        .collect();
+    let properties: Vec<&[u8]> = entries.iter().map(|e| e.properties.as_slice()).collect();
+    let query = |sql: &'static str| {
+        sqlx::query_as::<_, ParkRow>(sql)
+            .bind(&scopes)
+            .bind(&ordering_keys)
+            .bind(&seqs)
+            .bind(&operations)
+            .bind(&idempotency_keys)
+            .bind(&fingerprints)
+            .bind(&queues)
+            .bind(&bodies)
+            .bind(&properties)
+            .bind(crate::db::millis(retention))
+    };
+    let rows = match query(PARK_PLAIN).fetch_all(pool).await {
+        Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+            query(PARK_CAREFUL).fetch_all(pool).await?
+        }
+        rows => rows?,
+    };
     let mut answers = vec![Parked::Again; entries.len()];
     for row in rows {
         if let Some(slot) = index(row.0).and_then(|i| answers.get_mut(i)) {

@@ -185,6 +185,61 @@ async fn a_load_and_a_park_write_only_positions_gc_could_take(pool: PgPool) {
     );
 }
 
+/// A park runs as a plain insert, which a row in the way refuses as a whole; it then
+/// runs again with `ON CONFLICT DO NOTHING`: the entries with no row in their way are
+/// kept, a copy of a waiting entry and another message at a taken place are answered
+/// with the row in their way, and two copies within one batch are kept as one row (both
+/// answered kept: either may be acked).
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_park_refused_by_a_waiting_row_keeps_the_others(pool: PgPool) {
+    let day = Duration::from_secs(24 * 3600);
+    let entry = |key: &str, seq: i64| entry(key, seq, Vec::new());
+    let first = park(&pool, None, day, &[entry("a", 5), entry("b", 5)]).await;
+    assert_eq!(first.unwrap(), vec![Parked::Kept, Parked::Kept]);
+    // Another message at b's place 5: its key is b's 5th with another fingerprint.
+    let mut rival = entry("b", 5);
+    rival.key = Key::new("s", "accounts.apply", "rival").unwrap();
+    let parked = park(
+        &pool,
+        None,
+        day,
+        &[
+            entry("a", 5),
+            entry("c", 3),
+            rival,
+            entry("d", 2),
+            entry("d", 2),
+        ],
+    )
+    .await
+    .unwrap();
+    let found = |key: &str, seq: i64| {
+        Parked::Found(
+            seq,
+            "accounts.apply".into(),
+            format!("{key}-{seq}"),
+            format!("fp-{key}-{seq}"),
+        )
+    };
+    assert_eq!(
+        parked,
+        vec![
+            found("a", 5),
+            Parked::Kept,
+            found("b", 5),
+            Parked::Kept,
+            Parked::Kept
+        ]
+    );
+    let kept: Vec<(String, i64)> =
+        sqlx::query_as("SELECT ordering_key, seq FROM ordering_waiting ORDER BY 1, 2")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let at = |key: &str, seq: i64| (key.to_string(), seq);
+    assert_eq!(kept, vec![at("a", 5), at("b", 5), at("c", 3), at("d", 2)]);
+}
+
 /// A leased run: its last turn's move goes from the run's first number (`from`) past
 /// the turn, deleting the rows of the turns between; it releases the row at the next
 /// number and reads the rows right after that one, to the first gap, not released. A
