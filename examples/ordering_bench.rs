@@ -97,8 +97,8 @@ struct Args {
     /// Print, per run, the N statements that took Postgres longest (executing and
     /// planning, microseconds per entry; wall time, so waits count): where an ordered
     /// entry's Postgres time goes. Needs `pg_stat_statements` in the server's
-    /// `shared_preload_libraries` (a restart); it resets the server's statistics before
-    /// each run.
+    /// `shared_preload_libraries` (a restart), and `pg_stat_statements.track_planning =
+    /// on` for the planning times; it resets the server's statistics before each run.
     #[arg(long, default_value_t = 0)]
     statements: usize,
     /// More arguments for every worker process (repeatable, e.g. `--worker-arg=--sweep-every-ms=5000`).
@@ -413,10 +413,11 @@ impl Bench {
             sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
                 .execute(&self.pool)
                 .await
-                .context("--statements: pg_stat_statements must be preloaded")?;
+                .context("--statements")?;
             sqlx::query("SELECT pg_stat_statements_reset()")
                 .execute(&self.pool)
-                .await?;
+                .await
+                .context("--statements: pg_stat_statements must be in shared_preload_libraries")?;
         }
         let cpu = CpuTicks::now(None);
         let writes_before = self.writes().await?;

@@ -196,7 +196,7 @@ async fn a_park_refused_by_a_waiting_row_keeps_the_others(pool: PgPool) {
     let entry = |key: &str, seq: i64| entry(key, seq, Vec::new());
     let first = park(&pool, None, day, &[entry("a", 5), entry("b", 5)]).await;
     assert_eq!(first.unwrap(), vec![Parked::Kept, Parked::Kept]);
-    // Another message at b's place 5: its key is b's 5th with another fingerprint.
+    // Another message (another key) at b's place 5.
     let mut rival = entry("b", 5);
     rival.key = Key::new("s", "accounts.apply", "rival").unwrap();
     let parked = park(
