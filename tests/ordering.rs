@@ -800,6 +800,68 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     r_applied_to(&pool, &q, 6).await;
 }
 
+/// A leased turn that ran longer than a run may hand on reads nothing ahead with its
+/// move: its successor would not complete within the run's time either, and the rows
+/// read would be read again by the successor's own move (on the shuffled bench under
+/// load, nearly every turn: docs/PERFORMANCE.md). Account `r`'s 2 to 6 are parked,
+/// then 1 comes; 1 and 3 wait on locks the test holds (`slow`). 1 runs until it is
+/// written down as the holder (a second, past `RUN_WIDE`); let go, its move releases
+/// 2 alone. 2 is quick: its move releases 3 and reads 4 to 6. So 3 stands at its own
+/// number, released by a move, not handed on in a run begun by 1's move: its mark
+/// writes the holder alone (`moved_at` is not `held_since`; in a run, the mark would
+/// have moved the position from 2, as in the test above). Let go, 3 to 6 apply in
+/// order, each once.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_slow_leased_turn_reads_nothing_ahead(o: PgPoolOptions, c: PgConnectOptions) {
+    let (pool, url, q) = prepared(o, &c, "ordering-run-slow", true).await;
+    sqlx::query(
+        "INSERT INTO account_failures (account, event_id, kind)
+         VALUES ('r', 'r-v1', 'slow'), ('r', 'r-v3', 'slow')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut locks = Vec::new();
+    for event in ["r-v1", "r-v3"] {
+        let mut lock = pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM account_failures WHERE event_id = $1 FOR UPDATE")
+            .bind(event)
+            .execute(&mut *lock)
+            .await
+            .unwrap();
+        locks.push(lock);
+    }
+    let slow_sweep = ["--concurrency", "1", "--sweep-every-ms", "600000"];
+    let args = worker_args("leased", true, &slow_sweep);
+    let _w = spawn_accounts_worker_with_env(&url, &q.name, &args, &[RUN_WIDE]);
+    parked_then_first(&pool, &q, 6).await;
+    wait_until(SETTLE, "1 runs long enough to be written down", || async {
+        holder(&pool, "r").await.as_deref() == Some("r-v1")
+    })
+    .await;
+    let lock3 = locks.pop().unwrap();
+    locks.pop().unwrap().rollback().await.unwrap();
+    wait_until(SETTLE, "3 holds the position at its number", || async {
+        next_seq(&pool, "account-r").await == 3
+            && holder(&pool, "r").await.as_deref() == Some("r-v3")
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], vec![1, 2]);
+    assert!(
+        !moved_by_its_holder(&pool, "r").await,
+        "3 was released by 2's move, not handed on in a run begun by 1's move"
+    );
+    let rows: Vec<(i64, i32)> = sqlx::query_as(
+        "SELECT seq, releases FROM ordering_waiting WHERE ordering_key = 'account-r' ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, vec![(3, 1), (4, 0), (5, 0), (6, 0)]);
+    lock3.rollback().await.unwrap();
+    r_applied_to(&pool, &q, 6).await;
+}
+
 /// A row handed the turn in a leased run that does not enter (its body no longer
 /// parses: a deploy whose handler refuses what an older one parked) is dead-lettered
 /// `malformed`, and the memory the turn before it kept for it goes back to the run's

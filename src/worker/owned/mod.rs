@@ -37,7 +37,7 @@ use crate::store::Store;
 
 use positions::Look;
 pub(crate) use positions::{Positions, Reserved, Turn};
-pub(crate) use run::{AHEAD, Ahead, Link, Run};
+pub(crate) use run::{AHEAD, Ahead, Link, Run, run_for};
 
 /// How long a position read or moved by this process is taken as true for a turn: older,
 /// it is read again before a delivery takes the turn (one round trip after a pause of
@@ -59,19 +59,28 @@ pub(super) struct Owner {
     store: Store,
     loads: Batcher<(String, String, i64), i64>,
     parks: Batcher<Entry, Parked>,
+    /// Moves that release the row at the next number.
     moves: Batcher<Done, Moved>,
+    /// In leased mode, moves that also read the rows after it, for a run
+    /// ([`Turn::complete`] says when).
+    reads: Option<Batcher<Done, Moved>>,
     fetches: Batcher<Place, Option<Released>>,
 }
 
 impl Owner {
-    /// `leased`: the queue runs in leased mode, where a move reads the rows after the
+    /// `leased`: the queue runs in leased mode, where a move may read the rows after the
     /// one it releases, for a run ([`Run`]).
     pub(super) fn new(store: &Store, config: &WorkerConfig, leased: bool) -> Self {
         let (size, in_flight) = (config.batch_size, config.batches_in_flight);
-        let then = Then::Release {
-            ahead: if leased { AHEAD } else { 0 },
-        };
         let zero = Duration::ZERO;
+        let moves = |ahead| {
+            let s = store.clone();
+            let then = Then::Release { ahead };
+            Batcher::spawn(size, zero, in_flight, move |items: Arc<[Done]>| {
+                let s = s.clone();
+                async move { owner::move_on(s.pool(), s.keys(), &items, then).await }
+            })
+        };
         let s = store.clone();
         let loads = Batcher::spawn(size, zero, in_flight, move |items: Arc<[_]>| {
             let s = s.clone();
@@ -83,11 +92,6 @@ impl Owner {
             async move { owner::park(s.pool(), s.keys(), s.config().retention, &items).await }
         });
         let s = store.clone();
-        let moves = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Done]>| {
-            let s = s.clone();
-            async move { owner::move_on(s.pool(), s.keys(), &items, then).await }
-        });
-        let s = store.clone();
         let fetches = Batcher::spawn(size, zero, in_flight, move |items: Arc<[Place]>| {
             let s = s.clone();
             async move { held::fetch(s.pool(), s.keys(), &items).await }
@@ -96,7 +100,8 @@ impl Owner {
             store: store.clone(),
             loads,
             parks,
-            moves,
+            moves: moves(0),
+            reads: leased.then(|| moves(AHEAD)),
             fetches,
         }
     }

@@ -1,9 +1,11 @@
 //! A leased run (docs/DESIGN.md, "Owned order"): in leased mode, a completion's move
 //! releases the row parked at the next number and reads the rows parked right after
-//! it. The task that runs the released turn then hands each turn on to the row after it
-//! without moving the position in the database: the run's last turn moves it past them
-//! all, deleting their rows, in one statement (a move and a release mark per turn were
-//! most of what a parked entry cost in leased mode: docs/PERFORMANCE.md). Until then the
+//! it (after the commit, only for a turn that completed within [`RUN_FOR`] of being
+//! taken: `Turn::complete`). The task that runs the released turn then hands each
+//! turn on to the row after it without moving the position in the database: the run's
+//! last turn moves it past them all, deleting their rows, in one statement (a move and
+//! a release mark per turn were most of what a parked entry cost in leased mode:
+//! docs/PERFORMANCE.md). Until then the
 //! memory is ahead of the database for that entity; a turn of the run that does not
 //! complete moves the position to its own number first (holding it or not), and one
 //! that fails on the way sends the memory back to where the database stands.
@@ -27,6 +29,11 @@ pub(crate) const AHEAD: i64 = 32;
 /// moves the position to its own number and holds it (`held::running`), as a turn handed
 /// on alone would stand, before the sweep would take the run's first row.
 const RUN_FOR: Duration = Duration::from_millis(250);
+
+/// [`RUN_FOR`], or what a test stretched it to.
+pub(crate) fn run_for() -> Duration {
+    crate::failpoint::stretched("IDEM_RUN_FOR_MS", RUN_FOR)
+}
 
 /// What a completed turn's end leaves its task of its entity's rows, besides the turn
 /// it released.
@@ -137,8 +144,7 @@ impl Run {
             from: self.from,
             next: next.map(|row| {
                 let who = Who(row.operation.clone(), row.idempotency_key.clone());
-                let run_for = crate::failpoint::stretched("IDEM_RUN_FOR_MS", RUN_FOR);
-                (who, self.since + run_for)
+                (who, self.since + run_for())
             }),
             permit: Mutex::new(self.permit.take()),
             reserved: Mutex::new(self.reserved.take()),
