@@ -862,6 +862,57 @@ async fn owned_order_a_slow_leased_turn_reads_nothing_ahead(o: PgPoolOptions, c:
     r_applied_to(&pool, &q, 6).await;
 }
 
+/// A turn that a completion's move released runs next in its task in the place among
+/// the queue's runs that the completed turn held, before the deliveries waiting for a
+/// place: concurrency 1, account `r`'s 2 is parked and its 1 waits on a lock the test
+/// holds (`slow`) while `x`'s and `y`'s 1 come and wait for the place. Let go, 1's
+/// move releases 2, which applies before them (waiting behind them, a released turn
+/// took half a second to complete under load, and its run rarely handed on).
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_released_turn_runs_in_the_place_of_the_turn_before_it(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let (pool, url, q) = prepared(o, &c, "ordering-run-place", true).await;
+    sqlx::query(
+        "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v1', 'slow')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = 'r-v1' FOR UPDATE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let args = worker_args("leased", true, &["--concurrency", "1"]);
+    let _w = spawn_accounts_worker(&url, &q.name, &args);
+    parked_then_first(&pool, &q, 2).await;
+    wait_until(SETTLE, "1 runs, holding the place", || async {
+        holder(&pool, "r").await.as_deref() == Some("r-v1")
+    })
+    .await;
+    q.publish(&entry("x", 1)).await;
+    q.publish(&entry("y", 1)).await;
+    wait_until(
+        SETTLE,
+        "x's and y's 1 taken, waiting for the place",
+        || async { q.counts(&q.name).await.0 == 0 && unacked(&q.name).await == 3 },
+    )
+    .await;
+    lock.rollback().await.unwrap();
+    wait_until(SETTLE, "all applied", || async {
+        applied_count(&pool).await == 4 && all_settled(&q).await
+    })
+    .await;
+    let order: Vec<String> =
+        sqlx::query_scalar("SELECT event_id FROM account_entries ORDER BY applied")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(order[..2], ["r-v1", "r-v2"], "{order:?}");
+}
+
 /// A row handed the turn in a leased run that does not enter (its body no longer
 /// parses: a deploy whose handler refuses what an older one parked) is dead-lettered
 /// `malformed`, and the memory the turn before it kept for it goes back to the run's

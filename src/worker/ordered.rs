@@ -105,25 +105,38 @@ pub(super) async fn begin_owned<H: Handler>(
 }
 
 /// Ends an owned turn's run ([`begin_owned`]): a turn that completed too late for its
-/// run moves the position itself and gives its place among the queue's runs back; one
-/// handed on passes its place to the next turn ([`move_owned`]).
+/// run moves the position itself ([`move_owned`]). Its place among the queue's runs
+/// goes to the turn it handed on to, or in leased mode that its move released, which
+/// runs next in this task; else back to the queue. Waiting again for a place behind
+/// the deliveries taken up to the prefetch, a released turn of the shuffled leased
+/// bench took about half a second to complete, twice the time in which a run hands on,
+/// so runs hardly ever did (docs/PERFORMANCE.md). In transactional mode, where a batch
+/// runs the parked turns after its own (chains), the bench was no faster with it.
 pub(super) async fn end_owned<H: Handler>(
     runtime: &Runtime<H>,
     incoming: &Incoming<'_>,
     turn: Option<Turn>,
     decided: &mut Decided,
     hand_to: Option<Who>,
-    mut running: Option<OwnedSemaphorePermit>,
+    running: Option<OwnedSemaphorePermit>,
 ) -> Result<(), Failure> {
     let hand_to = hand_to.and_then(|_| incoming.link.hands_to());
-    if hand_to.is_none() {
-        drop(running.take());
-    }
+    let leased = runtime.transactions.is_none();
+    // Kept through the move in leased mode, for the turn it may release.
+    let mut running = running.filter(|_| hand_to.is_some() || leased);
     if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
         move_owned(owner, turn, decided, hand_to).await?;
     }
-    if let Ahead::HandedOn { place, .. } = &mut decided.ahead {
-        *place = running;
+    let released = (decided.handed.iter().flatten()).any(|r| r.turn);
+    match &mut decided.ahead {
+        Ahead::HandedOn { place, .. } => *place = running.take(),
+        Ahead::Read { place, .. } if released => *place = running.take(),
+        Ahead::None if released => {
+            let place = running.take();
+            let rows = Vec::new();
+            decided.ahead = Ahead::Read { rows, place };
+        }
+        _ => {}
     }
     Ok(())
 }
@@ -152,7 +165,10 @@ pub(super) async fn move_owned(
             let ahead: Vec<_> = released.extract_if(.., |r| r.seq > next).collect();
             decided.handed = Some(turn.moved(owner, Some(released), to).await?);
             if !ahead.is_empty() {
-                decided.ahead = Ahead::Read(ahead);
+                decided.ahead = Ahead::Read {
+                    rows: ahead,
+                    place: None,
+                };
             }
         }
         (true, None, Some(next)) => {
@@ -168,7 +184,10 @@ pub(super) async fn move_owned(
             let (released, ahead) = turn.complete(owner).await?;
             decided.handed = Some(released);
             if !ahead.is_empty() {
-                decided.ahead = Ahead::Read(ahead);
+                decided.ahead = Ahead::Read {
+                    rows: ahead,
+                    place: None,
+                };
             }
         }
         (false, handed, _) => {

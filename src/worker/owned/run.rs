@@ -42,8 +42,14 @@ pub(crate) enum Ahead {
     /// Nothing: the run, if there was one, ends.
     #[default]
     None,
-    /// Its move read these rows after the one it released (in order, not released).
-    Read(Vec<Released>),
+    /// Its move released the turn after it, which this task runs next in the place
+    /// among the queue's runs that this turn held (`place`: the turn does not wait
+    /// behind the deliveries taken up to the prefetch, nor does the run it may begin),
+    /// and read these rows after that one (in order, not released).
+    Read {
+        rows: Vec<Released>,
+        place: Option<OwnedSemaphorePermit>,
+    },
     /// It handed its turn on to the row after it without a move (`reserved` for that
     /// row): the run goes on, in the place among the queue's runs that this turn held
     /// (`place`: the row does not wait again behind the deliveries taken up to the
@@ -109,15 +115,15 @@ pub(crate) struct Run {
 impl Run {
     /// The run that begins with the turn a move released, `ahead` what it read after it.
     pub(crate) fn new(ahead: Ahead) -> Self {
-        let rows = match ahead {
-            Ahead::Read(rows) => rows.into(),
-            Ahead::None | Ahead::HandedOn { .. } => VecDeque::new(),
+        let (rows, permit) = match ahead {
+            Ahead::Read { rows, place } => (rows.into(), place),
+            Ahead::None | Ahead::HandedOn { .. } => (VecDeque::new(), None),
         };
         Self {
             from: None,
             rows,
             since: Instant::now(),
-            permit: None,
+            permit,
             reserved: None,
         }
     }
