@@ -89,10 +89,14 @@ pub(super) fn take_turn<H: Handler>(
     runtime: &Runtime<H>,
     released: &mut Vec<Released>,
 ) -> Option<Released> {
-    let mine = released
-        .iter()
-        .position(|r| r.turn && r.operation == H::OPERATION && r.queue == runtime.config.queue)?;
+    let mine = released.iter().position(|r| runs_here(runtime, r))?;
     Some(released.swap_remove(mine))
+}
+
+/// Whether `released` is a turn this worker runs in the task that released it: its
+/// handler's, from its queue (else it is published to its queue).
+pub(super) fn runs_here<H: Handler>(runtime: &Runtime<H>, released: &Released) -> bool {
+    released.turn && released.operation == H::OPERATION && released.queue == runtime.config.queue
 }
 
 /// What a delivery handed its turn carries, as if the broker brought it from its queue.

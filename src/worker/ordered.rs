@@ -14,6 +14,7 @@ use tracing::debug;
 use super::batch::Batcher;
 use super::decision::{CONFLICT, DeadLetterOrder, Decided, Outcome, Settle, Verdict};
 use super::execute::message_fault;
+use super::hand_on::runs_here;
 use super::owned::{Ahead, Owner, Positions, Stand, Turn, Who};
 use super::parse::Parsed;
 use super::settle::Incoming;
@@ -95,19 +96,19 @@ pub(super) async fn begin_owned<H: Handler>(
         Some(handed) => Some(handed),
         None => positions.run().await,
     };
-    if let Some(held) = turn
-        && hand_to.is_none()
-        && (runtime.transactions.is_some() || positions.quiet())
-    {
-        parsed.owned = Some(held.done());
+    if let Some(held) = turn {
+        held.placed();
+        if hand_to.is_none() && (runtime.transactions.is_some() || positions.quiet()) {
+            parsed.owned = Some(held.done());
+        }
     }
     (hand_to, running)
 }
 
 /// Ends an owned turn's run ([`begin_owned`]): a turn that completed too late for its
 /// run moves the position itself ([`move_owned`]). Its place among the queue's runs
-/// goes to the turn it handed on to, or in leased mode that its move released, which
-/// runs next in this task; else back to the queue. Waiting again for a place behind
+/// goes to the turn it handed on to, or in leased mode that its move released when this
+/// task runs that one next (this handler's, from this queue); else back to the queue. Waiting again for a place behind
 /// the deliveries taken up to the prefetch, a released turn of the shuffled leased
 /// bench took about half a second to complete, twice the time in which a run hands on,
 /// so runs hardly ever did (docs/PERFORMANCE.md). In transactional mode, where a batch
@@ -127,11 +128,15 @@ pub(super) async fn end_owned<H: Handler>(
     if let (Some(turn), Some(owner)) = (turn, &runtime.owner) {
         move_owned(owner, turn, decided, hand_to).await?;
     }
-    let released = (decided.handed.iter().flatten()).any(|r| r.turn);
+    let released = decided
+        .handed
+        .iter()
+        .flatten()
+        .any(|r| runs_here(runtime, r));
     match &mut decided.ahead {
         Ahead::HandedOn { place, .. } => *place = running.take(),
         Ahead::Read { place, .. } if released => *place = running.take(),
-        Ahead::None if released => {
+        Ahead::None if released && running.is_some() => {
             let place = running.take();
             let rows = Vec::new();
             decided.ahead = Ahead::Read { rows, place };

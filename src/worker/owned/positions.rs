@@ -293,7 +293,7 @@ pub(crate) struct Turn {
     /// Where the position stands in the database: `seq`, or the number of a leased
     /// run's first turn, when the turns since ran without moving it.
     from: i64,
-    /// When it was taken.
+    /// When it was taken, or got its place among the queue's runs ([`Turn::placed`]).
     began: Instant,
     ended: bool,
 }
@@ -316,6 +316,12 @@ impl Turn {
     /// position stands in the database: its move (or its holder) moves it from there.
     pub(in crate::worker) fn ran_from(&mut self, from: i64) {
         self.from = from.min(self.seq);
+    }
+
+    /// The turn got its place among the queue's runs: from now on it runs (what it
+    /// waited for a place does not tell how long its successor will take).
+    pub(in crate::worker) fn placed(&mut self) {
+        self.began = Instant::now();
     }
 
     /// The turn's number.
@@ -349,10 +355,11 @@ impl Turn {
     /// the delivery parked at the next number, released to run next, and in leased
     /// mode the rows the move read after that one
     /// ([`crate::ordering::owner::Then::Release`]), if this turn completed within a
-    /// run's time ([`super::run_for`]) of being taken. A slower turn's successor would
-    /// not complete in time to be handed on either, and what the move read was read
-    /// again by the next: on the shuffled leased bench, under load, 19,000 of 20,000
-    /// turns moved, each move reading 5.7 rows with their bodies (docs/PERFORMANCE.md).
+    /// run's time ([`super::run_for`]) of getting its place. A slower turn's successor
+    /// would likely not complete in time to be handed on either, and what the move read
+    /// was read again by the next: on the shuffled leased bench, under load, 19,800 of
+    /// 20,000 turns moved, each move reading 5.7 rows with their bodies
+    /// (docs/PERFORMANCE.md).
     pub(in crate::worker) async fn complete(
         self,
         owner: &Owner,

@@ -1,14 +1,15 @@
 //! A leased run (docs/DESIGN.md, "Owned order"): in leased mode, a completion's move
 //! releases the row parked at the next number and reads the rows parked right after
-//! it (after the commit, only for a turn that completed within [`RUN_FOR`] of being
-//! taken: `Turn::complete`). The task that runs the released turn then hands each
-//! turn on to the row after it without moving the position in the database: the run's
-//! last turn moves it past them all, deleting their rows, in one statement (a move and
-//! a release mark per turn were most of what a parked entry cost in leased mode:
-//! docs/PERFORMANCE.md). Until then the
-//! memory is ahead of the database for that entity; a turn of the run that does not
-//! complete moves the position to its own number first (holding it or not), and one
-//! that fails on the way sends the memory back to where the database stands.
+//! it (after the commit, only for a turn that completed within [`RUN_FOR`] of getting
+//! its place among the queue's runs: `Turn::complete`). The task that runs the
+//! released turn, in the completed turn's place, then hands each turn on to the row
+//! after it without moving the position in the database: the run's last turn moves it
+//! past them all, deleting their rows, in one statement (a move and a release mark per
+//! turn were most of what a parked entry cost in leased mode: docs/PERFORMANCE.md).
+//! Until then the memory is ahead of the database for that entity; a turn of the run
+//! that does not complete moves the position to its own number first (holding it or
+//! not), and one that fails on the way sends the memory back to where the database
+//! stands.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
