@@ -733,6 +733,23 @@ async fn owned_order_a_leased_runs_failing_turn_holds_its_number(
     r_applied_to(&pool, &q, 6).await;
 }
 
+/// Makes account `r`'s entry `event` wait in its handler (`slow`) on a lock that the
+/// returned transaction holds until it ends.
+async fn held_in_handler(pool: &PgPool, event: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    sqlx::query("INSERT INTO account_failures (account, event_id, kind) VALUES ('r', $1, 'slow')")
+        .bind(event)
+        .execute(pool)
+        .await
+        .unwrap();
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = $1 FOR UPDATE")
+        .bind(event)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    lock
+}
+
 /// A turn of a leased run that runs long moves the position to its own number and
 /// holds it, half a second in, where a turn handed on alone would stand: account `r`'s
 /// 2 to 6 are parked, then 1 comes, and 3 waits on a lock the test holds (`slow`). The
@@ -749,17 +766,7 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     c: PgConnectOptions,
 ) {
     let (pool, url, q) = prepared(o, &c, "ordering-run-long", true).await;
-    sqlx::query(
-        "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v3', 'slow')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut lock = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = 'r-v3' FOR UPDATE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
+    let lock = held_in_handler(&pool, "r-v3").await;
     let slow_sweep = ["--concurrency", "1", "--sweep-every-ms", "600000"];
     let args = worker_args("leased", true, &slow_sweep);
     let _w = spawn_accounts_worker_with_env(&url, &q.name, &args, &[RUN_WIDE]);
@@ -814,23 +821,8 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_slow_leased_turn_reads_nothing_ahead(o: PgPoolOptions, c: PgConnectOptions) {
     let (pool, url, q) = prepared(o, &c, "ordering-run-slow", true).await;
-    sqlx::query(
-        "INSERT INTO account_failures (account, event_id, kind)
-         VALUES ('r', 'r-v1', 'slow'), ('r', 'r-v3', 'slow')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut locks = Vec::new();
-    for event in ["r-v1", "r-v3"] {
-        let mut lock = pool.begin().await.unwrap();
-        sqlx::query("SELECT 1 FROM account_failures WHERE event_id = $1 FOR UPDATE")
-            .bind(event)
-            .execute(&mut *lock)
-            .await
-            .unwrap();
-        locks.push(lock);
-    }
+    let lock1 = held_in_handler(&pool, "r-v1").await;
+    let lock3 = held_in_handler(&pool, "r-v3").await;
     let slow_sweep = ["--concurrency", "1", "--sweep-every-ms", "600000"];
     let args = worker_args("leased", true, &slow_sweep);
     let _w = spawn_accounts_worker_with_env(&url, &q.name, &args, &[RUN_WIDE]);
@@ -839,8 +831,7 @@ async fn owned_order_a_slow_leased_turn_reads_nothing_ahead(o: PgPoolOptions, c:
         holder(&pool, "r").await.as_deref() == Some("r-v1")
     })
     .await;
-    let lock3 = locks.pop().unwrap();
-    locks.pop().unwrap().rollback().await.unwrap();
+    lock1.rollback().await.unwrap();
     wait_until(SETTLE, "3 holds the position at its number", || async {
         next_seq(&pool, "account-r").await == 3
             && holder(&pool, "r").await.as_deref() == Some("r-v3")
@@ -874,17 +865,7 @@ async fn owned_order_a_released_turn_runs_in_the_place_of_the_turn_before_it(
     c: PgConnectOptions,
 ) {
     let (pool, url, q) = prepared(o, &c, "ordering-run-place", true).await;
-    sqlx::query(
-        "INSERT INTO account_failures (account, event_id, kind) VALUES ('r', 'r-v1', 'slow')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut lock = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM account_failures WHERE event_id = 'r-v1' FOR UPDATE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
+    let lock = held_in_handler(&pool, "r-v1").await;
     let args = worker_args("leased", true, &["--concurrency", "1"]);
     let _w = spawn_accounts_worker(&url, &q.name, &args);
     parked_then_first(&pool, &q, 2).await;
