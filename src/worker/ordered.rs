@@ -107,12 +107,13 @@ pub(super) async fn begin_owned<H: Handler>(
 
 /// Ends an owned turn's run ([`begin_owned`]): a turn that completed too late for its
 /// run moves the position itself ([`move_owned`]). Its place among the queue's runs
-/// goes to the turn it handed on to, or in leased mode that its move released when this
-/// task runs that one next (this handler's, from this queue); else back to the queue. Waiting again for a place behind
-/// the deliveries taken up to the prefetch, a released turn of the shuffled leased
-/// bench took about half a second to complete, twice the time in which a run hands on,
-/// so runs hardly ever did (docs/PERFORMANCE.md). In transactional mode, where a batch
-/// runs the parked turns after its own (chains), the bench was no faster with it.
+/// goes to the turn it handed on to, or in leased mode that its move released when
+/// this task runs that one next (this handler's, from this queue); else back to the
+/// queue. Waiting again for a place behind the deliveries taken up to the prefetch, a
+/// released turn of the shuffled leased bench took about half a second to complete,
+/// twice the time in which a run hands on, so runs hardly ever did
+/// (docs/PERFORMANCE.md). In transactional mode, where a batch runs the parked turns
+/// after its own (chains), the bench was no faster with it.
 pub(super) async fn end_owned<H: Handler>(
     runtime: &Runtime<H>,
     incoming: &Incoming<'_>,
