@@ -152,6 +152,75 @@ fn read_back(row: MovedRow, keys: Option<&Keys>) -> (i64, Option<Released>) {
     (i, released)
 }
 
+/// [`move_on`]'s statement: `$1`–`$5` and `$8` the turns (scope, ordering key,
+/// number, operation, idempotency key, the run's first number), `$6` the rows to read
+/// ahead, `$7` whether the row at the next number is released.
+const MOVE_ON: &str =
+    "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
+                                     $5::text[], $8::int8[])
+                               WITH ORDINALITY AS t(s, k, n, op, idem, f, i)),
+     locked AS MATERIALIZED (
+         SELECT l.scope, l.ordering_key
+           FROM (SELECT DISTINCT t.s, t.k FROM t ORDER BY t.s, t.k) u
+          CROSS JOIN LATERAL (
+                SELECT p.scope, p.ordering_key FROM ordering_positions p
+                 WHERE p.scope = u.s AND p.ordering_key = u.k
+                   FOR UPDATE) l),
+     moved AS (
+         UPDATE ordering_positions p
+            -- moved_at only once it is a second old: with no indexed column
+            -- changed, a move is a HOT update (no new entries in the positions'
+            -- indexes; each move was two, and bloated them).
+            SET next_seq = t.n + 1, last_seq = greatest(p.last_seq, t.n),
+                moved_at = CASE WHEN p.moved_at < now() - interval '1 second' THEN now()
+                                ELSE p.moved_at END,
+                holder_operation = NULL, holder_key = NULL, held_since = NULL
+           FROM t JOIN locked l ON l.scope = t.s AND l.ordering_key = t.k
+          WHERE p.scope = t.s AND p.ordering_key = t.k
+            -- At the run's first number, or at the turn's own if its long-turn
+            -- mark moved it there while its move waited in its commit.
+            AND (p.next_seq = t.f
+                 OR (p.next_seq = t.n AND p.holder_key = t.idem
+                     AND p.holder_operation = t.op))
+         RETURNING t.i, t.s, t.k, t.n, t.op, t.idem, t.f),
+     gone AS (
+         DELETE FROM ordering_waiting w USING moved m
+          WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem),
+     -- The rows of the turns a leased run ran before this one without a move.
+     ran AS (
+         DELETE FROM ordering_waiting w USING moved m
+          WHERE m.f < m.n AND w.scope = m.s AND w.ordering_key = m.k
+            AND w.seq >= m.f AND w.seq < m.n),
+     -- The clock, not the transaction's start (now()): a batch's transaction can
+     -- run long, and a release dated at its start would look stale to the sweep
+     -- as soon as it committed.
+     released AS (
+         UPDATE ordering_waiting w
+            SET released_at = clock_timestamp(), releases = w.releases + 1
+           FROM moved m
+          WHERE $7 AND w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
+         RETURNING m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
+                   w.queue, w.body, w.properties),
+     -- The rows at the numbers right after the turn, up to the first gap (after the
+     -- released one, when one is).
+     ahead AS (
+         SELECT m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
+                w.queue, w.body, w.properties
+           FROM moved m CROSS JOIN LATERAL (
+                 SELECT w.*, row_number() OVER (ORDER BY w.seq) AS r
+                   FROM ordering_waiting w
+                  WHERE w.scope = m.s AND w.ordering_key = m.k
+                    AND w.seq > m.n AND w.seq <= m.n + $7::int + $6) w
+          WHERE $6 > 0 AND w.seq = m.n + w.r AND w.seq > m.n + $7::int)
+     -- Each moved turn once (no row of its own: nothing released or ahead), then
+     -- its rows; no join between them (a nested loop read every row for each turn).
+     SELECT i, NULL::text, NULL::text, NULL::int8, NULL::text, NULL::text, NULL::text,
+            NULL::bytea, NULL::bytea
+       FROM moved
+     UNION ALL SELECT * FROM released
+     UNION ALL SELECT * FROM ahead
+     ORDER BY 1, 4 NULLS FIRST";
+
 /// Moves each entity past its completed turn, fenced (only where the position is at
 /// the turn's [`Done::from`], or at its number held by it), with the turn's waiting row
 /// if it had one and the rows of the turns a leased run ran from `from` without moving
@@ -185,82 +254,17 @@ pub(crate) async fn move_on<'e>(
         Then::Release { ahead } => (ahead, true),
         Then::Read(rows) => (rows, false),
     };
-    let rows: Vec<MovedRow> = sqlx::query_as(
-        "WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[],
-                                         $5::text[], $8::int8[])
-                                   WITH ORDINALITY AS t(s, k, n, op, idem, f, i)),
-         locked AS MATERIALIZED (
-             SELECT l.scope, l.ordering_key
-               FROM (SELECT DISTINCT t.s, t.k FROM t ORDER BY t.s, t.k) u
-              CROSS JOIN LATERAL (
-                    SELECT p.scope, p.ordering_key FROM ordering_positions p
-                     WHERE p.scope = u.s AND p.ordering_key = u.k
-                       FOR UPDATE) l),
-         moved AS (
-             UPDATE ordering_positions p
-                -- moved_at only once it is a second old: with no indexed column
-                -- changed, a move is a HOT update (no new entries in the positions'
-                -- indexes; each move was two, and bloated them).
-                SET next_seq = t.n + 1, last_seq = greatest(p.last_seq, t.n),
-                    moved_at = CASE WHEN p.moved_at < now() - interval '1 second' THEN now()
-                                    ELSE p.moved_at END,
-                    holder_operation = NULL, holder_key = NULL, held_since = NULL
-               FROM t JOIN locked l ON l.scope = t.s AND l.ordering_key = t.k
-              WHERE p.scope = t.s AND p.ordering_key = t.k
-                -- At the run's first number, or at the turn's own if its long-turn
-                -- mark moved it there while its move waited in its commit.
-                AND (p.next_seq = t.f
-                     OR (p.next_seq = t.n AND p.holder_key = t.idem
-                         AND p.holder_operation = t.op))
-             RETURNING t.i, t.s, t.k, t.n, t.op, t.idem, t.f),
-         gone AS (
-             DELETE FROM ordering_waiting w USING moved m
-              WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem),
-         -- The rows of the turns a leased run ran before this one without a move.
-         ran AS (
-             DELETE FROM ordering_waiting w USING moved m
-              WHERE m.f < m.n AND w.scope = m.s AND w.ordering_key = m.k
-                AND w.seq >= m.f AND w.seq < m.n),
-         -- The clock, not the transaction's start (now()): a batch's transaction can
-         -- run long, and a release dated at its start would look stale to the sweep
-         -- as soon as it committed.
-         released AS (
-             UPDATE ordering_waiting w
-                SET released_at = clock_timestamp(), releases = w.releases + 1
-               FROM moved m
-              WHERE $7 AND w.scope = m.s AND w.ordering_key = m.k AND w.seq = m.n + 1
-             RETURNING m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
-                       w.queue, w.body, w.properties),
-         -- The rows at the numbers right after the turn, up to the first gap (after the
-         -- released one, when one is).
-         ahead AS (
-             SELECT m.i, w.scope, w.ordering_key, w.seq, w.operation, w.idempotency_key,
-                    w.queue, w.body, w.properties
-               FROM moved m CROSS JOIN LATERAL (
-                     SELECT w.*, row_number() OVER (ORDER BY w.seq) AS r
-                       FROM ordering_waiting w
-                      WHERE w.scope = m.s AND w.ordering_key = m.k
-                        AND w.seq > m.n AND w.seq <= m.n + $7::int + $6) w
-              WHERE $6 > 0 AND w.seq = m.n + w.r AND w.seq > m.n + $7::int)
-         -- Each moved turn once (no row of its own: nothing released or ahead), then
-         -- its rows; no join between them (a nested loop read every row for each turn).
-         SELECT i, NULL::text, NULL::text, NULL::int8, NULL::text, NULL::text, NULL::text,
-                NULL::bytea, NULL::bytea
-           FROM moved
-         UNION ALL SELECT * FROM released
-         UNION ALL SELECT * FROM ahead
-         ORDER BY 1, 4 NULLS FIRST",
-    )
-    .bind(&scopes)
-    .bind(&ordering_keys)
-    .bind(&seqs)
-    .bind(&operations)
-    .bind(&idempotency_keys)
-    .bind(reads)
-    .bind(release)
-    .bind(&froms)
-    .fetch_all(executor)
-    .await?;
+    let rows: Vec<MovedRow> = sqlx::query_as(MOVE_ON)
+        .bind(&scopes)
+        .bind(&ordering_keys)
+        .bind(&seqs)
+        .bind(&operations)
+        .bind(&idempotency_keys)
+        .bind(reads)
+        .bind(release)
+        .bind(&froms)
+        .fetch_all(executor)
+        .await?;
     let mut answers = vec![Moved::default(); done.len()];
     for row in rows {
         let (i, released) = read_back(row, keys);
