@@ -94,6 +94,10 @@ struct Args {
     /// the kill hits the active one. The unordered run is as without it.
     #[arg(long)]
     single_active_consumer: bool,
+    /// The unordered runs on a queue with a single active consumer too (one process
+    /// consumes, the kill hits it): what such a queue costs without order.
+    #[arg(long)]
+    unordered_single_active_consumer: bool,
     /// Print, per run, the N statements that took Postgres longest (executing and
     /// planning, microseconds per entry; wall time, so waits count): where an ordered
     /// entry's Postgres time goes. Needs `pg_stat_statements` in the server's
@@ -379,7 +383,10 @@ impl Bench {
             "ordering_bench.{run}.{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
-        let single_active_consumer = self.args.single_active_consumer && order != "none";
+        let single_active_consumer = match order {
+            "none" => self.args.unordered_single_active_consumer,
+            _ => self.args.single_active_consumer,
+        };
         let topology = idem::Topology {
             queue: queue.clone(),
             queue_type: idem::QueueType::Classic,

@@ -12,8 +12,8 @@
 //! walks a channel's unacked deliveries for every ack that is not of the oldest.
 //!
 //! On a queue of owned order (a single active consumer) most deliveries are parked and
-//! decided within a few milliseconds while the older ones wait for a run: their acks
-//! wait longer there ([`Hold::owned`]).
+//! decided within a few milliseconds while the older ones wait for a run: once one was
+//! parked, acks wait longer there ([`Hold::owned`]).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -27,7 +27,7 @@ use tracing::warn;
 
 enum Command {
     Delivered(u64),
-    Ack(u64),
+    Ack { tag: u64, parked: bool },
     Nack { tag: u64, requeue: bool },
     Flush(oneshot::Sender<()>),
 }
@@ -53,7 +53,14 @@ impl Acks {
 
     /// Requests the ack of a delivery whose outcome is committed.
     pub(crate) fn ack(&self, tag: u64) {
-        let _ = self.tx.send(Command::Ack(tag));
+        let _ = self.tx.send(Command::Ack { tag, parked: false });
+    }
+
+    /// Requests the ack of a delivery kept for its turn (outcome `waiting`): on a queue
+    /// of owned order, from then on acks wait longer for the older runs
+    /// ([`Hold::owned`]).
+    pub(crate) fn ack_parked(&self, tag: u64) {
+        let _ = self.tx.send(Command::Ack { tag, parked: true });
     }
 
     /// Rejects a delivery, requeued or not (held acks are sent first).
@@ -104,7 +111,10 @@ impl Hold {
     /// The hold of a queue with a single active consumer (owned order) and `prefetch`:
     /// its early deliveries are parked (decided) in a few milliseconds while the older
     /// ones wait for their runs, and each of their acks sent alone walked every older
-    /// unacked delivery. 100 ms, and up to three quarters of the prefetch. The ordering
+    /// unacked delivery. 100 ms once the channel acked a parked delivery (before, and
+    /// on such a queue without order, [`HOLD`]: there the longer hold cost leased
+    /// workers about a tenth of their pace, docs/PERFORMANCE.md), and up to three
+    /// quarters of the prefetch. The ordering
     /// bench (transactional, with the kill, 9 pairs each, interleaved): RabbitMQ's CPU
     /// 69 µs an ordered entry against 94 with the plain hold (medians; unordered
     /// 64–66), and 3,346 ordered msgs/s against 2,973 (docs/PERFORMANCE.md).
@@ -122,6 +132,9 @@ impl Hold {
 struct Pending {
     outstanding: BTreeSet<u64>,
     decided: BTreeSet<u64>,
+    /// Whether a delivery kept for its turn was acked on this channel: its queue has
+    /// ordered deliveries, and the hold's own time applies from then on.
+    parks: bool,
     kept_since: Option<Instant>,
     hold: Hold,
 }
@@ -131,6 +144,7 @@ impl Pending {
         Self {
             outstanding: BTreeSet::new(),
             decided: BTreeSet::new(),
+            parks: false,
             kept_since: None,
             hold,
         }
@@ -153,21 +167,29 @@ impl Pending {
         taken
     }
 
+    /// Records the ack of `tag` as requested; `parked`: it was kept for its turn.
+    fn decide(&mut self, tag: u64, parked: bool) {
+        self.decided.insert(tag);
+        self.parks |= parked;
+    }
+
     /// Whether the decided deliveries must go now, whatever their wait: the hold keeps
     /// as many as it may.
     fn must_go(&self) -> bool {
         !self.decided.is_empty() && self.decided.len() >= self.hold.most
     }
 
-    /// How long the first decided delivery waits for the older ones: the hold's time, or
-    /// while the deliveries taken fill the prefetch (the broker sends nothing more until
-    /// an ack), no more than [`HOLD`]. Sent at once instead, each ack of a full window
+    /// How long the first decided delivery waits for the older ones: the hold's time
+    /// once a parked one was acked (else [`HOLD`]), or while the deliveries taken
+    /// fill the prefetch (the broker sends nothing more until an ack), no more than
+    /// [`HOLD`]. Sent at once instead, each ack of a full window
     /// went alone: leased owned order, 3 pairs, RabbitMQ 144–148 µs an ordered entry
     /// against 100–130 (docs/PERFORMANCE.md).
     fn wait(&self) -> Duration {
-        match self.hold.window > 0 && self.outstanding.len() >= self.hold.window {
-            true => self.hold.time.min(HOLD),
-            false => self.hold.time,
+        let full = self.hold.window > 0 && self.outstanding.len() >= self.hold.window;
+        match self.parks && !full {
+            true => self.hold.time,
+            false => self.hold.time.min(HOLD),
         }
     }
 
@@ -246,8 +268,8 @@ async fn run(
             Command::Delivered(tag) => {
                 pending.outstanding.insert(tag);
             }
-            Command::Ack(tag) => {
-                pending.decided.insert(tag);
+            Command::Ack { tag, parked } => {
+                pending.decide(tag, parked);
                 deadline.get_or_insert_with(|| Instant::now() + linger);
                 if pending.must_go() {
                     pending.send(&channel, true).await;

@@ -211,19 +211,48 @@ fn an_owned_queue_holds_younger_acks_longer() {
     let start = Instant::now();
     let mut pending = Pending::new(owned);
     pending.outstanding.extend([1, 2, 3]);
-    pending.decided.extend([2, 3]);
+    pending.decide(2, true);
+    pending.decide(3, false);
     assert_eq!(pending.take(start, false), (None, vec![]));
     // Past the plain hold, they still wait for 1.
     assert_eq!(pending.take(start + HOLD * 2, false), (None, vec![]));
-    pending.decided.insert(1);
+    pending.decide(1, false);
     assert_eq!(pending.take(start + HOLD * 5, false), (Some(3), vec![]));
     pending.outstanding.extend([4, 5]);
-    pending.decided.insert(5);
+    pending.decide(5, true);
     assert_eq!(pending.take(start + HOLD * 5, false), (None, vec![]));
     assert_eq!(
         pending.take(start + HOLD * 5 + owned.time, false),
         (None, vec![5])
     );
+}
+
+/// On such a queue, acks wait the plain hold until a parked delivery is acked (a queue
+/// whose handlers order nothing never parks: the longer hold cost leased workers
+/// about a tenth of their pace there), the owned one from then on.
+#[test]
+fn an_owned_queue_holds_acks_longer_once_it_parked() {
+    let owned = Hold::owned(512);
+    let start = Instant::now();
+    let mut pending = Pending::new(owned);
+    pending.outstanding.extend([1, 2, 3]);
+    pending.decide(2, false);
+    assert_eq!(pending.take(start, false), (None, vec![]));
+    assert_eq!(pending.kept_until(), Some(start + HOLD));
+    assert_eq!(pending.take(start + HOLD, false), (None, vec![2]));
+    pending.outstanding.insert(4);
+    pending.decide(4, true);
+    let _ = pending.take(start + HOLD, false);
+    assert_eq!(pending.kept_until(), Some(start + HOLD + owned.time));
+    assert_eq!(
+        pending.take(start + HOLD + owned.time, false),
+        (None, vec![4])
+    );
+    // From then on, a delivery that ran waits as long.
+    pending.decide(3, false);
+    let later = start + HOLD * 20;
+    let _ = pending.take(later, false);
+    assert_eq!(pending.kept_until(), Some(later + owned.time));
 }
 
 /// Held acks go at once when the hold keeps as many as it may, never when nothing
@@ -233,7 +262,8 @@ fn held_acks_wait_less_when_the_window_is_full() {
     let owned = Hold::owned(8);
     let mut pending = Pending::new(owned);
     pending.outstanding.extend(1..=7);
-    pending.decided.extend([2, 3]);
+    pending.decide(2, true);
+    pending.decide(3, true);
     assert!(!pending.must_go(), "2 of 6 held");
     let start = Instant::now();
     assert_eq!(pending.take(start, false), (None, vec![]));
@@ -254,7 +284,7 @@ fn held_acks_wait_less_when_the_window_is_full() {
     let unknown = Hold { window: 0, ..owned };
     let mut pending = Pending::new(unknown);
     pending.outstanding.extend(1..=1000);
-    pending.decided.insert(2);
+    pending.decide(2, true);
     let _ = pending.take(start, false);
     assert_eq!(
         pending.kept_until(),

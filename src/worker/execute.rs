@@ -480,8 +480,9 @@ async fn settle(settler: &Settler<'_>, decided: Decided) -> Result<Outcome, Fail
     if verdict.outcome == Outcome::LeaseLost {
         warn!("lease lost to another worker; its outcome decides");
     }
+    let parked = verdict.outcome == Outcome::Waiting;
     settler
-        .apply(verdict.action, key.as_ref())
+        .apply(verdict.action, key.as_ref(), parked)
         .instrument(info_span!("settle"))
         .await?;
     Ok(verdict.outcome)
