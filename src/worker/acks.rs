@@ -78,7 +78,8 @@ impl Acks {
 }
 
 /// How long a decided delivery's ack waits for older deliveries to be decided before it
-/// goes on its own, on a queue without owned order ([`Hold::owned`]). The bench
+/// goes on its own, on a queue without owned order, and on one with it until it parks
+/// a delivery ([`Hold::owned`]). The bench
 /// (`examples/bench.rs`, `idem_ledger`: leased, handlers completing out of order), six
 /// pairs: 3,670–3,919 msgs/s against 3,535–3,773 with such acks sent at once,
 /// RabbitMQ's CPU 26–44 µs a message against 46–54 (docs/PERFORMANCE.md).
@@ -111,10 +112,10 @@ impl Hold {
     /// The hold of a queue with a single active consumer (owned order) and `prefetch`:
     /// its early deliveries are parked (decided) in a few milliseconds while the older
     /// ones wait for their runs, and each of their acks sent alone walked every older
-    /// unacked delivery. 100 ms once the channel acked a parked delivery (before, and
-    /// on such a queue without order, [`HOLD`]: there the longer hold cost leased
-    /// workers about a tenth of their pace, docs/PERFORMANCE.md), and up to three
-    /// quarters of the prefetch. The ordering
+    /// unacked delivery. 100 ms once the ack of a parked delivery was asked for on the
+    /// channel (before, and on such a queue without order, [`HOLD`]: there the longer
+    /// hold cost leased workers 8 % of their pace, medians of 6 pairs,
+    /// docs/PERFORMANCE.md), and up to three quarters of the prefetch. The ordering
     /// bench (transactional, with the kill, 9 pairs each, interleaved): RabbitMQ's CPU
     /// 69 µs an ordered entry against 94 with the plain hold (medians; unordered
     /// 64–66), and 3,346 ordered msgs/s against 2,973 (docs/PERFORMANCE.md).
@@ -132,8 +133,10 @@ impl Hold {
 struct Pending {
     outstanding: BTreeSet<u64>,
     decided: BTreeSet<u64>,
-    /// Whether a delivery kept for its turn was acked on this channel: its queue has
-    /// ordered deliveries, and the hold's own time applies from then on.
+    /// Whether the ack of a delivery kept for its turn was asked for on this channel:
+    /// its queue has ordered deliveries, and the hold's own time applies from then on,
+    /// to every ack of the channel (those of a handler without order on the same queue
+    /// too), until the session ends.
     parks: bool,
     kept_since: Option<Instant>,
     hold: Hold,
@@ -180,11 +183,11 @@ impl Pending {
     }
 
     /// How long the first decided delivery waits for the older ones: the hold's time
-    /// once a parked one was acked (else [`HOLD`]), or while the deliveries taken
+    /// once a parked one was decided (else [`HOLD`]), or while the deliveries taken
     /// fill the prefetch (the broker sends nothing more until an ack), no more than
-    /// [`HOLD`]. Sent at once instead, each ack of a full window
-    /// went alone: leased owned order, 3 pairs, RabbitMQ 144–148 µs an ordered entry
-    /// against 100–130 (docs/PERFORMANCE.md).
+    /// [`HOLD`]. Sent at once instead, each ack of a full window went alone: leased
+    /// owned order, 3 pairs, RabbitMQ 144–148 µs an ordered entry against 100–130
+    /// (docs/PERFORMANCE.md).
     fn wait(&self) -> Duration {
         let full = self.hold.window > 0 && self.outstanding.len() >= self.hold.window;
         match self.parks && !full {

