@@ -37,7 +37,7 @@ use tokio::process::{Child, Command};
 #[allow(dead_code)]
 #[path = "support/cpu.rs"]
 mod cpu;
-use cpu::CpuTicks;
+use cpu::{CpuPerOp, CpuTicks};
 
 #[derive(Parser, Debug)]
 #[command(about = "idem ordering bench: in order per account, against no order")]
@@ -154,6 +154,21 @@ struct Ran {
     elapsed: Duration,
     in_order: bool,
     once: bool,
+}
+
+/// What [`Bench::drive`] measured of one run, before its checks.
+struct Driven {
+    /// Entries published.
+    total: i64,
+    /// The last `applied` of the entries before the run's.
+    first: i64,
+    /// With `--timeline`, the server's clock as the run began (seconds).
+    t0: Option<f64>,
+    elapsed: Duration,
+    cpu: CpuPerOp,
+    /// [`Bench::writes`] before and after the run.
+    writes_before: [i64; 6],
+    writes: [i64; 6],
 }
 
 impl Ran {
@@ -418,120 +433,9 @@ impl Bench {
                 .context("--statements: pg_stat_statements must be in shared_preload_libraries")?;
         }
         // The queues go whatever happens to the run: a run that fails leaves none.
-        let driven: anyhow::Result<_> = async {
-            topology.declare(&self.connection).await?;
-            let total = i64::try_from(bodies.len())?;
-            publish(&self.connection, &queue, &bodies).await?;
-            let lease = self.args.lease_secs.to_string();
-            let mut args = vec![
-                "--queue",
-                &queue,
-                "--mode",
-                &self.args.mode,
-                "--order",
-                order,
-                "--lease-secs",
-                &lease,
-            ];
-            args.extend_from_slice(extra);
-            if single_active_consumer {
-                args.push("--single-active-consumer");
-            }
-            args.extend(self.args.worker_args.iter().map(String::as_str));
-            let cpu = CpuTicks::now(None);
-            let writes_before = self.writes().await?;
-            // The progress poll reads this run's rows only, by the primary key from where the
-            // run starts: a scan of every run's rows (`LIKE`) cost the later run more, every
-            // 50 ms, and so favoured the earlier one.
-            // The workers create the table: none before the first run.
-            let exists: bool =
-                sqlx::query_scalar("SELECT to_regclass('account_entries') IS NOT NULL")
-                    .fetch_one(&self.pool)
-                    .await?;
-            let first: i64 = if exists {
-                sqlx::query_scalar("SELECT coalesce(max(applied), 0) FROM account_entries")
-                    .fetch_one(&self.pool)
-                    .await?
-            } else {
-                0
-            };
-            let t0: Option<f64> = match self.args.timeline {
-                true => Some(
-                    sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
-                        .fetch_one(&self.pool)
-                        .await?,
-                ),
-                false => None,
-            };
-            let started = Instant::now();
-            let mut children: Vec<Child> = (0..workers)
-                .map(|_| self.spawn(&args))
-                .collect::<Result<_, _>>()?;
-            let applied = |pool: PgPool, run: String| async move {
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT count(*) FROM account_entries
-                  WHERE applied > $2 AND account LIKE $1 || '-%'",
-                )
-                .bind(run)
-                .bind(first)
-                .fetch_one(&pool)
-                .await
-                .unwrap_or(0)
-            };
-            let mut killed = !kill;
-            let mut shown = Instant::now();
-            loop {
-                let done = applied(self.pool.clone(), run.into()).await;
-                if self.args.timeline && shown.elapsed() >= Duration::from_millis(250) {
-                    shown = Instant::now();
-                    eprintln!(
-                        "ordering_bench run={run} t_ms={} applied={done} waiting={} killed={}",
-                        started.elapsed().as_millis(),
-                        self.waiting().await?,
-                        kill && killed
-                    );
-                }
-                if !killed && done >= total / 3 {
-                    // The victim: the process that applied last.
-                    let last: Option<i32> = sqlx::query_scalar(LAST_APPLIER)
-                        .bind(run)
-                        .bind(first)
-                        .fetch_optional(&self.pool)
-                        .await?;
-                    let victim = children
-                        .iter()
-                        .position(|c| c.id().is_some_and(|id| Some(id as i32) == last))
-                        .unwrap_or(0);
-                    if let Some(id) = children[victim].id() {
-                        let _ = std::process::Command::new("kill")
-                            .args(["-KILL", &id.to_string()])
-                            .status();
-                    }
-                    killed = true;
-                }
-                if done >= total && self.waiting().await? == 0 {
-                    break;
-                }
-                if started.elapsed() > Duration::from_secs(1200) {
-                    bail!("{run}: {done} of {total} applied after 20 minutes");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            let elapsed = started.elapsed();
-            for child in &mut children {
-                let _ = child.start_kill();
-                let _ = child.wait().await;
-            }
-            let cpu = cpu.per_op(bodies.len(), None);
-            // Postgres's counters reach its view a moment after a backend's last commit.
-            tokio::time::sleep(Duration::from_millis(1500)).await;
-            let writes = self.writes().await?;
-            if self.args.statements > 0 {
-                self.statements(run, total).await?;
-            }
-            Ok((total, first, t0, elapsed, cpu, writes_before, writes))
-        }
-        .await;
+        let driven = self
+            .drive(&topology, run, order, workers, &bodies, kill, extra)
+            .await;
         // A run that failed says why, not that the channel to clean up failed after it.
         let channel = match self.connection.create_channel().await {
             Ok(channel) => channel,
@@ -550,7 +454,15 @@ impl Bench {
                 dead_lettered = deleted.unwrap_or_default();
             }
         }
-        let (total, first, t0, elapsed, cpu, writes_before, writes) = driven?;
+        let Driven {
+            total,
+            first,
+            t0,
+            elapsed,
+            cpu,
+            writes_before,
+            writes,
+        } = driven?;
         let (in_order, once) = self.check(run, total).await?;
         if let Some(t0) = t0 {
             self.applied_per_slot(run, first, t0).await?;
@@ -605,6 +517,141 @@ impl Bench {
             cpu.postgres, cpu.rabbitmq, cpu.children, cpu.this
         );
         Ok(ran)
+    }
+
+    /// Declares `topology`, publishes `bodies` to its queue and runs `workers` worker
+    /// processes on it until every entry is applied and none waits (killing the one that
+    /// applied last once a third is, with `kill`); what it measured. Its queues stay:
+    /// [`Bench::measure`] deletes them, whatever this returns.
+    #[allow(clippy::too_many_arguments)]
+    async fn drive(
+        &self,
+        topology: &idem::Topology,
+        run: &str,
+        order: &str,
+        workers: usize,
+        bodies: &[Vec<u8>],
+        kill: bool,
+        extra: &[&str],
+    ) -> anyhow::Result<Driven> {
+        topology.declare(&self.connection).await?;
+        let total = i64::try_from(bodies.len())?;
+        publish(&self.connection, &topology.queue, bodies).await?;
+        let lease = self.args.lease_secs.to_string();
+        let mut args = vec![
+            "--queue",
+            &topology.queue,
+            "--mode",
+            &self.args.mode,
+            "--order",
+            order,
+            "--lease-secs",
+            &lease,
+        ];
+        args.extend_from_slice(extra);
+        if topology.single_active_consumer {
+            args.push("--single-active-consumer");
+        }
+        args.extend(self.args.worker_args.iter().map(String::as_str));
+        let cpu = CpuTicks::now(None);
+        let writes_before = self.writes().await?;
+        // The progress poll reads this run's rows only, by the primary key from where the
+        // run starts: a scan of every run's rows (`LIKE`) cost the later run more, every
+        // 50 ms, and so favoured the earlier one.
+        // The workers create the table: none before the first run.
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('account_entries') IS NOT NULL")
+            .fetch_one(&self.pool)
+            .await?;
+        let first: i64 = if exists {
+            sqlx::query_scalar("SELECT coalesce(max(applied), 0) FROM account_entries")
+                .fetch_one(&self.pool)
+                .await?
+        } else {
+            0
+        };
+        let t0: Option<f64> = match self.args.timeline {
+            true => Some(
+                sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+                    .fetch_one(&self.pool)
+                    .await?,
+            ),
+            false => None,
+        };
+        let started = Instant::now();
+        let mut children: Vec<Child> = (0..workers)
+            .map(|_| self.spawn(&args))
+            .collect::<Result<_, _>>()?;
+        let applied = |pool: PgPool, run: String| async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM account_entries
+              WHERE applied > $2 AND account LIKE $1 || '-%'",
+            )
+            .bind(run)
+            .bind(first)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+        };
+        let mut killed = !kill;
+        let mut shown = Instant::now();
+        loop {
+            let done = applied(self.pool.clone(), run.into()).await;
+            if self.args.timeline && shown.elapsed() >= Duration::from_millis(250) {
+                shown = Instant::now();
+                eprintln!(
+                    "ordering_bench run={run} t_ms={} applied={done} waiting={} killed={}",
+                    started.elapsed().as_millis(),
+                    self.waiting().await?,
+                    kill && killed
+                );
+            }
+            if !killed && done >= total / 3 {
+                // The victim: the process that applied last.
+                let last: Option<i32> = sqlx::query_scalar(LAST_APPLIER)
+                    .bind(run)
+                    .bind(first)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                let victim = children
+                    .iter()
+                    .position(|c| c.id().is_some_and(|id| Some(id as i32) == last))
+                    .unwrap_or(0);
+                if let Some(id) = children[victim].id() {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-KILL", &id.to_string()])
+                        .status();
+                }
+                killed = true;
+            }
+            if done >= total && self.waiting().await? == 0 {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(1200) {
+                bail!("{run}: {done} of {total} applied after 20 minutes");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let elapsed = started.elapsed();
+        for child in &mut children {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+        let cpu = cpu.per_op(bodies.len(), None);
+        // Postgres's counters reach its view a moment after a backend's last commit.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let writes = self.writes().await?;
+        if self.args.statements > 0 {
+            self.statements(run, total).await?;
+        }
+        Ok(Driven {
+            total,
+            first,
+            t0,
+            elapsed,
+            cpu,
+            writes_before,
+            writes,
+        })
     }
 
     /// With `--timeline`: the entries each worker process applied in every 100 ms of the
