@@ -36,9 +36,11 @@ macro_rules! park_statement {
                                          $9::bytea[])
                                    WITH ORDINALITY AS t(s, k, n, op, idem, fp, q, body, props, i)),
          early AS (
-             SELECT t.* FROM t
-              WHERE NOT coalesce((SELECT p.next_seq >= t.n FROM ordering_positions p
-                                   WHERE p.scope = t.s AND p.ordering_key = t.k), false)),
+             SELECT t.*, p.moved_at AS moved FROM t
+               LEFT JOIN LATERAL (
+                     SELECT p.next_seq, p.moved_at FROM ordering_positions p
+                      WHERE p.scope = t.s AND p.ordering_key = t.k) p ON true
+              WHERE NOT coalesce(p.next_seq >= t.n, false)),
          kept AS (
              INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
                  idempotency_key, payload_sha256, queue, body, properties)
@@ -52,14 +54,16 @@ macro_rules! park_statement {
          -- than half the retention ago): a gc that missed this row must have begun
          -- half a retention after this statement. A write on a position a batch
          -- is moving waits for that batch's commit, and was a third of the park's
-         -- time (docs/PERFORMANCE.md). Rarely any: the update runs only if one is
-         -- found, each read by its key (a join read the whole table).
+         -- time (docs/PERFORMANCE.md). Rarely any: each entry's moved_at comes with
+         -- its look at its position (early), read by its key (a join read the whole
+         -- table), and the update runs only if one is found.
          old AS (
-             SELECT k.scope, k.ordering_key, max(k.seq) AS top FROM kept k
-              GROUP BY k.scope, k.ordering_key
-             HAVING (SELECT p.moved_at FROM ordering_positions p
-                      WHERE p.scope = k.scope AND p.ordering_key = k.ordering_key)
-                    < now() - $10 * interval '1 millisecond' / 2),
+             SELECT e.s AS scope, e.k AS ordering_key, max(e.n) AS top FROM early e
+              WHERE e.moved < now() - $10 * interval '1 millisecond' / 2
+                AND EXISTS (SELECT 1 FROM kept k
+                             WHERE k.scope = e.s AND k.ordering_key = e.k AND k.seq = e.n
+                               AND k.operation = e.op AND k.idempotency_key = e.idem)
+              GROUP BY e.s, e.k),
          grown AS (
              UPDATE ordering_positions p SET last_seq = m.top
                FROM old m
