@@ -39,7 +39,10 @@ macro_rules! park_statement {
              SELECT t.*, p.moved_at AS moved FROM t
                LEFT JOIN LATERAL (
                      SELECT p.next_seq, p.moved_at FROM ordering_positions p
-                      WHERE p.scope = t.s AND p.ordering_key = t.k) p ON true
+                      WHERE p.scope = t.s AND p.ordering_key = t.k
+                      -- A subquery with a limit is not pulled up into a join, which
+                      -- could hash the whole table: each entry probes its position.
+                      LIMIT 1) p ON true
               WHERE NOT coalesce(p.next_seq >= t.n, false)),
          kept AS (
              INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
