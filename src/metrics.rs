@@ -306,10 +306,14 @@ async fn answer(
         }
         "/healthz" => {
             let database = database_health(pool).await;
-            let up = database.is_ok() && broker.is_up();
-            let mut body = format!("broker: {}\n", if broker.is_up() { "up" } else { "down" });
+            // One look at the queues for the status and the body: read twice, a queue
+            // that went down in between was listed down under a 200.
+            let queues = broker.queues();
+            let broker_up = !queues.is_empty() && queues.iter().all(|(_, up)| *up);
+            let up = database.is_ok() && broker_up;
+            let mut body = format!("broker: {}\n", if broker_up { "up" } else { "down" });
             let circuits: BTreeMap<String, CircuitState> = broker.circuits().into_iter().collect();
-            for (queue, up) in broker.queues() {
+            for (queue, up) in queues {
                 let state = if up { "consuming" } else { "down" };
                 let circuit = match circuits.get(&queue) {
                     Some(CircuitState::Open) => ", paused: circuit open",
