@@ -167,8 +167,7 @@ impl BrokerHealth {
     /// True while every queue is connected and consuming (false before the first). A
     /// queue paused by its open circuit is consuming: it is healthy.
     pub fn is_up(&self) -> bool {
-        let queues = self.lock();
-        !queues.up.is_empty() && queues.up.values().all(|up| *up)
+        all_consuming(&self.queues())
     }
 
     /// Each queue, and whether it is consuming, by name.
@@ -309,7 +308,7 @@ async fn answer(
             // One look at the queues for the status and the body: read twice, a queue
             // that went down in between was listed down under a 200.
             let queues = broker.queues();
-            let broker_up = !queues.is_empty() && queues.iter().all(|(_, up)| *up);
+            let broker_up = all_consuming(&queues);
             let up = database.is_ok() && broker_up;
             let mut body = format!("broker: {}\n", if broker_up { "up" } else { "down" });
             let circuits: BTreeMap<String, CircuitState> = broker.circuits().into_iter().collect();
@@ -343,6 +342,12 @@ async fn answer(
     );
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await
+}
+
+/// Whether the broker is up by [`BrokerHealth::queues`]: at least one queue, and every
+/// one consuming.
+fn all_consuming(queues: &[(String, bool)]) -> bool {
+    !queues.is_empty() && queues.iter().all(|(_, up)| *up)
 }
 
 /// Whether Postgres answers a trivial query within two seconds, and if not, why.
