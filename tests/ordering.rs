@@ -1590,13 +1590,28 @@ async fn order_of_arrival_runs_one_entry_of_an_account_at_a_time(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    let pool = o.connect_with(c.clone()).await.unwrap();
-    let url = database_url(&c);
-    let q = TestQueue::new("ordering-arrival").await;
-    prepare(&pool, &url, &q).await;
+    arrival_one_at_a_time(o, c, false).await;
+}
+
+/// The same on a queue of owned order (a single active consumer): deliveries without a
+/// number go through the gate there too.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_of_arrival_runs_one_entry_of_an_account_at_a_time(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    arrival_one_at_a_time(o, c, true).await;
+}
+
+async fn arrival_one_at_a_time(o: PgPoolOptions, c: PgConnectOptions, owned: bool) {
+    let (pool, url, q) = prepared(o, &c, "ordering-arrival", owned).await;
     // Written outside the handler's transaction: the record completes on its own and
     // the account moves on after that commit (the release of its own).
-    let args = ["--order", "arrival", "--work-ms", "20", "--outside-tx"];
+    let args = worker_args(
+        "leased",
+        owned,
+        &["--order", "arrival", "--work-ms", "20", "--outside-tx"],
+    );
     let _a = spawn_accounts_worker(&url, &q.name, &args);
     let _b = spawn_accounts_worker(&url, &q.name, &args);
     wait_for_consumers(&q, 2).await;

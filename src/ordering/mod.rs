@@ -62,6 +62,11 @@ pub struct Ordered {
 impl Ordered {
     /// The entity `key`'s deliveries, in order of arrival on the queue (until
     /// [`Ordered::sequence`] gives each its number).
+    ///
+    /// Order an entity one way: by its producer's numbers or by arrival, not both. A
+    /// delivery without a number takes the one after the highest seen, which a numbered
+    /// message of the same entity may carry too (it is then dead-lettered
+    /// `sequence_conflict` or `sequence_passed`).
     pub fn by(key: impl Into<String>) -> Self {
         Self {
             key: key.into(),

@@ -315,7 +315,7 @@ fn test_config(mode: Mode, pool: &PgPool) -> WorkerConfig {
 
 fn settled(settle: Settle) -> Settled {
     match settle {
-        Settle::Ack => Settled::Acked,
+        Settle::Ack | Settle::AckWaiting => Settled::Acked,
         Settle::Retry { delay, .. } => Settled::Retried { delay },
         Settle::Requeue { after } => Settled::Requeued { after },
         Settle::DeadLetter(order) => Settled::DeadLettered {

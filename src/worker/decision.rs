@@ -49,6 +49,10 @@ pub(crate) struct Verdict {
 pub(crate) enum Settle {
     /// Ack it: done, or nothing to do.
     Ack,
+    /// Ack it: kept in `ordering_waiting` for its turn (outcome `waiting`). On a queue of
+    /// owned order its ack, and from then on every ack of the channel, waits longer for
+    /// the older deliveries (`acks::Hold::owned`).
+    AckWaiting,
     /// Publish a copy through the retry queue of this delay, carrying `retries` in
     /// `idem-retries`, then ack.
     Retry { delay: Duration, retries: i64 },

@@ -480,9 +480,8 @@ async fn settle(settler: &Settler<'_>, decided: Decided) -> Result<Outcome, Fail
     if verdict.outcome == Outcome::LeaseLost {
         warn!("lease lost to another worker; its outcome decides");
     }
-    let parked = verdict.outcome == Outcome::Waiting;
     settler
-        .apply(verdict.action, key.as_ref(), parked)
+        .apply(verdict.action, key.as_ref())
         .instrument(info_span!("settle"))
         .await?;
     Ok(verdict.outcome)

@@ -356,7 +356,7 @@ fn verdict_of(gate: Gate, entity: &str, seq: Option<i64>) -> Verdict {
         Gate::Run | Gate::Wait | Gate::Waiting => {
             debug!(entity = %entity, seq = %seq, "waiting for its turn");
             Verdict {
-                action: Settle::Ack,
+                action: Settle::AckWaiting,
                 outcome: Outcome::Waiting,
             }
         }
@@ -402,3 +402,7 @@ pub(super) fn moves_on(outcome: Outcome) -> bool {
         Outcome::Executed | Outcome::Reconciled | Outcome::DuplicateCompleted
     )
 }
+
+#[cfg(test)]
+#[path = "ordered_tests.rs"]
+mod tests;

@@ -186,7 +186,7 @@ impl Unrouted {
         };
         let span = info_span!("delivery", queue = %self.queue, outcome = decided.as_str());
         let outcome = async {
-            match settler.apply(Settle::DeadLetter(order), None, false).await {
+            match settler.apply(Settle::DeadLetter(order), None).await {
                 Ok(()) => decided,
                 Err(error) => {
                     // Its DLQ refused it or the broker failed: the same message would

@@ -146,21 +146,18 @@ impl Settler<'_> {
         count(self.operation, self.tally, outcome, replayed);
     }
 
-    /// Does what the decision said. `key` is the message's key, if it had a valid one;
-    /// `parked`: the delivery was kept for its turn (its ack may wait longer).
-    pub(super) async fn apply(
-        &self,
-        action: Settle,
-        key: Option<&Key>,
-        parked: bool,
-    ) -> Result<(), Failure> {
+    /// Does what the decision said. `key` is the message's key, if it had a valid one.
+    pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), Failure> {
         match action {
             // A handed-over delivery acked here completed, or its record decides without
             // a turn: the release's move past it deletes its row, or the next copy's
             // entry does; no round trip of its own at every turn of a hot entity.
             Settle::Ack => match self.from {
-                Source::Broker(tag) if parked => self.links.acks.ack_parked(tag),
                 Source::Broker(tag) => self.links.acks.ack(tag),
+                Source::Waiting(_) => {}
+            },
+            Settle::AckWaiting => match self.from {
+                Source::Broker(tag) => self.links.acks.ack_parked(tag),
                 Source::Waiting(_) => {}
             },
             Settle::Retry { delay, retries } => {
