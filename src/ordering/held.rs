@@ -5,7 +5,9 @@
 //! `owner.rs`.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
 
 use sqlx::PgPool;
 
@@ -46,19 +48,37 @@ pub(crate) async fn fetch(
     Ok(places.iter().map(|place| found.remove(place)).collect())
 }
 
+/// The database's clock at a session's first delivery, `first` (counted back from a
+/// connection already in hand, so that no wait for one moves it later): what was
+/// handed before it is a previous owner's ([`taken_over`]).
+pub(crate) async fn takeover_cutoff(
+    pool: &PgPool,
+    first: Instant,
+) -> Result<DateTime<Utc>, StoreError> {
+    let mut connection = pool.acquire().await?;
+    let since_first = first.elapsed();
+    Ok(
+        sqlx::query_scalar("SELECT now() - $1 * interval '1 millisecond'")
+            .bind(crate::db::millis(since_first))
+            .fetch_one(&mut *connection)
+            .await?,
+    )
+}
+
 /// The turns a previous owner of `queue` was handed in process and did not complete
 /// (it died, or lost its consumer): rows at their entity's turn, with no holder (or
 /// held by themselves: a turn handed in process that ran long, see [`running`]),
-/// released (or parked, for a turn it was to fetch) more than `before` ago, and not run
-/// under a live lease, released again to be published. `before`: the time since a
-/// session's first delivery; what was handed before it is the previous owner's, as the
-/// broker gives a single-active-consumer queue to the next consumer only once the
-/// last one is gone. What the stale sweep would publish a second or more later.
+/// released (or parked, for a turn it was to fetch) before `cutoff`, and not run under
+/// a live lease, released again to be published. `cutoff`: the database's clock at a
+/// session's first delivery ([`takeover_cutoff`]); what was handed before it is the
+/// previous owner's, as the broker gives a single-active-consumer queue to the next
+/// consumer only once the last one is gone. What the stale sweep would publish a second
+/// or more later.
 pub(crate) async fn taken_over(
     pool: &PgPool,
     keys: Option<&Keys>,
     queue: &str,
-    before: Duration,
+    cutoff: DateTime<Utc>,
 ) -> Result<Vec<Released>, StoreError> {
     let rows: Vec<WaitingRow> = sqlx::query_as(
         "UPDATE ordering_waiting w SET released_at = now(), releases = w.releases + 1
@@ -67,7 +87,7 @@ pub(crate) async fn taken_over(
             AND w.seq = p.next_seq
             AND (p.holder_key IS NULL
                  OR (p.holder_operation = w.operation AND p.holder_key = w.idempotency_key))
-            AND coalesce(w.released_at, w.waiting_since) < now() - $2 * interval '1 millisecond'
+            AND coalesce(w.released_at, w.waiting_since) < $2
             AND NOT EXISTS (
                 SELECT 1 FROM processed_operations o
                  WHERE o.scope = w.scope AND o.operation = w.operation
@@ -78,7 +98,7 @@ pub(crate) async fn taken_over(
                    w.body, w.properties, true",
     )
     .bind(queue)
-    .bind(crate::db::millis(before))
+    .bind(cutoff)
     .fetch_all(pool)
     .await?;
     Ok(rows
@@ -242,8 +262,60 @@ mod tests {
 
     use sqlx::PgPool;
 
-    use super::{Marked, running};
+    use super::{Marked, running, taken_over, takeover_cutoff};
     use crate::ordering::owner::tests::done;
+
+    /// The takeover publishes the turns released before the session's first delivery,
+    /// by the database's clock read at once: a turn this process released since is not
+    /// taken, however long the look waited, and a turn taken is not taken again.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_takeover_takes_only_what_was_released_before_the_first_delivery(pool: PgPool) {
+        sqlx::query(
+            "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+             VALUES ('s', 'old', 3, 2), ('s', 'new', 5, 4)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let park = |key: &'static str, seq: i64, released_ago_ms: i64| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(
+                    "INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
+                         idempotency_key, payload_sha256, queue, body, properties,
+                         released_at, releases)
+                     VALUES ('s', $1, $2, 'op', $1 || '-' || $2, 'fp', 'q', '\\x7b7d',
+                             '\\x7b7d', now() - $3 * interval '1 millisecond', 1)",
+                )
+                .bind(key)
+                .bind(seq)
+                .bind(released_ago_ms)
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
+        };
+        // Handed to the previous owner a second before this session's first delivery.
+        park("old", 3, 1_000).await;
+        let first = std::time::Instant::now();
+        let cutoff = takeover_cutoff(&pool, first).await.unwrap();
+        // Handed by this process after its first delivery, before the look.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        park("new", 5, 0).await;
+        let taken = taken_over(&pool, None, "q", cutoff).await.unwrap();
+        let places: Vec<_> = taken
+            .iter()
+            .map(|r| (r.ordering_key.as_str(), r.seq))
+            .collect();
+        assert_eq!(places, [("old", 3)], "only what was handed before");
+        assert!(
+            taken_over(&pool, None, "q", cutoff)
+                .await
+                .unwrap()
+                .is_empty(),
+            "a turn taken over is released after the cutoff: not taken twice"
+        );
+    }
 
     /// A long turn's mark does not wait for a locked position (a batch's move holds it
     /// until its commit): it answers false at once and writes nothing. Unlocked, it records

@@ -27,12 +27,20 @@ const TAKEOVER_AFTER: Duration = Duration::from_millis(200);
 /// and never completed ([`held::taken_over`]). Its deliveries come back from the
 /// broker, but a turn handed from a waiting row was acked when it was parked: without
 /// this, its entity waits for the sweep, a second or more after the release went stale.
+/// The database's clock at the first delivery is read at once ([`held::takeover_cutoff`]):
+/// counted back from the look, a look that waited for a connection could take turns
+/// this process released after its first delivery, and publish them twice.
 pub(super) async fn take_over(store: Store, channel: Channel, queue: String, first: Instant) {
+    let cutoff = match held::takeover_cutoff(store.pool(), first).await {
+        Ok(cutoff) => cutoff,
+        Err(error) => {
+            // The sweep releases them once stale.
+            warn!(error = %crate::text::error_line(&error), "owned order: takeover");
+            return;
+        }
+    };
     tokio::time::sleep_until((first + TAKEOVER_AFTER).into()).await;
-    // Counted back from the statement to the first delivery (a pool that makes it wait
-    // must not let in what this process released since).
-    let since_first = first.elapsed();
-    match held::taken_over(store.pool(), store.keys(), &queue, since_first).await {
+    match held::taken_over(store.pool(), store.keys(), &queue, cutoff).await {
         Ok(released) => {
             if !released.is_empty() {
                 info!(
