@@ -13,12 +13,15 @@ use serde_json::Value;
 use tracing::{Instrument, info_span, warn};
 
 use super::decision::{DeadLetterOrder, Outcome, Settle};
+use super::hand_on;
+use super::owned::Ahead;
 use super::settle::{Incoming, Links, Settler, Source};
 use super::{Runtime, execute};
 use crate::dead_letter::Reason;
 use crate::flow::circuit::Admission;
 use crate::handler::{Envelope, Handler};
 use crate::headers;
+use crate::ordering::Released;
 use crate::store::Store;
 use crate::tally::Tally;
 
@@ -53,6 +56,13 @@ pub(super) trait Route: Send + Sync + 'static {
         delivery: Delivery,
         admission: Admission,
     ) -> BoxFuture<'static, ()>;
+
+    /// Its handler's operation.
+    fn operation(&self) -> &'static str;
+
+    /// Runs a turn released to this process from its waiting row, as a turn handed on
+    /// in process runs, and what that one hands on (`hand_on`).
+    fn run_released(self: Arc<Self>, links: Links, released: Released) -> BoxFuture<'static, ()>;
 }
 
 impl<H: Handler> Route for Runtime<H> {
@@ -63,6 +73,16 @@ impl<H: Handler> Route for Runtime<H> {
         admission: Admission,
     ) -> BoxFuture<'static, ()> {
         Box::pin(async move { execute::process(&self, &links, delivery, admission).await })
+    }
+
+    fn operation(&self) -> &'static str {
+        H::OPERATION
+    }
+
+    fn run_released(self: Arc<Self>, links: Links, released: Released) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            hand_on::hand_on(&self, &links, vec![released], Ahead::default()).await;
+        })
     }
 }
 
@@ -86,6 +106,17 @@ pub(super) struct NoRoute {
 }
 
 impl Routes {
+    /// The handler of `operation`, if one of this queue's is.
+    pub(super) fn of_operation(&self, operation: &str) -> Option<Arc<dyn Route>> {
+        match self {
+            Routes::One(route) => Some(route).filter(|r| r.operation() == operation).cloned(),
+            Routes::ByType { routes, .. } => routes
+                .values()
+                .find(|r| r.operation() == operation)
+                .cloned(),
+        }
+    }
+
     /// The handler of `delivery`, or why none takes it.
     pub(super) fn pick(&self, delivery: &Delivery) -> Result<Arc<dyn Route>, NoRoute> {
         let (by, routes) = match self {

@@ -259,9 +259,14 @@ impl Session {
             };
             self.spawn(tasks, links.clone(), delivery, ticket);
             if std::mem::take(&mut take_over) {
-                let (store, queue) = (self.unrouted.store.clone(), self.config.queue.clone());
-                let first = Instant::now();
-                tasks.spawn(sweep::take_over(store, open.publish.clone(), queue, first));
+                let takeover = sweep::Takeover {
+                    store: self.unrouted.store.clone(),
+                    queue: self.config.queue.clone(),
+                    routes: self.routes.clone(),
+                    links: links.clone(),
+                    tasks: tasks.clone(),
+                };
+                tasks.spawn(takeover.run(Instant::now()));
             }
         }
     }

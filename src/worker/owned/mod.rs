@@ -119,6 +119,7 @@ impl Owner {
         let seq = entry.ordered.sequence.unwrap_or(entry.ordered.first);
         let who = Who::of(&entry.key);
         let mut parked = false;
+        let mut read_again = false;
         loop {
             let look = positions.look(entity, seq, &who, from_row);
             match look {
@@ -137,7 +138,15 @@ impl Owner {
                     let _ = ended.await;
                 }
                 Look::Load => self.read(positions, entity, entry.ordered.first).await?,
-                Look::Park if parked || from_row => return Ok(Stand::Waiting),
+                Look::Park if parked || (from_row && read_again) => return Ok(Stand::Waiting),
+                // Released from its row, so the database's position was at it: the
+                // memory is behind, read before a move this process did not make
+                // committed (a previous owner's last one, for a turn taken over). Read
+                // once: acked as waiting, it would wait for the sweep.
+                Look::Park if from_row => {
+                    read_again = true;
+                    self.read(positions, entity, entry.ordered.first).await?;
+                }
                 Look::Park => {
                     let found = self.parks.call(entry.clone()).await??;
                     match found {
