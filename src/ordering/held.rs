@@ -69,7 +69,7 @@ pub(crate) async fn takeover_cutoff(
 /// (it died, or lost its consumer): rows at their entity's turn, with no holder (or
 /// held by themselves: a turn handed in process that ran long, see [`running`]),
 /// released (or parked, for a turn it was to fetch) before `cutoff`, and not run under
-/// a live lease, released again to be published. `cutoff`: the database's clock at a
+/// a live lease, released again (to run in this process, or to be published). `cutoff`: the database's clock at a
 /// session's first delivery ([`takeover_cutoff`]); what was handed before it is the
 /// previous owner's, as the broker gives a single-active-consumer queue to the next
 /// consumer only once the last one is gone. What the stale sweep would publish a second
@@ -265,7 +265,7 @@ mod tests {
     use super::{Marked, running, taken_over, takeover_cutoff};
     use crate::ordering::owner::tests::done;
 
-    /// The takeover publishes the turns released before the session's first delivery,
+    /// The takeover takes the turns released before the session's first delivery,
     /// by the database's clock read at once: a turn this process released since is not
     /// taken, however long the look waited, and a turn taken is not taken again.
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]

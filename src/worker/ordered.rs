@@ -336,7 +336,11 @@ async fn enter_owned<H: Handler>(
         Err(verdict) => return Ok(Err(verdict)),
     };
     let from_row = incoming.holds_turn;
-    let gate = match owner.enter(positions, &entity, entry, from_row).await {
+    let reserved = incoming.link.reserved();
+    let gate = match owner
+        .enter(positions, &entity, entry, from_row, reserved)
+        .await
+    {
         Ok(Stand::Run(turn)) => return Ok(Ok(Some(turn))),
         Ok(Stand::Decided) => return Ok(Ok(None)),
         Ok(Stand::Waiting) => Gate::Wait,

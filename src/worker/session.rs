@@ -265,6 +265,7 @@ impl Session {
                     routes: self.routes.clone(),
                     links: links.clone(),
                     tasks: tasks.clone(),
+                    shutdown: shutdown.clone(),
                 };
                 tasks.spawn(takeover.run(Instant::now()));
             }

@@ -108,20 +108,22 @@ impl Owner {
 
     /// Where the numbered delivery `entry` of `entity` stands (it is parked if it came
     /// early). `from_row`: its turn was released to this process from its waiting row
-    /// (the position is known to be at it).
+    /// (the position is known to be at it); `reserved`: the turn before it, in a leased
+    /// run, kept its number in memory for it.
     pub(super) async fn enter(
         &self,
         positions: &Arc<Positions>,
         entity: &Entity,
         entry: Entry,
         from_row: bool,
+        reserved: bool,
     ) -> Result<Stand, Failure> {
         let seq = entry.ordered.sequence.unwrap_or(entry.ordered.first);
         let who = Who::of(&entry.key);
         let mut parked = false;
         let mut read_again = false;
         loop {
-            let look = positions.look(entity, seq, &who, from_row);
+            let look = positions.look(entity, seq, &who, from_row, reserved);
             match look {
                 Look::Run => return Ok(Stand::Run(Turn::new(positions, entity, seq, who))),
                 Look::Behind | Look::Taken => {

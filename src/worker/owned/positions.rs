@@ -102,7 +102,16 @@ impl Positions {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(super) fn look(&self, entity: &Entity, seq: i64, who: &Who, from_row: bool) -> Look {
+    /// What the memory says of `who`'s delivery at `seq` of `entity`; `from_row` and
+    /// `reserved` as [`super::Owner::enter`] takes them.
+    pub(super) fn look(
+        &self,
+        entity: &Entity,
+        seq: i64,
+        who: &Who,
+        from_row: bool,
+        reserved: bool,
+    ) -> Look {
         let mut entities = self.lock();
         let Some(p) = entities.get_mut(entity) else {
             return Look::Load;
@@ -119,8 +128,11 @@ impl Positions {
             return Look::Park;
         }
         match &p.running {
-            // Handed on in a leased run: the turn before it kept it for its row.
-            Some((at, running)) if from_row && *at == seq && running == who => Look::Run,
+            // Handed on in a leased run: the turn before it kept it for its row. (Not
+            // any row of the same message: a turn taken over from a previous owner runs
+            // from its row while the broker's copy of it may hold the turn here; it
+            // waits for that one.)
+            Some((at, running)) if reserved && *at == seq && running == who => Look::Run,
             // Another message with the number of the one running: two claim one place.
             Some((at, running)) if *at == seq && running != who => Look::Taken,
             Some(_) => {

@@ -16,45 +16,63 @@ fn a_handed_on_turn_is_kept_for_its_row_and_given_back_if_never_taken() {
     for taken in [false, true] {
         positions.loaded(&entity, 5);
         assert!(matches!(
-            positions.look(&entity, 5, &who("a-5"), false),
+            positions.look(&entity, 5, &who("a-5"), false, false),
             Look::Run
         ));
         let reserved = Turn::new(&positions, &entity, 5, who("a-5")).hand_on(who("a-6"));
         assert!(matches!(
-            positions.look(&entity, 6, &who("b-6"), false),
+            positions.look(&entity, 6, &who("b-6"), false, false),
             Look::Taken
         ));
         assert!(matches!(
-            positions.look(&entity, 6, &who("a-6"), false),
+            positions.look(&entity, 6, &who("a-6"), false, false),
             Look::Wait(_)
         ));
         assert!(matches!(
-            positions.look(&entity, 6, &who("a-6"), true),
+            positions.look(&entity, 6, &who("a-6"), true, true),
             Look::Run
         ));
         assert!(matches!(
-            positions.look(&entity, 5, &who("a-5"), false),
+            positions.look(&entity, 5, &who("a-5"), false, false),
             Look::Behind
         ));
         if taken {
             reserved.taken();
             assert!(matches!(
-                positions.look(&entity, 5, &who("a-5"), false),
+                positions.look(&entity, 5, &who("a-5"), false, false),
                 Look::Behind
             ));
         } else {
             drop(reserved);
             // At the run's first number again, not confirmed: read before it runs.
             assert!(matches!(
-                positions.look(&entity, 5, &who("a-5"), false),
+                positions.look(&entity, 5, &who("a-5"), false, false),
                 Look::Load
             ));
             assert!(matches!(
-                positions.look(&entity, 6, &who("a-6"), true),
+                positions.look(&entity, 6, &who("a-6"), true, true),
                 Look::Park
             ));
         }
     }
+}
+
+/// A turn released from its row that no turn before it kept memory for (one a takeover
+/// runs) waits while the broker's copy of the same message holds the turn: one turn
+/// of a place at a time.
+#[test]
+fn a_row_not_kept_for_waits_for_its_copy_that_holds_the_turn() {
+    let positions = Arc::new(Positions::new(4));
+    let entity: Entity = ("s".into(), "account-a".into());
+    positions.loaded(&entity, 5);
+    assert!(matches!(
+        positions.look(&entity, 5, &who("a-5"), false, false),
+        Look::Run
+    ));
+    assert!(matches!(
+        positions.look(&entity, 5, &who("a-5"), true, false),
+        Look::Wait(_)
+    ));
 }
 
 /// A turn of a leased run whose long-turn mark moved the position to its own

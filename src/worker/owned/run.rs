@@ -96,6 +96,15 @@ impl Link {
         self.hands_to()
     }
 
+    /// Whether the turn before this one kept its number in memory for this row (a
+    /// leased run's hand-on, [`Reserved`]).
+    pub(crate) fn reserved(&self) -> bool {
+        self.reserved
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+    }
+
     /// Who runs the row after this turn, if the turn, completed now, hands on to it.
     pub(crate) fn hands_to(&self) -> Option<Who> {
         let (who, until) = self.next.as_ref()?;
