@@ -18,8 +18,9 @@ use super::route::Routes;
 use super::settle::Links;
 use crate::connector::Connector;
 use crate::metrics;
+use crate::ordering::table::Released;
 use crate::ordering::{held, table};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// How long after an owned queue's first delivery [`take_over`] looks: a statement the
 /// previous owner had in flight when it died commits within it.
@@ -54,23 +55,7 @@ impl Takeover {
     /// ([`held::takeover_cutoff`]): counted back from the look, a look that waited for a
     /// connection could take turns this process released after its first delivery.
     pub(super) async fn run(self, first: Instant) {
-        let cutoff = match held::takeover_cutoff(self.store.pool(), first).await {
-            Ok(cutoff) => cutoff,
-            Err(error) => {
-                // The sweep releases them once stale.
-                warn!(error = %crate::text::error_line(&error), "owned order: takeover");
-                return;
-            }
-        };
-        tokio::time::sleep_until((first + TAKEOVER_AFTER).into()).await;
-        if self.shutdown.is_cancelled() || !self.links.publish.status().connected() {
-            // Shutting down, or the session is lost: the sweep releases them once stale
-            // (no new turns begin in a drain, nor on a session that may no longer own
-            // the queue).
-            return;
-        }
-        let (store, queue) = (&self.store, &self.queue);
-        let released = match held::taken_over(store.pool(), store.keys(), queue, cutoff).await {
+        let released = match self.take(first).await {
             Ok(released) => released,
             Err(error) => {
                 // The sweep releases them once stale.
@@ -80,7 +65,7 @@ impl Takeover {
         };
         if !released.is_empty() {
             info!(
-                queue = %queue,
+                queue = %self.queue,
                 released = released.len(),
                 "owned order: took over the turns a previous owner was handed"
             );
@@ -93,6 +78,18 @@ impl Takeover {
                 _ => publish(&self.links.publish, &r).await,
             }
         }
+    }
+
+    /// The turns to take over, released to this process: none once shutdown began
+    /// (no new turns begin in a drain) or on a lost session (it may no longer own the
+    /// queue); the sweep releases those once stale.
+    async fn take(&self, first: Instant) -> Result<Vec<Released>, StoreError> {
+        let cutoff = held::takeover_cutoff(self.store.pool(), first).await?;
+        tokio::time::sleep_until((first + TAKEOVER_AFTER).into()).await;
+        if self.shutdown.is_cancelled() || !self.links.publish.status().connected() {
+            return Ok(Vec::new());
+        }
+        held::taken_over(self.store.pool(), self.store.keys(), &self.queue, cutoff).await
     }
 }
 

@@ -120,8 +120,8 @@ impl Owner {
     ) -> Result<Stand, Failure> {
         let seq = entry.ordered.sequence.unwrap_or(entry.ordered.first);
         let who = Who::of(&entry.key);
+        // Its row is kept and the position was read since: still early, it waits.
         let mut parked = false;
-        let mut read_again = false;
         loop {
             let look = positions.look(entity, seq, &who, from_row, reserved);
             match look {
@@ -140,13 +140,13 @@ impl Owner {
                     let _ = ended.await;
                 }
                 Look::Load => self.read(positions, entity, entry.ordered.first).await?,
-                Look::Park if parked || (from_row && read_again) => return Ok(Stand::Waiting),
+                Look::Park if parked => return Ok(Stand::Waiting),
                 // Released from its row, so the database's position was at it: the
                 // memory is behind, read before a move this process did not make
                 // committed (a previous owner's last one, for a turn taken over). Read
                 // once: acked as waiting, it would wait for the sweep.
                 Look::Park if from_row => {
-                    read_again = true;
+                    parked = true;
                     self.read(positions, entity, entry.ordered.first).await?;
                 }
                 Look::Park => {
@@ -293,3 +293,7 @@ impl Who {
         Self(key.operation().to_owned(), key.idempotency_key().to_owned())
     }
 }
+
+#[cfg(test)]
+#[path = "enter_tests.rs"]
+mod tests;
