@@ -352,4 +352,4 @@ fn index(ordinal: i64) -> Option<usize> {
 
 #[cfg(test)]
 #[path = "owner_tests.rs"]
-pub(super) mod tests;
+pub(crate) mod tests;

@@ -19,7 +19,7 @@ pub(in crate::ordering) fn done(ordering_key: &str) -> Done {
 }
 
 /// The entry of `key` numbered `seq` (scope `s`), kept with `properties`.
-fn entry(key: &str, seq: i64, properties: Vec<u8>) -> Entry {
+pub(crate) fn entry(key: &str, seq: i64, properties: Vec<u8>) -> Entry {
     Entry {
         key: Key::new("s", "accounts.apply", format!("{key}-{seq}")).unwrap(),
         ordered: Ordered::by(key).sequence(seq),

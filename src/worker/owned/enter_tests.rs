@@ -7,20 +7,7 @@ use sqlx::PgPool;
 
 use super::*;
 use crate::StoreConfig;
-use crate::ordering::Ordered;
-
-/// The entry of `ordering_key` numbered `seq` (scope `s`).
-fn entry(ordering_key: &str, seq: i64) -> Entry {
-    Entry {
-        key: Key::new("s", "accounts.apply", format!("{ordering_key}-{seq}")).unwrap(),
-        ordered: Ordered::by(ordering_key).sequence(seq),
-        fingerprint: format!("fp-{ordering_key}-{seq}"),
-        also: None,
-        queue: "q".into(),
-        body: b"{}".to_vec(),
-        properties: Vec::new(),
-    }
-}
+use crate::ordering::owner::tests::entry;
 
 /// A turn released from its waiting row (a takeover's) whose entity this process read
 /// before the previous owner's last move committed finds the memory behind it: it reads
@@ -45,12 +32,7 @@ async fn a_turn_released_from_its_row_reads_a_memory_behind_it_once(pool: PgPool
     .unwrap();
     assert_eq!(moved.rows_affected(), 1);
 
-    let within = Duration::from_secs(10);
-    let entered = owner.enter(&positions, &entity, entry("account-a", 2), true, false);
-    let stand = tokio::time::timeout(within, entered)
-        .await
-        .unwrap()
-        .unwrap();
+    let stand = enter_released(&owner, &positions, &entity, 2).await;
     assert!(
         matches!(stand, Stand::Run(_)),
         "the released turn at 2 runs"
@@ -58,11 +40,7 @@ async fn a_turn_released_from_its_row_reads_a_memory_behind_it_once(pool: PgPool
 
     let other: Entity = ("s".into(), "account-b".into());
     owner.read(&positions, &other, 1).await.unwrap();
-    let entered = owner.enter(&positions, &other, entry("account-b", 3), true, false);
-    let stand = tokio::time::timeout(within, entered)
-        .await
-        .unwrap()
-        .unwrap();
+    let stand = enter_released(&owner, &positions, &other, 3).await;
     assert!(
         matches!(stand, Stand::Waiting),
         "3 is early by the database too"
@@ -72,4 +50,20 @@ async fn a_turn_released_from_its_row_reads_a_memory_behind_it_once(pool: PgPool
         .await
         .unwrap();
     assert_eq!(parked, 0, "a row released to its turn is not parked again");
+}
+
+/// What [`Owner::enter`] decides for `entity`'s entry numbered `seq`, its turn released
+/// to this process from its row; within 10 s (a loop that kept reading would hang).
+async fn enter_released(
+    owner: &Owner,
+    positions: &Arc<Positions>,
+    entity: &Entity,
+    seq: i64,
+) -> Stand {
+    let entry = entry(&entity.1, seq, Vec::new());
+    let entered = owner.enter(positions, entity, entry, true, false);
+    tokio::time::timeout(Duration::from_secs(10), entered)
+        .await
+        .expect("entered within 10 s")
+        .expect("entered")
 }
