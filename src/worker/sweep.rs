@@ -18,11 +18,10 @@ use super::route::Routes;
 use super::settle::Links;
 use crate::connector::Connector;
 use crate::metrics;
-use crate::ordering::table::Released;
 use crate::ordering::{held, table};
 use crate::store::{Store, StoreError};
 
-/// How long after an owned queue's first delivery [`take_over`] looks: a statement the
+/// How long after an owned queue's first delivery [`Takeover::run`] looks: a statement the
 /// previous owner had in flight when it died commits within it.
 const TAKEOVER_AFTER: Duration = Duration::from_millis(200);
 
@@ -83,7 +82,7 @@ impl Takeover {
     /// The turns to take over, released to this process: none once shutdown began
     /// (no new turns begin in a drain) or on a lost session (it may no longer own the
     /// queue); the sweep releases those once stale.
-    async fn take(&self, first: Instant) -> Result<Vec<Released>, StoreError> {
+    async fn take(&self, first: Instant) -> Result<Vec<table::Released>, StoreError> {
         let cutoff = held::takeover_cutoff(self.store.pool(), first).await?;
         tokio::time::sleep_until((first + TAKEOVER_AFTER).into()).await;
         if self.shutdown.is_cancelled() || !self.links.publish.status().connected() {

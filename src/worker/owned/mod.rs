@@ -14,7 +14,9 @@
 //! goes to the database: a number behind the position asks the delivery's record; a
 //! park that finds a row there reads the position again (the sweep republished it: its
 //! turn may have come while this process did not know); a fenced move that fails reads
-//! it again; and a turn taken from a position not confirmed for [`FRESH`] reads it first
+//! it again; a turn released to this process from its row that finds the memory behind
+//! it reads it once (a previous owner's last move committed after this process read
+//! it); and a turn taken from a position not confirmed for [`FRESH`] reads it first
 //! (an operator's skip, or another queue's owner of the same entity, moves positions
 //! this process does not see).
 
@@ -120,7 +122,8 @@ impl Owner {
     ) -> Result<Stand, Failure> {
         let seq = entry.ordered.sequence.unwrap_or(entry.ordered.first);
         let who = Who::of(&entry.key);
-        // Its row is kept and the position was read since: still early, it waits.
+        // Once set: its row is kept and the position was read since, so still early,
+        // it waits.
         let mut parked = false;
         loop {
             let look = positions.look(entity, seq, &who, from_row, reserved);
