@@ -15,8 +15,9 @@
 //! its account, and only it. With `kind = 'slow'` it waits for its row's lock (a test
 //! holds it `FOR UPDATE` to make the entry run long), then applies.
 //!
-//! `--arrival` orders each account's entries by arrival instead (no version needed);
-//! `--unordered` turns ordering off (the baseline of `examples/ordering_bench.rs`).
+//! `--order arrival` orders each account's entries by arrival instead (no version
+//! needed); `--order none` turns ordering off (the baseline of
+//! `examples/ordering_bench.rs`).
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -1,11 +1,13 @@
-//! Ordered processing per entity (docs/DESIGN.md, "Order per entity"): a handler's
-//! deliveries with the same ordering key run one at a time, in sequence order, across
-//! every worker process; different keys run in parallel.
+//! Ordered processing per entity (docs/DESIGN.md, "Order per entity"): deliveries with
+//! the same scope and ordering key, whichever handler's, run one at a time, in sequence
+//! order, across every worker process; different keys run in parallel.
 //!
 //! A handler opts in with [`crate::Handler::ordering`], answering an [`Ordered`] for a
 //! message. A delivery that comes before its turn is acked and waits in Postgres
 //! (`ordering_waiting`), spending no retry tier and no attempt; when its predecessor's
-//! record completes, the worker publishes it to its queue again. A predecessor that is
+//! record completes, the worker that completed it runs it next, in process (it is
+//! published to its queue again when it is another handler's or queue's, and by the
+//! sweep when the worker that was to run it died). A predecessor that is
 //! retrying, pending or dead-lettered blocks only its own entity, until it completes
 //! (a replay) or an operator skips it ([`skip`], `idem ops ordering skip`); an entity
 //! that has not moved for a while with deliveries waiting is *stalled* ([`list`], the
@@ -52,6 +54,15 @@ const MAX_SEQUENCE: u64 = 1 << 62;
 /// same key: `order.created` and `order.cancelled` handled by two handlers are still
 /// one order's sequence. Give keys a prefix (`order-42`, `account-7`) so two kinds of
 /// entity do not share one by accident.
+///
+/// A message whose key is empty, longer than 500 bytes or holds a control character,
+/// or whose number lies outside ±2^62, is dead-lettered as malformed.
+///
+/// gc deletes an entity's position once it has been idle (nothing running, nothing
+/// waiting) for the store's retention (`StoreConfig::retention`, 7 days by default): a
+/// later message of that entity starts it again at its first number. An entity with
+/// numbers that can be quiet for longer needs a longer retention, or its next message
+/// (say version 8) waits for numbers 1 to 7 as a gap, reported stalled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ordered {
     pub(crate) key: String,
@@ -207,7 +218,8 @@ pub enum Skipped {
 /// queue (a single active consumer) is written down as its entity's holder once it has
 /// run for a second, so one that was running at the read is normally refused as
 /// [`Skipped::Running`]. A skipped message that arrives later, or waited, is
-/// dead-lettered as `sequence_passed`.
+/// dead-lettered as `sequence_passed`; one of an entity ordered by arrival (no
+/// sequence) that arrives later takes a new place at the end instead.
 pub async fn skip(
     pool: &PgPool,
     scope: &str,

@@ -66,12 +66,19 @@ pub struct WorkerConfig {
     /// consumer, declared on the queue): the others stand by, and one of them takes
     /// over when it stops or dies. On such a queue, order per entity is *owned*
     /// (docs/DESIGN.md, "Owned order"): the consuming process keeps the positions of
-    /// its entities in memory, so a turn takes no lock and no write before it runs: on
-    /// the shuffled bench (one worker SIGKILLed), ordered deliveries ran at 0.48–0.58 of
-    /// the unordered pace in transactional mode and 0.76–0.87 in leased mode, against
-    /// 0.35–0.50 through the gate (docs/PERFORMANCE.md), within one process's capacity.
-    /// A queue declared without it cannot take it later (406 PRECONDITION_FAILED:
-    /// delete the queue, or use another). Off by default.
+    /// its entities in memory, so a numbered turn takes no lock and no write before it
+    /// runs: on the shuffled bench (one worker SIGKILLed, two cores), ordered deliveries
+    /// ran at 0.65–0.69 of the unordered pace in transactional mode and 0.68–0.75 in
+    /// leased mode (medians on the last four sessions' machines), against 0.35–0.50
+    /// through the gate (docs/PERFORMANCE.md), within one process's capacity. Order of
+    /// arrival (`Ordered::by` without a sequence) still goes through the gate.
+    ///
+    /// A queue declared without it cannot take it later, nor drop it once declared with
+    /// it (406 PRECONDITION_FAILED, and the worker stops). To switch: stop the
+    /// producers, let the workers empty the queue and its retry queues (a retry copy
+    /// that expires while the queue is gone is lost), stop the workers, delete the
+    /// queue, and start them with the new setting, which declares it again. Deliveries
+    /// waiting in Postgres name the queue: keep its name. Off by default.
     pub single_active_consumer: bool,
     /// When several handlers of a [`crate::Service`] share the queue, where the message
     /// type that picks one is read (the AMQP `type` property unless told otherwise).

@@ -14,8 +14,9 @@ use crate::out::say;
 #[derive(Subcommand)]
 pub(crate) enum Ordering {
     /// Entities with deliveries waiting, those not moved for longest first: what
-    /// blocks each (running, retrying, pending, dead-lettered, or a gap: a number that
-    /// never arrived).
+    /// blocks each (running, retrying, pending, dead-lettered, a gap: a number that
+    /// never arrived, released: a turn handed over a minute ago that has not begun, or
+    /// idle).
     List {
         /// Only those that have not moved for this long (stalled): 30s, 10m, 2h.
         #[arg(long, default_value = "0s", value_parser = parse_duration)]
@@ -28,7 +29,8 @@ pub(crate) enum Ordering {
     },
     /// Skip the turn an entity waits for (a gap that will never be filled, a dead letter
     /// that will not be replayed): the next waiting delivery runs within a second or so.
-    /// A skipped message that arrives later is dead-lettered as `sequence_passed`.
+    /// A skipped message that arrives later is dead-lettered as `sequence_passed` (one
+    /// of an entity ordered by arrival takes a new place at the end).
     Skip {
         /// The entity's scope (tenant).
         #[arg(long)]
