@@ -6,12 +6,14 @@
 //! message. A delivery that comes before its turn is acked and waits in Postgres
 //! (`ordering_waiting`), spending no retry tier and no attempt; when its predecessor's
 //! record completes, the worker that completed it runs it next, in process (it is
-//! published to its queue again when it is another handler's or queue's, and by the
-//! sweep when the worker that was to run it died). A predecessor that is
-//! retrying, pending or dead-lettered blocks only its own entity, until it completes
-//! (a replay) or an operator skips it ([`skip`], `idem ops ordering skip`); an entity
-//! that has not moved for a while with deliveries waiting is *stalled* ([`list`], the
-//! gauge `idem_ordering_stalled`, the alert `IdemOrderingStalled`).
+//! published to its queue again when it is another handler's or queue's or the 65th in
+//! a row, and by the sweep after a skip or when the worker that was to run it died; on
+//! a queue with a single active consumer, the standby that takes over runs those
+//! itself). A predecessor that is retrying, pending or dead-lettered blocks only its
+//! own entity, until it completes (a replay) or an operator skips it ([`skip`], `idem
+//! ops ordering skip`); an entity that has not moved for a while with deliveries
+//! waiting is *stalled* ([`list`], the gauge `idem_ordering_stalled`, the alert
+//! `IdemOrderingStalled`).
 //!
 //! - `owner`: the statements of owned order (a queue's single active consumer keeps
 //!   the positions in memory).
@@ -55,14 +57,15 @@ const MAX_SEQUENCE: u64 = 1 << 62;
 /// one order's sequence. Give keys a prefix (`order-42`, `account-7`) so two kinds of
 /// entity do not share one by accident.
 ///
-/// A message whose key is empty, longer than 500 bytes or holds a control character,
-/// or whose number lies outside ±2^62, is dead-lettered as malformed.
+/// A message whose key is empty or blank, longer than 500 bytes or holds a control
+/// character, or whose number or [`Ordered::starting_at`] is ±2^62 or beyond, is
+/// dead-lettered as malformed.
 ///
-/// gc deletes an entity's position once it has been idle (nothing running, nothing
-/// waiting) for the store's retention (`StoreConfig::retention`, 7 days by default): a
-/// later message of that entity starts it again at its first number. An entity with
-/// numbers that can be quiet for longer needs a longer retention, or its next message
-/// (say version 8) waits for numbers 1 to 7 as a gap, reported stalled.
+/// gc deletes an entity's position once it has been idle (no holder, nothing waiting)
+/// for the store's retention (`StoreConfig::retention`, 7 days by default): a later
+/// message of that entity starts it again at its first number. An entity with numbers
+/// that can be quiet for longer needs a longer retention, or its next message (say
+/// version 8) waits for numbers 1 to 7 as a gap, reported stalled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ordered {
     pub(crate) key: String,

@@ -75,10 +75,11 @@ pub struct WorkerConfig {
     ///
     /// A queue declared without it cannot take it later, nor drop it once declared with
     /// it (406 PRECONDITION_FAILED, and the worker stops). To switch: stop the
-    /// producers, let the workers empty the queue and its retry queues (a retry copy
-    /// that expires while the queue is gone is lost), stop the workers, delete the
-    /// queue, and start them with the new setting, which declares it again. Deliveries
-    /// waiting in Postgres name the queue: keep its name. Off by default.
+    /// producers, let the workers empty the queue and its retry queues (on classic
+    /// queues, a retry copy that expires while the queue is gone is lost), stop the
+    /// workers, delete the queue, and start them with the new setting, which declares
+    /// it again. Deliveries waiting in Postgres name the queue: keep its name. Off by
+    /// default.
     pub single_active_consumer: bool,
     /// When several handlers of a [`crate::Service`] share the queue, where the message
     /// type that picks one is read (the AMQP `type` property unless told otherwise).

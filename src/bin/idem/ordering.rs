@@ -15,8 +15,7 @@ use crate::out::say;
 pub(crate) enum Ordering {
     /// Entities with deliveries waiting, those not moved for longest first: what
     /// blocks each (running, retrying, pending, dead-lettered, a gap: a number that
-    /// never arrived, released: a turn handed over a minute ago that has not begun, or
-    /// idle).
+    /// never arrived, or released: a turn handed over and not begun).
     List {
         /// Only those that have not moved for this long (stalled): 30s, 10m, 2h.
         #[arg(long, default_value = "0s", value_parser = parse_duration)]
