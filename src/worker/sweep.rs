@@ -21,8 +21,8 @@ use crate::metrics;
 use crate::ordering::{held, table};
 use crate::store::{Store, StoreError};
 
-/// How long after an owned queue's first delivery [`Takeover::run`] looks: a statement the
-/// previous owner had in flight when it died commits within it.
+/// How long after an owned queue's first delivery [`Takeover::run`] looks: a statement
+/// the previous owner had in flight when it died commits within it.
 const TAKEOVER_AFTER: Duration = Duration::from_millis(200);
 
 /// What the takeover of an owned queue works with: its session's handlers, links and

@@ -13,8 +13,9 @@ use crate::ordering::owner::tests::entry;
 /// before the previous owner's last move committed finds the memory behind it: it reads
 /// the position once and runs. Answered `waiting` from the stale memory, its row would
 /// have waited for the sweep, a second or more. A row that is early by the database too
-/// is answered `waiting` after that one read, and nothing is parked for it. (No waiting
-/// row is kept here, as a takeover would find one: a park would show as a row.)
+/// is answered `waiting` after that one read, and nothing is parked for it. (The test
+/// keeps no waiting row, which a real released turn has, so that a park, which this
+/// path must not make, would show as one.)
 #[sqlx::test(migrator = "crate::db::MIGRATOR")]
 async fn a_turn_released_from_its_row_reads_a_memory_behind_it_once(pool: PgPool) {
     let store = Store::new(pool.clone(), StoreConfig::default());
