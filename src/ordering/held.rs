@@ -263,20 +263,14 @@ mod tests {
     use sqlx::PgPool;
 
     use super::{Marked, running, taken_over, takeover_cutoff};
-    use crate::ordering::owner::tests::done;
+    use crate::ordering::owner::tests::{done, positions_at};
 
     /// The takeover takes the turns released before the session's first delivery,
     /// by the database's clock read at once: a turn this process released since is not
     /// taken, however long the look waited, and a turn taken is not taken again.
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn a_takeover_takes_only_what_was_released_before_the_first_delivery(pool: PgPool) {
-        sqlx::query(
-            "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
-             VALUES ('s', 'old', 3, 2), ('s', 'new', 5, 4)",
-        )
-        .execute(&pool)
-        .await
-        .unwrap();
+        positions_at(&pool, &[("old", 3), ("new", 5)]).await;
         let park = |key: &'static str, seq: i64, released_ago_ms: i64| {
             let pool = pool.clone();
             async move {
@@ -323,13 +317,7 @@ mod tests {
     /// it writes nothing.
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn a_long_turns_mark_skips_a_locked_position_and_is_fenced(pool: PgPool) {
-        sqlx::query(
-            "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
-             VALUES ('s', 'a', 1, 0), ('s', 'moved', 2, 1)",
-        )
-        .execute(&pool)
-        .await
-        .unwrap();
+        positions_at(&pool, &[("a", 1), ("moved", 2)]).await;
         let holder = |key: &'static str| {
             let pool = pool.clone();
             async move {

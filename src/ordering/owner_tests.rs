@@ -18,6 +18,23 @@ pub(in crate::ordering) fn done(ordering_key: &str) -> Done {
     }
 }
 
+/// Positions of scope `s`, each ordering key at its next number with nothing held,
+/// inserted in the order given.
+pub(in crate::ordering) async fn positions_at(pool: &PgPool, at: &[(&str, i64)]) {
+    let keys: Vec<&str> = at.iter().map(|(key, _)| *key).collect();
+    let next: Vec<i64> = at.iter().map(|(_, next)| *next).collect();
+    sqlx::query(
+        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
+         SELECT 's', k, n, n - 1 FROM unnest($1::text[], $2::int8[]) WITH ORDINALITY AS t(k, n, i)
+          ORDER BY i",
+    )
+    .bind(&keys)
+    .bind(&next)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// The entry of `key` numbered `seq` (scope `s`), kept with `properties`.
 pub(crate) fn entry(key: &str, seq: i64, properties: Vec<u8>) -> Entry {
     Entry {
@@ -39,13 +56,7 @@ pub(crate) fn entry(key: &str, seq: i64, properties: Vec<u8>) -> Entry {
 #[sqlx::test(migrator = "crate::db::MIGRATOR")]
 async fn a_move_locks_positions_in_key_order_as_the_sweep_does(pool: PgPool) {
     // b's row first in the table, and first in the move's array.
-    sqlx::query(
-        "INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq)
-         VALUES ('s', 'b', 1, 0), ('s', 'a', 1, 0)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    positions_at(&pool, &[("b", 1), ("a", 1)]).await;
     let mut sweep = pool.begin().await.unwrap();
     let lock = "SELECT 1 FROM ordering_positions
                  WHERE scope = 's' AND ordering_key = $1 FOR UPDATE NOWAIT";
