@@ -1583,6 +1583,66 @@ async fn owned_order_early_entries_arriving_together_wait_once_and_one_holds_its
     early_entries_together(o, c, "transactional", true).await;
 }
 
+/// Owned order: a message parked early under the key of another, with another payload
+/// (`w`'s 2 sent as event `u-v1`), is not lost when the message that owns the key, `u`'s
+/// 1, runs first: that turn's move deletes its own row only. The parked one waits for
+/// `w`'s 1, then meets the record of its key and is dead-lettered
+/// `fingerprint_conflict`. (The move deleted every waiting row of its key: the parked
+/// message was acked, then gone without a trace.)
+async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-used-key-{mode}"), true).await;
+    let mut other = serde_json::from_slice::<serde_json::Value>(&entry("w", 2)).unwrap();
+    other["event_id"] = "u-v1".into();
+    let _worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, true, &[]));
+    q.publish(other.to_string().as_bytes()).await;
+    wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
+        waiting(&pool).await == 1 && all_settled(&q).await
+    })
+    .await;
+    q.publish(&entry("u", 1)).await;
+    wait_until(SETTLE, "u's 1 applied", || async {
+        applied_count(&pool).await == 1 && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(waiting(&pool).await, 1, "w's 2 still waits");
+    q.publish(&entry("w", 1)).await;
+    wait_until(SETTLE, "w's 1 applied, its 2 dead-lettered", || async {
+        applied_count(&pool).await == 2
+            && all_settled(&q).await
+            && waiting(&pool).await == 0
+            && q.counts(&q.dlq()).await.0 >= 1
+    })
+    .await;
+    let applied = applied(&pool).await;
+    assert_eq!((&applied["u"], &applied["w"]), (&vec![1], &vec![1]));
+    let letters = q.drain(&q.dlq()).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].reason.as_deref(), Some("fingerprint_conflict"));
+    let body: serde_json::Value = serde_json::from_str(&letters[0].body_text()).unwrap();
+    assert_eq!(
+        (&body["account"], &body["version"]),
+        (&"w".into(), &2.into()),
+        "{}",
+        letters[0].body_text()
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_message_parked_under_a_used_key_is_dead_lettered_not_lost_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    parked_under_a_used_key(o, c, "leased").await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_message_parked_under_a_used_key_is_dead_lettered_not_lost_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    parked_under_a_used_key(o, c, "transactional").await;
+}
+
 /// Without a sequence, one account's entries run one at a time (each starts after the
 /// one before committed) on two processes, each once.
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]

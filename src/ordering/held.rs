@@ -134,7 +134,8 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool
              RETURNING 1),
          gone AS (
              DELETE FROM ordering_waiting
-              WHERE $7 AND scope = $1 AND operation = $4 AND idempotency_key = $5),
+              WHERE $7 AND scope = $1 AND operation = $4 AND idempotency_key = $5
+                AND ordering_key = $2 AND seq = $3),
          ran AS (
              DELETE FROM ordering_waiting
               WHERE $6 < $3 AND EXISTS (SELECT 1 FROM moved)

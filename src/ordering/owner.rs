@@ -183,9 +183,13 @@ const MOVE_ON: &str =
                  OR (p.next_seq = t.n AND p.holder_key = t.idem
                      AND p.holder_operation = t.op))
          RETURNING t.i, t.s, t.k, t.n, t.op, t.idem, t.f),
+     -- The turn's own row: its key at its place (another message with its number
+     -- stays, and so does a row of another message under its key, which runs into
+     -- the record when its turn comes: a conflict, dead-lettered, not lost).
      gone AS (
          DELETE FROM ordering_waiting w USING moved m
-          WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem),
+          WHERE w.scope = m.s AND w.operation = m.op AND w.idempotency_key = m.idem
+            AND w.ordering_key = m.k AND w.seq = m.n),
      -- The rows of the turns a leased run ran before this one without a move.
      ran AS (
          DELETE FROM ordering_waiting w USING moved m

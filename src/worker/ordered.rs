@@ -336,9 +336,8 @@ async fn enter_owned<H: Handler>(
         Err(verdict) => return Ok(Err(verdict)),
     };
     let from_row = incoming.holds_turn;
-    let reserved = incoming.link.reserved();
     let gate = match owner
-        .enter(positions, &entity, entry, from_row, reserved)
+        .enter(positions, &entity, entry, from_row, &incoming.link)
         .await
     {
         Ok(Stand::Run(turn)) => return Ok(Ok(Some(turn))),

@@ -63,9 +63,60 @@ async fn enter_released(
     seq: i64,
 ) -> Stand {
     let entry = entry(&entity.1, seq, Vec::new());
-    let entered = owner.enter(positions, entity, entry, true, false);
+    let lent = Link::default();
+    let entered = owner.enter(positions, entity, entry, true, &lent);
     tokio::time::timeout(Duration::from_secs(10), entered)
         .await
         .expect("entered within 10 s")
         .expect("entered")
+}
+
+/// A released turn whose number a copy of its message holds in memory waits for that
+/// copy, and first gives back the place among the queue's runs that the turn before it
+/// lent it: the copy may be waiting for that place. Kept, with a concurrency of 1,
+/// each waited for the other for ever.
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_released_turn_waiting_for_its_copy_gives_back_its_lent_place(pool: PgPool) {
+    let store = Store::new(pool.clone(), StoreConfig::default());
+    let owner = Owner::new(&store, &WorkerConfig::default(), true);
+    let positions = Arc::new(Positions::new(1));
+    let entity: Entity = ("s".into(), "account-a".into());
+    owner.read(&positions, &entity, 1).await.unwrap();
+    // The broker's copy of the message at 1 takes the turn in memory ...
+    let message = entry(&entity.1, 1, Vec::new());
+    let copy = owner
+        .enter(
+            &positions,
+            &entity,
+            message.clone(),
+            false,
+            &Link::default(),
+        )
+        .await
+        .unwrap();
+    let Stand::Run(copy) = copy else {
+        panic!("the copy takes the turn");
+    };
+    // ... and the row of the same message, released to this task, comes with the
+    // queue's only place, lent by the turn before it.
+    let place = positions.run().await.unwrap();
+    let lent = Link::lending(place);
+    let released = owner.enter(&positions, &entity, message, true, &lent);
+    let copy_runs = async {
+        let place = tokio::time::timeout(Duration::from_secs(10), positions.run())
+            .await
+            .expect("the lent place given back within 10 s");
+        // The copy ran and ended (without a move: its delivery decides again).
+        drop(copy);
+        drop(place);
+    };
+    let (stand, ()) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(10), released),
+        copy_runs
+    );
+    let stand = stand.expect("entered within 10 s").expect("entered");
+    assert!(
+        matches!(stand, Stand::Run(_)),
+        "the released turn runs next"
+    );
 }

@@ -18,7 +18,8 @@
 //! it reads it once (a previous owner's last move committed after this process read
 //! it); and a turn taken from a position not confirmed for [`FRESH`] reads it first
 //! (an operator's skip, or another queue's owner of the same entity, moves positions
-//! this process does not see).
+//! this process does not see). An entity quiet for longer than [`FORGET_AFTER`] is
+//! forgotten, and read again at its next delivery (gc may have taken its position).
 
 mod positions;
 mod run;
@@ -45,6 +46,14 @@ pub(crate) use run::{AHEAD, Ahead, Link, Run, run_for};
 /// it is read again before a delivery takes the turn (one round trip after a pause of
 /// the entity; an entity moving faster never pays it).
 pub(super) const FRESH: Duration = Duration::from_secs(1);
+
+/// How long an entity this process keeps in memory may stay quiet (nothing read or moved)
+/// before its next delivery reads its position again: a number behind the memory would
+/// be dead-lettered `sequence_passed`, and an early one parked, against a position gc
+/// may have taken meanwhile (one idle for `StoreConfig::retention`), where the entity
+/// starts again at its first number. Far beyond a shuffled entity's pauses, far within
+/// any retention.
+pub(super) const FORGET_AFTER: Duration = Duration::from_secs(60);
 
 /// How long an owned turn runs before it is written down as its entity's holder: from
 /// then on operators see it running (`idem ops ordering`), and a skip of it is refused
@@ -110,16 +119,17 @@ impl Owner {
 
     /// Where the numbered delivery `entry` of `entity` stands (it is parked if it came
     /// early). `from_row`: its turn was released to this process from its waiting row
-    /// (the position is known to be at it); `reserved`: the turn before it, in a leased
-    /// run, kept its number in memory for it.
+    /// (the position is known to be at it); `lent`: what the turn before it lent it, in
+    /// a leased run (its number kept in memory for it, its place among the queue's runs).
     pub(super) async fn enter(
         &self,
         positions: &Arc<Positions>,
         entity: &Entity,
         entry: Entry,
         from_row: bool,
-        reserved: bool,
+        lent: &Link,
     ) -> Result<Stand, Failure> {
+        let reserved = lent.reserved();
         let seq = entry.ordered.sequence.unwrap_or(entry.ordered.first);
         let who = Who::of(&entry.key);
         // Once set: its row is kept and the position was read since, so still early,
@@ -139,7 +149,11 @@ impl Owner {
                 }
                 Look::Wait(ended) => {
                     // A copy of the running delivery, or the turn after one whose
-                    // move is on its way: decided once that one ended.
+                    // move is on its way: decided once that one ended. A place among
+                    // the queue's runs lent by the turn before goes back first: the
+                    // one running may be a copy of this message that waits for a place
+                    // (with a concurrency of 1, both waited for ever).
+                    drop(lent.permit());
                     let _ = ended.await;
                 }
                 Look::Load => self.read(positions, entity, entry.ordered.first).await?,

@@ -11,7 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use super::{FRESH, MAX_ENTITIES, Owner, Who};
+use super::{FORGET_AFTER, FRESH, MAX_ENTITIES, Owner, Who};
 use crate::ordering::Released;
 use crate::ordering::held;
 use crate::ordering::owner::Done;
@@ -116,6 +116,15 @@ impl Positions {
         let Some(p) = entities.get_mut(entity) else {
             return Look::Load;
         };
+        // Quiet for longer than FORGET_AFTER, with nothing running or waiting: forgotten
+        // and read again, so that neither a number behind it nor a park is decided from
+        // a memory the database may have left (gc takes a position idle for its
+        // retention, and the entity starts again at its first number).
+        let quiet = p.running.is_none() && p.waiters.is_empty();
+        if quiet && p.checked.is_some_and(|at| at.elapsed() > FORGET_AFTER) {
+            entities.remove(entity);
+            return Look::Load;
+        }
         if seq < p.next {
             return Look::Behind;
         }
@@ -165,6 +174,14 @@ impl Positions {
         // A read that began before a move of this process committed says less.
         p.next = p.next.max(next);
         p.checked = Some(Instant::now());
+    }
+
+    /// Makes `entity`'s last check `ago` older (tests of what the memory forgets).
+    #[cfg(test)]
+    fn backdate(&self, entity: &Entity, ago: std::time::Duration) {
+        if let Some(p) = self.lock().get_mut(entity) {
+            p.checked = p.checked.and_then(|at| at.checked_sub(ago));
+        }
     }
 
     /// `seq` of `entity` is parked now: its turn, if it came meanwhile and nobody runs

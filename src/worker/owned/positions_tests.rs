@@ -92,3 +92,41 @@ fn a_marked_turn_of_a_run_moves_from_its_own_number() {
     assert_eq!(reserved.from(), 5);
     reserved.taken();
 }
+
+/// An entity quiet in memory for longer than [`FORGET_AFTER`] is forgotten and read
+/// again before a delivery is decided from it: gc may have taken its position
+/// meanwhile, and the entity starts again at its first number. Kept, a number behind
+/// the memory was dead-lettered `sequence_passed` and an early one parked against a
+/// position that no longer existed. An entity checked within that time is decided
+/// from memory, without a read.
+#[test]
+fn an_entity_quiet_for_long_is_read_again() {
+    let positions = Arc::new(Positions::new(4));
+    let entity: Entity = ("s".into(), "account-a".into());
+    positions.loaded(&entity, 50);
+    assert!(matches!(
+        positions.look(&entity, 1, &who("a-1"), false, false),
+        Look::Behind
+    ));
+    assert!(matches!(
+        positions.look(&entity, 60, &who("a-60"), false, false),
+        Look::Park
+    ));
+    positions.backdate(&entity, FORGET_AFTER + std::time::Duration::from_secs(1));
+    assert!(matches!(
+        positions.look(&entity, 1, &who("a-1"), false, false),
+        Look::Load
+    ));
+    // Read again: gc took the position, which starts at 1.
+    positions.loaded(&entity, 1);
+    assert!(matches!(
+        positions.look(&entity, 1, &who("a-1"), false, false),
+        Look::Run
+    ));
+    positions.backdate(&entity, FORGET_AFTER + std::time::Duration::from_secs(1));
+    // A turn running is not forgotten: a copy of it waits for it.
+    assert!(matches!(
+        positions.look(&entity, 1, &who("a-1"), false, false),
+        Look::Wait(_)
+    ));
+}

@@ -77,6 +77,16 @@ pub(crate) struct Link {
 }
 
 impl Link {
+    /// A link that lends only `place`, the place among the queue's runs of the turn
+    /// before (tests).
+    #[cfg(test)]
+    pub(crate) fn lending(place: OwnedSemaphorePermit) -> Self {
+        Self {
+            permit: Mutex::new(Some(place)),
+            ..Self::default()
+        }
+    }
+
     /// The place among the queue's runs the turn before this one held, if it handed on.
     pub(crate) fn permit(&self) -> Option<OwnedSemaphorePermit> {
         taken(&self.permit)
