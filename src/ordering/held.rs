@@ -211,7 +211,7 @@ pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<Marked, StoreE
                     SET released_at = clock_timestamp(), releases = releases + 1
                   WHERE $6 < $3 AND EXISTS (SELECT 1 FROM marked)
                     AND scope = $1 AND operation = $4 AND idempotency_key = $5
-                    AND released_at IS NULL)
+                    AND ordering_key = $2 AND seq = $3 AND released_at IS NULL)
          SELECT EXISTS (SELECT 1 FROM p), $6 < $3 AND EXISTS (SELECT 1 FROM marked)",
     )
     .bind(scope)

@@ -425,3 +425,62 @@ async fn position(pool: &PgPool, key: &str) -> (i64, Option<String>) {
         .await
         .unwrap()
 }
+
+/// A turn's statements touch its own waiting row only (its key at its place): a row of
+/// another message parked under its key, at another entity, stays through the turn's
+/// hold, the sweep's move past its completed holder and a released turn's finish. Each
+/// deleted every row of the key, and that message, acked, was lost; kept, it meets the
+/// record when its turn comes and is dead-lettered `fingerprint_conflict`.
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_turn_deletes_its_own_waiting_row_not_another_under_its_key(pool: PgPool) {
+    let properties =
+        crate::ordering::table::stored_properties(&lapin::BasicProperties::default()).unwrap();
+    // `w`'s 2, parked under the key of `h`'s turn at 1.
+    let mut other = entry("w", 2, properties);
+    other.key = Key::new("s", "accounts.apply", "h-1").unwrap();
+    let day = Duration::from_secs(24 * 3600);
+    let parked = park(&pool, None, day, &[other]).await.unwrap();
+    assert_eq!(parked, vec![Parked::Kept]);
+    positions_at(&pool, &[("h", 1)]).await;
+
+    let held = crate::ordering::held::hold(&pool, &turn("h", 1, 1), true)
+        .await
+        .unwrap();
+    assert!(held);
+    assert_eq!(rows(&pool, "w").await, vec![(2, false)], "after the hold");
+
+    sqlx::query(
+        "INSERT INTO processed_operations (scope, operation, idempotency_key,
+             payload_sha256, status, lease_token, completed_at)
+         VALUES ('s', 'accounts.apply', 'h-1', repeat('0', 64), 'completed', 1, now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let entities = [("s".to_string(), "h".to_string())];
+    crate::ordering::table::release(&pool, None, &entities, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        position(&pool, "h").await,
+        (2, None),
+        "moved past its holder"
+    );
+    assert_eq!(rows(&pool, "w").await, vec![(2, false)], "after the sweep");
+
+    let released = crate::ordering::Released {
+        scope: "s".into(),
+        ordering_key: "h".into(),
+        seq: 1,
+        operation: "accounts.apply".into(),
+        idempotency_key: "h-1".into(),
+        turn: true,
+        queue: "q".into(),
+        body: Vec::new(),
+        properties: lapin::BasicProperties::default(),
+    };
+    crate::ordering::table::finish(&pool, &released)
+        .await
+        .unwrap();
+    assert_eq!(rows(&pool, "w").await, vec![(2, false)], "after the finish");
+}

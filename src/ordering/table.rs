@@ -260,15 +260,19 @@ fn released(row: WaitingRow, keys: Option<&Keys>) -> Result<Released, StoreError
 }
 
 /// A released delivery run in its releasing process was settled (its outcome, retry copy
-/// or dead letter is safe): its waiting row is done with.
+/// or dead letter is safe): its waiting row is done with (its key at its place: a row of
+/// another message parked under its key since stays).
 pub(crate) async fn finish(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
     sqlx::query(
         "DELETE FROM ordering_waiting
-          WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
+          WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+            AND ordering_key = $4 AND seq = $5",
     )
     .bind(&released.scope)
     .bind(&released.operation)
     .bind(&released.idempotency_key)
+    .bind(&released.ordering_key)
+    .bind(released.seq)
     .execute(pool)
     .await?;
     Ok(())
@@ -279,11 +283,14 @@ pub(crate) async fn finish(pool: &PgPool, released: &Released) -> Result<(), Sto
 pub(crate) async fn give_back(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
     sqlx::query(
         "UPDATE ordering_waiting SET released_at = NULL, releases = 0
-          WHERE scope = $1 AND operation = $2 AND idempotency_key = $3",
+          WHERE scope = $1 AND operation = $2 AND idempotency_key = $3
+            AND ordering_key = $4 AND seq = $5",
     )
     .bind(&released.scope)
     .bind(&released.operation)
     .bind(&released.idempotency_key)
+    .bind(&released.ordering_key)
+    .bind(released.seq)
     .execute(pool)
     .await?;
     Ok(())

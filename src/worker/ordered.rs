@@ -72,7 +72,8 @@ pub(super) async fn enter_order<H: Handler>(
 /// first number, and the row after it may be in hand: `owned/run.rs`), and its place
 /// among the queue's runs (deliveries are taken up to the prefetch, and the runs held
 /// to the concurrency here, after the early ones were parked; a turn handed on keeps
-/// the place of the turn before it). Nothing for other queues.
+/// the place of the turn before it, unless it waited for a copy of its message, which
+/// gave the place back: `Owner::enter`). Nothing for other queues.
 ///
 /// A turn held in memory moves in its completion's commit (the batch's, or the
 /// handler's transaction in leased mode: `parsed.owned`) when few others run: one

@@ -52,7 +52,7 @@ pub(super) const FRESH: Duration = Duration::from_secs(1);
 /// be dead-lettered `sequence_passed`, and an early one parked, against a position gc
 /// may have taken meanwhile (one idle for `StoreConfig::retention`), where the entity
 /// starts again at its first number. Far beyond a shuffled entity's pauses, far within
-/// any retention.
+/// the retention (7 days by default).
 pub(super) const FORGET_AFTER: Duration = Duration::from_secs(60);
 
 /// How long an owned turn runs before it is written down as its entity's holder: from

@@ -102,8 +102,9 @@ impl Positions {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// What the memory says of `who`'s delivery at `seq` of `entity`; `from_row` and
-    /// `reserved` as [`super::Owner::enter`] takes them.
+    /// What the memory says of `who`'s delivery at `seq` of `entity`; `from_row` as
+    /// [`super::Owner::enter`] takes it, `reserved`: the turn before it, in a leased run,
+    /// kept its number in memory for it.
     pub(super) fn look(
         &self,
         entity: &Entity,
@@ -116,12 +117,14 @@ impl Positions {
         let Some(p) = entities.get_mut(entity) else {
             return Look::Load;
         };
-        // Quiet for longer than FORGET_AFTER, with nothing running or waiting: forgotten
-        // and read again, so that neither a number behind it nor a park is decided from
-        // a memory the database may have left (gc takes a position idle for its
-        // retention, and the entity starts again at its first number).
+        // Quiet for longer than FORGET_AFTER, or not confirmed since a move was fenced
+        // out or a leased run went back, with nothing running or waiting: forgotten and
+        // read again, so that neither a number behind it nor a park is decided from a
+        // memory the database may have left (gc takes a position idle for its
+        // retention, and the entity starts again at its first number; a read keeps the
+        // higher of the memory's number and the database's).
         let quiet = p.running.is_none() && p.waiters.is_empty();
-        if quiet && p.checked.is_some_and(|at| at.elapsed() > FORGET_AFTER) {
+        if quiet && p.checked.is_none_or(|at| at.elapsed() > FORGET_AFTER) {
             entities.remove(entity);
             return Look::Load;
         }
@@ -180,7 +183,9 @@ impl Positions {
     #[cfg(test)]
     fn backdate(&self, entity: &Entity, ago: std::time::Duration) {
         if let Some(p) = self.lock().get_mut(entity) {
-            p.checked = p.checked.and_then(|at| at.checked_sub(ago));
+            let at = p.checked.unwrap_or_else(Instant::now);
+            let at = at.checked_sub(ago);
+            p.checked = Some(at.expect("the monotonic clock is older than `ago`"));
         }
     }
 

@@ -44,14 +44,11 @@ fn a_handed_on_turn_is_kept_for_its_row_and_given_back_if_never_taken() {
             ));
         } else {
             drop(reserved);
-            // At the run's first number again, not confirmed: read before it runs.
-            assert!(matches!(
-                positions.look(&entity, 5, &who("a-5"), false, false),
-                Look::Load
-            ));
+            // Back at the run's first number, not confirmed: forgotten, read before
+            // anything is decided from it.
             assert!(matches!(
                 positions.look(&entity, 6, &who("a-6"), true, true),
-                Look::Park
+                Look::Load
             ));
         }
     }
@@ -96,9 +93,9 @@ fn a_marked_turn_of_a_run_moves_from_its_own_number() {
 /// An entity quiet in memory for longer than [`FORGET_AFTER`] is forgotten and read
 /// again before a delivery is decided from it: gc may have taken its position
 /// meanwhile, and the entity starts again at its first number. Kept, a number behind
-/// the memory was dead-lettered `sequence_passed` and an early one parked against a
-/// position that no longer existed. An entity checked within that time is decided
-/// from memory, without a read.
+/// the memory would be dead-lettered `sequence_passed` and an early one parked against
+/// a position that no longer exists. An entity checked within that time is decided
+/// from memory, without a read; one whose move was fenced out is read again at once.
 #[test]
 fn an_entity_quiet_for_long_is_read_again() {
     let positions = Arc::new(Positions::new(4));
@@ -128,5 +125,12 @@ fn an_entity_quiet_for_long_is_read_again() {
     assert!(matches!(
         positions.look(&entity, 1, &who("a-1"), false, false),
         Look::Wait(_)
+    ));
+    // Its move fenced out (an operator's skip moved the position): not confirmed, so
+    // forgotten and read again at the next delivery, however recent the last read.
+    positions.end(&entity, 1, &who("a-1"), Some(false), 2);
+    assert!(matches!(
+        positions.look(&entity, 0, &who("a-0"), false, false),
+        Look::Load
     ));
 }
