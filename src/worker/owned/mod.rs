@@ -18,8 +18,9 @@
 //! it reads it once (a previous owner's last move committed after this process read
 //! it); and a turn taken from a position not confirmed for [`FRESH`] reads it first
 //! (an operator's skip, or another queue's owner of the same entity, moves positions
-//! this process does not see). An entity quiet for longer than [`FORGET_AFTER`] is
-//! forgotten, and read again at its next delivery (gc may have taken its position).
+//! this process does not see). An entity quiet for longer than [`FORGET_AFTER`], or
+//! whose move was fenced out, is forgotten, and read again at its next delivery (gc
+//! may have taken its position).
 
 mod positions;
 mod run;
