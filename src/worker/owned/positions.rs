@@ -39,6 +39,12 @@ struct Position {
 }
 
 impl Position {
+    /// Whether nothing of it runs or waits in memory: it may be forgotten (read again at
+    /// its next delivery; what this process parked, the sweep reads back).
+    fn idle(&self) -> bool {
+        self.running.is_none() && self.waiters.is_empty()
+    }
+
     /// The turn of `who` at `seq` ended: the turn is free (or kept for `then`, a leased
     /// run's next row), and the deliveries waiting for it decide again.
     fn ended(&mut self, seq: i64, who: &Who, then: Option<(i64, Who)>) {
@@ -123,8 +129,7 @@ impl Positions {
         // memory the database may have left (gc takes a position idle for its
         // retention, and the entity starts again at its first number; a read keeps the
         // higher of the memory's number and the database's).
-        let quiet = p.running.is_none() && p.waiters.is_empty();
-        if quiet && p.checked.is_none_or(|at| at.elapsed() > FORGET_AFTER) {
+        if p.idle() && p.checked.is_none_or(|at| at.elapsed() > FORGET_AFTER) {
             entities.remove(entity);
             return Look::Load;
         }
@@ -164,8 +169,7 @@ impl Positions {
     pub(super) fn loaded(&self, entity: &Entity, next: i64) {
         let mut entities = self.lock();
         if !entities.contains_key(entity) && entities.len() >= MAX_ENTITIES {
-            // What this process parked is read back by the sweep if forgotten.
-            entities.retain(|_, p| p.running.is_some() || !p.waiters.is_empty());
+            entities.retain(|_, p| !p.idle());
         }
         let p = entities.entry(entity.clone()).or_insert_with(|| Position {
             next,
