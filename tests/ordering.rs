@@ -1322,8 +1322,9 @@ fn skip_args<'a>(scope: &'a str, key: &'a str, more: &[&'a str]) -> Vec<&'a str>
 /// account `h`'s 1 is held in its handler (the test locks `account_entries` against its
 /// insert) with 2 parked behind it; the listing says `running` with 1's key, and a skip
 /// is refused (it would run 2 beside 1). Once the lock goes, 1 and 2 apply in order and
-/// the move clears the holder.
-async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+/// the move clears the holder. With `failing_mark`, the first mark fails as an outage
+/// would (failpoint `owned-mark-error`), and the next is still tried.
+async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str, failing_mark: bool) {
     let (pool, url, q) = prepared(o, &c, &format!("ordering-long-{mode}"), true).await;
     // The position is there and locked, as a batch's move holds it until its commit:
     // the marks tried meanwhile (after 1 s and 2 s of the turn) must not wait for it, and
@@ -1343,7 +1344,9 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
     .fetch_one(&mut *moving)
     .await
     .unwrap();
-    let worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, true, &[]));
+    let failing = [("IDEM_FAILPOINT", "owned-mark-error")];
+    let env = if failing_mark { &failing[..] } else { &[] };
+    let worker = spawn_accounts_worker_with_env(&url, &q.name, &worker_args(mode, true, &[]), env);
     let lock = lock_entries(&pool).await;
     q.publish(&entry("h", 1)).await;
     q.publish(&entry("h", 2)).await;
@@ -1373,6 +1376,10 @@ async fn long_owned_turn(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
         listed().await[0]["blocked_by"] == "running"
     })
     .await;
+    assert_eq!(
+        worker.log_contains("failpoint owned-mark-error: failing once"),
+        failing_mark
+    );
     let position = listed().await;
     assert_eq!(position[0]["next_seq"], 1, "{position}");
     assert_eq!(
@@ -1409,7 +1416,17 @@ async fn owned_order_a_long_turn_is_listed_running_and_not_skipped_leased(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    long_owned_turn(o, c, "leased").await;
+    long_owned_turn(o, c, "leased", false).await;
+}
+
+/// A mark that fails (an outage, not a locked position) is tried again while the turn
+/// runs: a turn whose first mark failed is still listed running.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_long_turn_whose_mark_fails_is_listed_running_all_the_same(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    long_owned_turn(o, c, "leased", true).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -1417,7 +1434,7 @@ async fn owned_order_a_long_turn_is_listed_running_and_not_skipped_transactional
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    long_owned_turn(o, c, "transactional").await;
+    long_owned_turn(o, c, "transactional", false).await;
 }
 
 /// A skip issued in an owned turn's first second, before the turn is written down as
@@ -1583,28 +1600,52 @@ async fn owned_order_early_entries_arriving_together_wait_once_and_one_holds_its
     early_entries_together(o, c, "transactional", true).await;
 }
 
-/// Owned order: a message parked early under the key of another, with another payload
-/// (`w`'s 2 sent as event `u-v1`), is not lost when the message that owns the key, `u`'s
-/// 1, runs first: that turn's move deletes its own row only. The parked one waits for
-/// `w`'s 1, then meets the record of its key and is dead-lettered
-/// `fingerprint_conflict`. (The move deleted every waiting row of its key: the parked
-/// message was acked, then gone without a trace.)
-async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
-    let (pool, url, q) = prepared(o, &c, &format!("ordering-used-key-{mode}"), true).await;
+/// A message parked early under the key of another, with another payload (`w`'s 2 sent
+/// as event `u-v1`), is not lost when the message that owns the key, `u`'s 1, runs
+/// first, nor when a copy of that message arrives after it completed: the turn's move
+/// and the copy's entry delete their own rows only. The parked one waits for `w`'s 1,
+/// then meets the record of its key and is dead-lettered `fingerprint_conflict`; the
+/// copy is acked as a duplicate. (The owned move, and the gate's entry of the copy,
+/// deleted every waiting row of the key: the parked message was acked, then gone
+/// without a trace.)
+async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &str, owned: bool) {
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-used-key-{mode}"), owned).await;
     let mut other = serde_json::from_slice::<serde_json::Value>(&entry("w", 2)).unwrap();
     other["event_id"] = "u-v1".into();
-    let _worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, true, &[]));
-    q.publish(other.to_string().as_bytes()).await;
-    wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
-        waiting(&pool).await == 1 && all_settled(&q).await
-    })
-    .await;
-    q.publish(&entry("u", 1)).await;
+    let _worker = spawn_accounts_worker(&url, &q.name, &worker_args(mode, owned, &[]));
+    let parked = || async { waiting(&pool).await == 1 && all_settled(&q).await };
+    if owned {
+        q.publish(other.to_string().as_bytes()).await;
+        wait_until(SETTLE, "w's 2 (under u-v1) parked", parked).await;
+        q.publish(&entry("u", 1)).await;
+    } else {
+        // The gate: the first to enter under a key holds it (a message of another
+        // payload parked under it makes `u`'s 1 a conflict), so `u`'s 1 runs first, held
+        // in its handler while `w`'s 2 parks.
+        let lock = lock_entries(&pool).await;
+        q.publish(&entry("u", 1)).await;
+        wait_until(SETTLE, "u's 1 held in its handler", || async {
+            entry_held_for(&pool, Duration::ZERO).await
+        })
+        .await;
+        q.publish(other.to_string().as_bytes()).await;
+        wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
+            waiting(&pool).await == 1 && q.counts(&q.name).await.0 == 0
+        })
+        .await;
+        lock.rollback().await.unwrap();
+    }
     wait_until(SETTLE, "u's 1 applied", || async {
         applied_count(&pool).await == 1 && all_settled(&q).await
     })
     .await;
-    assert_eq!(waiting(&pool).await, 1, "w's 2 still waits");
+    assert_eq!(waiting(&pool).await, 1, "w's 2 still waits after u's 1");
+    q.publish(&entry("u", 1)).await;
+    wait_until(SETTLE, "the copy of u's 1 acked", || async {
+        all_settled(&q).await
+    })
+    .await;
+    assert_eq!(waiting(&pool).await, 1, "w's 2 still waits after the copy");
     q.publish(&entry("w", 1)).await;
     wait_until(SETTLE, "w's 1 applied, its 2 dead-lettered", || async {
         applied_count(&pool).await == 2
@@ -1616,7 +1657,7 @@ async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &s
     let applied = applied(&pool).await;
     assert_eq!((&applied["u"], &applied["w"]), (&vec![1], &vec![1]));
     let letters = q.drain(&q.dlq()).await;
-    assert_eq!(letters.len(), 1);
+    assert_eq!(letters.len(), 1, "only w's 2, not the copy");
     assert_eq!(letters[0].reason.as_deref(), Some("fingerprint_conflict"));
     let body: serde_json::Value = serde_json::from_str(&letters[0].body_text()).unwrap();
     assert_eq!(
@@ -1628,11 +1669,27 @@ async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &s
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_message_parked_under_a_used_key_is_dead_lettered_not_lost_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    parked_under_a_used_key(o, c, "leased", false).await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_message_parked_under_a_used_key_is_dead_lettered_not_lost_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    parked_under_a_used_key(o, c, "transactional", false).await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_message_parked_under_a_used_key_is_dead_lettered_not_lost_leased(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    parked_under_a_used_key(o, c, "leased").await;
+    parked_under_a_used_key(o, c, "leased", true).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -1640,7 +1697,7 @@ async fn owned_order_a_message_parked_under_a_used_key_is_dead_lettered_not_lost
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
-    parked_under_a_used_key(o, c, "transactional").await;
+    parked_under_a_used_key(o, c, "transactional", true).await;
 }
 
 /// Without a sequence, one account's entries run one at a time (each starts after the
