@@ -27,6 +27,7 @@
 //! | name | where |
 //! |---|---|
 //! | `owned-move-error` | an owned turn's move is made (in its commit: a transactional batch's, with the turns it chained, or a leased handler's; or on its own after it) and its end in memory too, nothing was handed to run next: where fetching a row parked meanwhile may fail |
+//! | `owned-mark-error` | a long owned turn's first mark (which writes it down as its entity's holder) is due: that mark fails, the next is tried a second later |
 //!
 //! The same builds let tests stretch a timing the behaviour they prove depends on
 //! ([`stretched`]).

@@ -220,8 +220,8 @@ impl Owner {
     /// Runs `run`, the run of `turn`; one that takes longer than [`MARK_AFTER`] is
     /// recorded as its entity's holder meanwhile (fenced: only while the position is at
     /// its number and has no holder). Its completion's move clears the holder. A mark
-    /// that finds the position locked (a move in flight) looks again after another
-    /// [`MARK_AFTER`], while the run lasts. A turn of a leased run past its first is
+    /// that finds the position locked (a move in flight), or fails (an outage), looks
+    /// again after another [`MARK_AFTER`], while the run lasts. A turn of a leased run past its first is
     /// marked after half that, and its mark moves the position to its number first
     /// ([`held::running`]): its move then goes from there.
     pub(super) async fn marked_if_long<F: Future>(&self, turn: &mut Turn, run: F) -> F::Output {
@@ -237,7 +237,14 @@ impl Owner {
                 () = tokio::time::sleep(after) => {}
             }
             let done = turn.done();
-            let mut mark = std::pin::pin!(held::running(self.store.pool(), &done));
+            let mut mark = std::pin::pin!(async {
+                if crate::failpoint::fails("owned-mark-error") {
+                    return Err(crate::store::StoreError::Database(
+                        sqlx::Error::PoolTimedOut,
+                    ));
+                }
+                held::running(self.store.pool(), &done).await
+            });
             let (marked, out) = tokio::select! {
                 biased;
                 marked = &mut mark => (marked, None),
@@ -250,7 +257,10 @@ impl Owner {
                 Ok(Marked::Locked) if out.is_none() => continue,
                 Ok(_) => {}
                 Err(error) => {
-                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded")
+                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
+                    if out.is_none() {
+                        continue;
+                    }
                 }
             }
             if let Some(out) = out {
