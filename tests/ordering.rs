@@ -1184,6 +1184,78 @@ async fn blocked_until_replayed(o: PgPoolOptions, c: PgConnectOptions, owned: bo
     assert_eq!(q.counts(&q.dlq()).await.0, 0);
 }
 
+/// A skip of a turn that ran already moves the entity past it, as the sweep would,
+/// without counting a skip: account `k`'s 1 completed, and its position is put back at 1
+/// as a leased run or a lost move leaves it, with 1's released row there (its record
+/// completed with that payload): the skip answers `Ran`. (It counted a skip, and named
+/// a turn that ran in its note.) With 1 as a completed holder instead, the skip's lock
+/// moves past it and answers `Moved`.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_skip_of_a_turn_that_ran_moves_past_it_without_counting_a_skip(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let (pool, url, q) = prepared(o, &c, "ordering-skip-ran", false).await;
+    let worker = spawn_accounts_worker(&url, &q.name, &worker_args("leased", false, &[]));
+    q.publish(&entry("k", 1)).await;
+    wait_until(SETTLE, "1 applied", || async {
+        applied_count(&pool).await == 1 && all_settled(&q).await
+    })
+    .await;
+    // No sweep moves it meanwhile.
+    drop(worker);
+    let back = |row: bool| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "UPDATE ordering_positions
+                    SET next_seq = 1, holder_operation = r.operation, holder_key = r.idempotency_key
+                   FROM (SELECT NULLIF(operation, CASE WHEN $1 THEN operation END) AS operation,
+                                NULLIF(idempotency_key, CASE WHEN $1 THEN idempotency_key END)
+                                    AS idempotency_key
+                           FROM processed_operations WHERE idempotency_key = 'k-v1') r
+                  WHERE ordering_key = 'account-k'",
+            )
+            .bind(row)
+            .execute(&pool)
+            .await
+            .unwrap();
+            if row {
+                sqlx::query(
+                    "INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
+                         idempotency_key, payload_sha256, queue, body, properties, released_at)
+                     SELECT r.scope, 'account-k', 1, r.operation, r.idempotency_key,
+                            r.payload_sha256, 'q', ''::bytea, '{}'::bytea, now()
+                       FROM processed_operations r WHERE r.idempotency_key = 'k-v1'",
+                )
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
+        }
+    };
+    for row in [true, false] {
+        back(row).await;
+        let said = idem::ordering::skip(&pool, "acme", "account-k", "lost upstream", None)
+            .await
+            .unwrap();
+        let expected = match row {
+            true => idem::ordering::Skipped::Ran { seq: 1 },
+            false => idem::ordering::Skipped::Moved { next_seq: 2 },
+        };
+        assert_eq!(said, expected, "row: {row}");
+        assert_eq!(next_seq(&pool, "account-k").await, 2, "row: {row}");
+        assert_eq!(waiting(&pool).await, 0, "row: {row}");
+        let (skipped, note): (i64, Option<String>) = sqlx::query_as(
+            "SELECT skipped, skip_note FROM ordering_positions WHERE ordering_key = 'account-k'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((skipped, note), (0, None), "row: {row}");
+    }
+}
+
 /// Account `g` gets 1, 2, 4, 5: 4 and 5 wait behind the gap; after the stall time the
 /// entity is listed as stalled by a gap and the worker warns; skipped with a note, 4
 /// and 5 run in order, and a 3 that comes after is dead-lettered as `sequence_passed`.

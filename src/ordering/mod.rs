@@ -205,6 +205,14 @@ pub enum Skipped {
         /// The sequence number whose turn it is.
         next_seq: i64,
     },
+    /// Nothing skipped: the turn at `seq` had run already (its record completed) and
+    /// the entity had not moved past it yet (a leased run hands its turns on before it
+    /// moves the position; a move can be lost with its connection). It moved on past
+    /// it now, as the sweep would have, without counting a skip or keeping the note.
+    Ran {
+        /// The sequence number that had run.
+        seq: i64,
+    },
     /// No such entity.
     Unknown,
     /// The holder runs now (a live lease, or a turn taken within the last minute that
@@ -220,7 +228,8 @@ pub enum Skipped {
 /// later only if it is still the turn (else [`Skipped::Moved`]): a turn of an owned
 /// queue (a single active consumer) is written down as its entity's holder once it has
 /// run for a second, so one that was running at the read is normally refused as
-/// [`Skipped::Running`]. A skipped message that arrives later, or waited, is
+/// [`Skipped::Running`], and one that ran already is moved past, not skipped
+/// ([`Skipped::Ran`]). A skipped message that arrives later, or waited, is
 /// dead-lettered as `sequence_passed`; one of an entity ordered by arrival (no
 /// sequence) that arrives later takes a new place at the end instead.
 pub async fn skip(

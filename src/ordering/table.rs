@@ -467,6 +467,8 @@ pub(super) async fn skip(
         return Ok(Skipped::Unknown);
     };
     if from != turn {
+        // Kept: the lock may have moved past a completed holder, as the sweep would.
+        tx.commit().await?;
         return Ok(Skipped::Moved { next_seq: from });
     }
     // The holder runs: its record's lease is alive (running, or reconciling), or it has
@@ -487,6 +489,40 @@ pub(super) async fn skip(
     .await?;
     if running {
         return Ok(Skipped::Running);
+    }
+    // The turn ran already: the row at its number, with no holder, belongs to a record
+    // completed with the row's payload (a leased run hands its turns on before it moves
+    // the position, and a move can be lost with its connection; a completed holder was
+    // moved past by the lock above). The entity moves past it as the sweep would, and
+    // deletes that row; nothing is skipped.
+    let ran: bool = sqlx::query_scalar(
+        "WITH t AS (
+             SELECT w.scope, w.ordering_key, w.seq FROM ordering_positions p
+               JOIN ordering_waiting w ON w.scope = p.scope
+                    AND w.ordering_key = p.ordering_key AND w.seq = p.next_seq
+               JOIN processed_operations r ON r.scope = w.scope
+                    AND r.operation = w.operation AND r.idempotency_key = w.idempotency_key
+              WHERE p.scope = $1 AND p.ordering_key = $2 AND p.holder_key IS NULL
+                AND r.status = 'completed' AND r.payload_sha256 = w.payload_sha256),
+         gone AS (
+             DELETE FROM ordering_waiting w USING t
+              WHERE w.scope = t.scope AND w.ordering_key = t.ordering_key AND w.seq = t.seq),
+         moved AS (
+             UPDATE ordering_positions p
+                SET next_seq = p.next_seq + 1, last_seq = greatest(p.last_seq, p.next_seq),
+                    moved_at = now()
+               FROM t
+              WHERE p.scope = t.scope AND p.ordering_key = t.ordering_key
+             RETURNING 1)
+         SELECT EXISTS (SELECT 1 FROM moved)",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .fetch_one(&mut *tx)
+    .await?;
+    if ran {
+        tx.commit().await?;
+        return Ok(Skipped::Ran { seq: from });
     }
     sqlx::query(
         "UPDATE ordering_positions

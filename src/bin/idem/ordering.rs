@@ -134,6 +134,13 @@ async fn skip(
         Skipped::Moved { next_seq } => bail!(
             "{scope} / {key} moved on: its turn is {next_seq} now; nothing skipped (list it again)"
         ),
+        Skipped::Ran { seq } => {
+            say!(
+                "{scope} / {key} sequence {seq} had run already (its record completed): moved on past it, nothing skipped; {} runs next",
+                seq + 1
+            );
+            Ok(())
+        }
         Skipped::Unknown => bail!("no entity {scope} / {key}"),
         Skipped::Running => bail!(
             "the holder of {scope} / {key} runs now (a live lease, or a turn taken within the last minute): skipping would run its successor beside it; wait, or `idem ops release` it first"
