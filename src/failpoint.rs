@@ -35,7 +35,8 @@
 /// `default`, or with the `failpoints` feature the milliseconds in the environment
 /// variable `var` when it holds a number: tests on a loaded machine stretch a timing
 /// that the behaviour they prove depends on (`IDEM_RUN_FOR_MS`: how long a leased run
-/// hands turns on without a move, `worker/owned/run.rs`).
+/// hands turns on without a move, `worker/owned/run.rs`; `IDEM_MARK_AFTER_MS`: when a
+/// long owned turn is written down as its entity's holder, `worker/owned/mod.rs`).
 #[cfg(feature = "failpoints")]
 pub(crate) fn stretched(var: &str, default: std::time::Duration) -> std::time::Duration {
     std::env::var(var)

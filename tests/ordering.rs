@@ -807,6 +807,89 @@ async fn owned_order_a_long_turn_in_a_leased_run_holds_its_own_number(
     r_applied_to(&pool, &q, 6).await;
 }
 
+/// A turn that meets the live lease of another process running it holds its number, so
+/// that operators see it running and a skip is refused, as for any turn that runs.
+/// Account `r`'s 2 to 6 are parked, then 1 comes; process A runs 1, and 2 hands 3 on in
+/// a run (the position stays at 2), where 3 waits on a lock the test holds. A's marks
+/// are put off (`IDEM_MARK_AFTER_MS`), as if its turn had begun just before. A loses its
+/// broker connection, and B, the next consumer, takes over row 2: a duplicate, its move
+/// puts the position at 3, and B's 3 meets A's live lease (`duplicate_in_progress`; its
+/// retry copy put off for ten minutes). B's 3 records itself the holder: the listing
+/// says `running` and a skip is refused. (Before, the position stood at 3 with no
+/// holder and no row while A's 3 ran: listed a `gap`, and a skip would have run 4
+/// beside it.) Let go, 3 to 6 apply once each, in order.
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_turn_meeting_anothers_live_lease_holds_its_number(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let (pool, url, q) = prepared(o, &c, "ordering-live-lease", true).await;
+    let lock = held_in_handler(&pool, "r-v3").await;
+    let later = ["--concurrency", "1", "--retry-delays-ms", "600000"];
+    let args = worker_args("leased", true, &later);
+    let env = [RUN_WIDE, ("IDEM_MARK_AFTER_MS", "60000")];
+    let a = spawn_accounts_worker_with_env(&url, &q.name, &args, &env);
+    wait_for_consumers(&q, 1).await;
+    let b = spawn_accounts_worker_with_env(&url, &q.name, &args, &env);
+    wait_for_consumers(&q, 2).await;
+    parked_then_first(&pool, &q, 6).await;
+    wait_until(SETTLE, "A's 3 in its handler", || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT status FROM processed_operations WHERE idempotency_key = 'r-v3'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+        .as_deref()
+            == Some("processing")
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], vec![1, 2]);
+    assert_eq!(
+        (next_seq(&pool, "account-r").await, holder(&pool, "r").await),
+        (2, None),
+        "3 runs in a run begun at 2"
+    );
+    let pid = a.pid();
+    let closed =
+        tokio::task::spawn_blocking(move || close_broker_connections_of("accounts_worker", pid))
+            .await
+            .unwrap();
+    assert!(closed >= 1, "closed A's connection");
+    // B's first delivery begins its takeover.
+    q.publish(&entry("z", 1)).await;
+    wait_until(SETTLE, "B's 3 met A's lease", || async {
+        b.log_contains("outcome=\"duplicate_in_progress\"")
+    })
+    .await;
+    wait_until(SETTLE, "3 held at its number", || async {
+        next_seq(&pool, "account-r").await == 3
+            && holder(&pool, "r").await.as_deref() == Some("r-v3")
+    })
+    .await;
+    let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed[0]["blocked_by"], "running", "{listed}");
+    let refused = idem_command(&url, &skip_args("acme", "account-r", &["--note", "x"]))
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        !refused.status.success(),
+        "the skip of a running turn is refused"
+    );
+    assert_eq!(next_seq(&pool, "account-r").await, 3, "nothing skipped");
+    lock.rollback().await.unwrap();
+    wait_until(SETTLE, "r applied to 6", || async {
+        applied(&pool).await.get("r").is_some_and(|v| v.len() == 6)
+            && next_seq(&pool, "account-r").await == 7
+            && waiting(&pool).await == 0
+    })
+    .await;
+    assert_eq!(applied(&pool).await["r"], (1..=6).collect::<Vec<_>>());
+    drop((a, b));
+}
+
 /// A leased turn that ran longer than a run may hand on reads nothing ahead with its
 /// move: its successor would not complete within the run's time either, and the rows
 /// read would be read again by the successor's own move (on the shuffled bench under

@@ -226,10 +226,11 @@ impl Owner {
     /// ([`held::running`]): its move then goes from there.
     pub(super) async fn marked_if_long<F: Future>(&self, turn: &mut Turn, run: F) -> F::Output {
         let mut run = std::pin::pin!(run);
+        let mark_after = crate::failpoint::stretched("IDEM_MARK_AFTER_MS", MARK_AFTER);
         loop {
             let after = match turn.behind() {
-                true => MARK_AFTER / 2,
-                false => MARK_AFTER,
+                true => mark_after / 2,
+                false => mark_after,
             };
             tokio::select! {
                 biased;

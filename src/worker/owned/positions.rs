@@ -470,7 +470,12 @@ impl Turn {
 
     /// It ended without completing (`outcome`): a delivery that ran and is retrying,
     /// pending or failed for good is recorded as the entity's holder, for operators and
-    /// a skip.
+    /// a skip; so is one whose record another process, or this process's session before
+    /// a lost connection, runs under a live lease (`DuplicateInProgress`): that one's
+    /// move, fenced on where its run began, passes a position its own key holds, and
+    /// the sweep moves on past it once it completed. (Left without a holder, the
+    /// position stood at a completed turn that nothing moved past until its retry copy
+    /// came.)
     pub(in crate::worker) async fn leave(mut self, owner: &Owner, outcome: Outcome) {
         let holds = matches!(
             outcome,
@@ -479,6 +484,7 @@ impl Turn {
                 | Outcome::RetriesExhausted
                 | Outcome::Pending
                 | Outcome::DuplicateFailed
+                | Outcome::DuplicateInProgress
         );
         // A run's turn moves the position to its own number first, even if it holds
         // nothing (its record never ran: the position must not stay behind it).
