@@ -230,9 +230,13 @@ struct Args {
     /// 512 with `--single-active-consumer`).
     #[arg(long, default_value_t = 0)]
     prefetch: u16,
-    /// Delayed retry tiers, in milliseconds.
-    #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
+    /// Delayed retry tiers, in milliseconds (the last given counts).
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000", action = clap::ArgAction::Set, overrides_with = "retry_delays_ms")]
     retry_delays_ms: Vec<u64>,
+    /// No delayed retry tiers, whatever `--retry-delays-ms` says: what must wait is
+    /// requeued instead.
+    #[arg(long)]
+    no_retry_delays: bool,
     /// Seconds a claim is owned without a heartbeat: a killed worker's operations are
     /// taken over after this.
     #[arg(long, default_value_t = 30)]
@@ -308,11 +312,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         prefetch: args.prefetch,
         single_active_consumer: args.single_active_consumer,
         retry: RetryPolicy {
-            delays: args
-                .retry_delays_ms
-                .iter()
-                .map(|ms| Duration::from_millis(*ms))
-                .collect(),
+            delays: match args.no_retry_delays {
+                true => Vec::new(),
+                false => args
+                    .retry_delays_ms
+                    .iter()
+                    .map(|ms| Duration::from_millis(*ms))
+                    .collect(),
+            },
             ..RetryPolicy::default()
         },
         ordering_stall_after: Duration::from_millis(args.stall_after_ms),

@@ -823,11 +823,35 @@ async fn owned_order_a_turn_meeting_anothers_live_lease_holds_its_number(
     o: PgPoolOptions,
     c: PgConnectOptions,
 ) {
+    meets_a_live_lease(o, c, false).await;
+}
+
+/// The same with A SIGKILLed instead (its lease lives 3 s on) and no retry delays: B's 3
+/// is given back to the sweep (a requeue), and holding the position it keeps its row,
+/// all there is of the message (parked, acked, and A died with it). Once A's lease ran
+/// out, the sweep publishes it, B runs it, and 3 to 6 apply once each, in order. (The
+/// hold deleted the row: 3 was lost, and the account stood for good.)
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_turn_meeting_a_killed_owners_lease_keeps_its_row(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    meets_a_live_lease(o, c, true).await;
+}
+
+async fn meets_a_live_lease(o: PgPoolOptions, c: PgConnectOptions, killed: bool) {
     let (pool, url, q) = prepared(o, &c, "ordering-live-lease", true).await;
     let lock = held_in_handler(&pool, "r-v3").await;
-    let later = ["--concurrency", "1", "--retry-delays-ms", "600000"];
-    let args = worker_args("leased", true, &later);
-    let env = [RUN_WIDE, ("IDEM_MARK_AFTER_MS", "60000")];
+    let later = match killed {
+        true => &["--no-retry-delays", "--lease-secs", "3"][..],
+        false => &["--retry-delays-ms", "600000"][..],
+    };
+    let args = worker_args(
+        "leased",
+        true,
+        &[&["--concurrency", "1"][..], later].concat(),
+    );
+    let env = [RUN_WIDE, ("IDEM_MARK_AFTER_MS", "600000")];
     let a = spawn_accounts_worker_with_env(&url, &q.name, &args, &env);
     wait_for_consumers(&q, 1).await;
     let b = spawn_accounts_worker_with_env(&url, &q.name, &args, &env);
@@ -850,12 +874,19 @@ async fn owned_order_a_turn_meeting_anothers_live_lease_holds_its_number(
         (2, None),
         "3 runs in a run begun at 2"
     );
-    let pid = a.pid();
-    let closed =
-        tokio::task::spawn_blocking(move || close_broker_connections_of("accounts_worker", pid))
-            .await
-            .unwrap();
-    assert!(closed >= 1, "closed A's connection");
+    let mut a = a;
+    if killed {
+        signal(&a, "KILL");
+        let _ = a.child.wait().await;
+    } else {
+        let pid = a.pid();
+        let closed = tokio::task::spawn_blocking(move || {
+            close_broker_connections_of("accounts_worker", pid)
+        })
+        .await
+        .unwrap();
+        assert!(closed >= 1, "closed A's connection");
+    }
     // B's first delivery begins its takeover.
     q.publish(&entry("z", 1)).await;
     wait_until(SETTLE, "B's 3 met A's lease", || async {
@@ -867,18 +898,20 @@ async fn owned_order_a_turn_meeting_anothers_live_lease_holds_its_number(
             && holder(&pool, "r").await.as_deref() == Some("r-v3")
     })
     .await;
-    let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
-    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
-    assert_eq!(listed[0]["blocked_by"], "running", "{listed}");
-    let refused = idem_command(&url, &skip_args("acme", "account-r", &["--note", "x"]))
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        !refused.status.success(),
-        "the skip of a running turn is refused"
-    );
-    assert_eq!(next_seq(&pool, "account-r").await, 3, "nothing skipped");
+    if !killed {
+        let listed = idem_cli(&url, &["ops", "ordering", "list", "--json"]).await;
+        let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+        assert_eq!(listed[0]["blocked_by"], "running", "{listed}");
+        let refused = idem_command(&url, &skip_args("acme", "account-r", &["--note", "x"]))
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            !refused.status.success(),
+            "the skip of a running turn is refused"
+        );
+        assert_eq!(next_seq(&pool, "account-r").await, 3, "nothing skipped");
+    }
     lock.rollback().await.unwrap();
     wait_until(SETTLE, "r applied to 6", || async {
         applied(&pool).await.get("r").is_some_and(|v| v.len() == 6)

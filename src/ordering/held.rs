@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use super::owner::{Done, Place};
-use super::table::{Released, WaitingRow, readable};
+use super::table::{Entry, Released, WaitingRow, readable};
 use crate::protect::Keys;
 use crate::store::StoreError;
 
@@ -112,11 +112,18 @@ pub(crate) async fn taken_over(
 /// skip waits for its live lease, and the sweep moves on past it once a copy completes
 /// without its owner's move (a crash). Its waiting row, if it had one, is done with:
 /// its retry copy or dead letter is safe (the sweep would publish the row again and
-/// again, and run it ahead of its retry delay). A turn of a leased run first moves the
+/// again, and run it ahead of its retry delay); unless `keeps_row`: a turn that met
+/// another's live lease, whose row may be all there is of its message (given back to
+/// the sweep when no retry delay is set), keeps it. A turn of a leased run first moves the
 /// position from the run's [`Done::from`] to its number (holding it or not), past the
 /// turns that completed before it, whose rows go. Whether the position was written
 /// (false: it was not at `from`, or held by the turn already).
-pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool, StoreError> {
+pub(crate) async fn hold(
+    pool: &PgPool,
+    done: &Done,
+    holds: bool,
+    keeps_row: bool,
+) -> Result<bool, StoreError> {
     let (scope, ordering_key, seq) = &done.place;
     let written = sqlx::query_scalar(
         "WITH moved AS (
@@ -134,7 +141,7 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool
              RETURNING 1),
          gone AS (
              DELETE FROM ordering_waiting
-              WHERE $7 AND scope = $1 AND operation = $4 AND idempotency_key = $5
+              WHERE $7 AND NOT $8 AND scope = $1 AND operation = $4 AND idempotency_key = $5
                 AND ordering_key = $2 AND seq = $3),
          ran AS (
              DELETE FROM ordering_waiting
@@ -149,6 +156,7 @@ pub(crate) async fn hold(pool: &PgPool, done: &Done, holds: bool) -> Result<bool
     .bind(&done.idempotency_key)
     .bind(done.from)
     .bind(holds)
+    .bind(keeps_row)
     .fetch_one(pool)
     .await?;
     Ok(written)
@@ -229,29 +237,31 @@ pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<Marked, StoreE
     })
 }
 
-/// Whether the record of `(scope, operation, idempotency key)` decides a delivery
-/// without a turn: completed (a duplicate), or failed for good. A delivery behind its
-/// position is decided by it (run on to its claim, or `sequence_passed`): its waiting
-/// row, if one is behind the position too, goes (the sweep would publish it for ever).
-pub(crate) async fn decided(
-    pool: &PgPool,
-    scope: &str,
-    operation: &str,
-    idempotency_key: &str,
-) -> Result<bool, StoreError> {
+/// Whether the record of `entry`'s key decides it without a turn: completed (a
+/// duplicate), or failed for good. A delivery behind its position is decided by it (run
+/// on to its claim, or `sequence_passed`): its waiting row, if one is behind the
+/// position too, goes (the sweep would publish it for ever). Its own row only, of its
+/// payload: a row of another message under its key is that message's, which the sweep
+/// publishes and whose own delivery deletes it on its way to its dead letter
+/// (`fingerprint_conflict`); deleted here, it would be lost without a trace.
+pub(crate) async fn decided(pool: &PgPool, entry: &Entry) -> Result<bool, StoreError> {
     let decided = sqlx::query_scalar(
         "WITH gone AS (
              DELETE FROM ordering_waiting w USING ordering_positions p
               WHERE w.scope = $1 AND w.operation = $2 AND w.idempotency_key = $3
                 AND p.scope = w.scope AND p.ordering_key = w.ordering_key
-                AND w.seq < p.next_seq)
+                AND w.seq < p.next_seq
+                AND (w.payload_sha256 = $4
+                     OR w.payload_sha256 = ANY(string_to_array($5, ','))))
          SELECT EXISTS (SELECT 1 FROM processed_operations o
                          WHERE o.scope = $1 AND o.operation = $2 AND o.idempotency_key = $3
                            AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))",
     )
-    .bind(scope)
-    .bind(operation)
-    .bind(idempotency_key)
+    .bind(entry.key.scope())
+    .bind(entry.key.operation())
+    .bind(entry.key.idempotency_key())
+    .bind(&entry.fingerprint)
+    .bind(entry.also.as_deref())
     .fetch_one(pool)
     .await?;
     Ok(decided)

@@ -200,7 +200,8 @@ pub enum Skipped {
         seq: i64,
     },
     /// Nothing skipped: the entity's turn is `next_seq`, not the one given (it moved
-    /// since it was listed), or it moved while the skip waited.
+    /// since it was listed), or it moved while the skip waited (or as the skip locked
+    /// it: past a holder whose record completed, as the sweep would).
     Moved {
         /// The sequence number whose turn it is.
         next_seq: i64,

@@ -314,14 +314,14 @@ async fn a_runs_move_passes_its_turns_rows_and_reads_the_rows_ahead(pool: PgPool
 
     // 5 and 6 completed in the run, 7 failed for good: the position moves from 5 to 7,
     // held by 7; 5's and 6's rows go, and 7's (its dead letter is safe).
-    let held = crate::ordering::held::hold(&pool, &turn("r", 7, 5), true)
+    let held = crate::ordering::held::hold(&pool, &turn("r", 7, 5), true, false)
         .await
         .unwrap();
     assert!(held);
     assert_eq!(position(&pool, "r").await, (7, Some("r-7".into())));
     assert_eq!(rows(&pool, "r").await, vec![(9, false)]);
     // Fenced out the same way: f's position is not at 5.
-    let held = crate::ordering::held::hold(&pool, &turn("f", 6, 5), true)
+    let held = crate::ordering::held::hold(&pool, &turn("f", 6, 5), true, false)
         .await
         .unwrap();
     assert!(!held);
@@ -443,7 +443,7 @@ async fn a_turn_deletes_its_own_waiting_row_not_another_under_its_key(pool: PgPo
     assert_eq!(parked, vec![Parked::Kept]);
     positions_at(&pool, &[("h", 1)]).await;
 
-    let held = crate::ordering::held::hold(&pool, &turn("h", 1, 1), true)
+    let held = crate::ordering::held::hold(&pool, &turn("h", 1, 1), true, false)
         .await
         .unwrap();
     assert!(held);
@@ -483,4 +483,38 @@ async fn a_turn_deletes_its_own_waiting_row_not_another_under_its_key(pool: PgPo
         .await
         .unwrap();
     assert_eq!(rows(&pool, "w").await, vec![(2, false)], "after the finish");
+}
+
+/// A delivery behind its position that its record decides deletes its own waiting row
+/// behind the position, not a row of another payload under its key: `w`'s 2, parked
+/// under the key of `h`'s 1 and passed by `w`'s position, stays for a copy of `h`'s 1,
+/// and goes with its own delivery (which the sweep publishes, and which is then
+/// dead-lettered `fingerprint_conflict`). (Deleted by key alone, it was lost without a
+/// trace.)
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_decided_delivery_deletes_its_own_row_behind_not_another_under_its_key(pool: PgPool) {
+    let properties =
+        crate::ordering::table::stored_properties(&lapin::BasicProperties::default()).unwrap();
+    let mut other = entry("w", 2, properties.clone());
+    other.key = Key::new("s", "accounts.apply", "h-1").unwrap();
+    let day = Duration::from_secs(24 * 3600);
+    let parked = park(&pool, None, day, &[other.clone()]).await.unwrap();
+    assert_eq!(parked, vec![Parked::Kept]);
+    // `w`'s position, past 2 (a skip, say).
+    positions_at(&pool, &[("w", 5)]).await;
+    sqlx::query(
+        "INSERT INTO processed_operations (scope, operation, idempotency_key,
+             payload_sha256, status, lease_token, completed_at)
+         VALUES ('s', 'accounts.apply', 'h-1', repeat('0', 64), 'completed', 1, now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let copy = entry("h", 1, properties);
+    let decided = crate::ordering::held::decided(&pool, &copy).await.unwrap();
+    assert!(decided, "h's 1 completed");
+    assert_eq!(rows(&pool, "w").await, vec![(2, false)], "after h's copy");
+    let decided = crate::ordering::held::decided(&pool, &other).await.unwrap();
+    assert!(decided, "its key's record decides it too");
+    assert_eq!(rows(&pool, "w").await, vec![], "after its own delivery");
 }

@@ -28,7 +28,7 @@ mod run;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::batch::Batcher;
 use super::ordered::Entity;
@@ -141,7 +141,7 @@ impl Owner {
             match look {
                 Look::Run => return Ok(Stand::Run(Turn::new(positions, entity, seq, who))),
                 Look::Behind | Look::Taken => {
-                    let decided = self.decided(&entry.key).await?;
+                    let decided = self.decided(&entry).await?;
                     return Ok(match (decided, look) {
                         (true, _) => Stand::Decided,
                         (false, Look::Behind) => Stand::Passed,
@@ -204,7 +204,7 @@ impl Owner {
                             self.read(positions, entity, entry.ordered.first).await?;
                         }
                         Parked::Found(..) => {
-                            return Ok(match self.decided(&entry.key).await? {
+                            return Ok(match self.decided(&entry).await? {
                                 true => Stand::Decided,
                                 false => Stand::Taken,
                             });
@@ -227,6 +227,7 @@ impl Owner {
     pub(super) async fn marked_if_long<F: Future>(&self, turn: &mut Turn, run: F) -> F::Output {
         let mut run = std::pin::pin!(run);
         let mark_after = crate::failpoint::stretched("IDEM_MARK_AFTER_MS", MARK_AFTER);
+        let mut warned = false;
         loop {
             let after = match turn.behind() {
                 true => mark_after / 2,
@@ -257,8 +258,16 @@ impl Owner {
                 Ok(Marked::Moved) => turn.stands_at_own(),
                 Ok(Marked::Locked) if out.is_none() => continue,
                 Ok(_) => {}
+                // Once a turn: an outage fails every mark until it ends.
+                Err(error) if !warned => {
+                    warned = true;
+                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded yet; tried again while it runs");
+                    if out.is_none() {
+                        continue;
+                    }
+                }
                 Err(error) => {
-                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded");
+                    debug!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded yet");
                     if out.is_none() {
                         continue;
                     }
@@ -286,13 +295,10 @@ impl Owner {
         Ok(())
     }
 
-    /// Whether the record of `key` decides its delivery without a turn
+    /// Whether the record of `entry`'s key decides it without a turn
     /// ([`held::decided`]).
-    async fn decided(&self, key: &Key) -> Result<bool, Failure> {
-        let pool = self.store.pool();
-        let (scope, operation, idempotency_key) =
-            (key.scope(), key.operation(), key.idempotency_key());
-        Ok(held::decided(pool, scope, operation, idempotency_key).await?)
+    async fn decided(&self, entry: &Entry) -> Result<bool, Failure> {
+        Ok(held::decided(self.store.pool(), entry).await?)
     }
 }
 

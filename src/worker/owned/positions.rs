@@ -473,9 +473,11 @@ impl Turn {
     /// a skip; so is one whose record another process, or this process's session before
     /// a lost connection, runs under a live lease (`DuplicateInProgress`): that one's
     /// move, fenced on where its run began, passes a position its own key holds, and
-    /// the sweep moves on past it once it completed. (Left without a holder, the
-    /// position stood at a completed turn that nothing moved past until its retry copy
-    /// came.)
+    /// the sweep moves on past it once it completed. That one keeps its waiting row:
+    /// given back to the sweep when no retry delay is set, it may be all there is of
+    /// its message (a SIGKILLed owner's turn, run from its row). (Left without a
+    /// holder, the position stood at the turn with no row while it ran elsewhere:
+    /// listed a gap, which a skip would have passed.)
     pub(in crate::worker) async fn leave(mut self, owner: &Owner, outcome: Outcome) {
         let holds = matches!(
             outcome,
@@ -488,8 +490,9 @@ impl Turn {
         );
         // A run's turn moves the position to its own number first, even if it holds
         // nothing (its record never ran: the position must not stay behind it).
+        let keeps_row = matches!(outcome, Outcome::DuplicateInProgress);
         let held = match holds || self.behind() {
-            true => held::hold(owner.store.pool(), &self.done(), holds).await,
+            true => held::hold(owner.store.pool(), &self.done(), holds, keeps_row).await,
             false => Ok(true),
         };
         if let Err(error) = &held {
