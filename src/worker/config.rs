@@ -68,8 +68,8 @@ pub struct WorkerConfig {
     /// (docs/DESIGN.md, "Owned order"): the consuming process keeps the positions of
     /// its entities in memory, so a numbered turn takes no lock and no write before it
     /// runs: on the shuffled bench (one worker SIGKILLed, two cores), ordered deliveries
-    /// ran at 0.65–0.69 of the unordered pace in transactional mode and 0.68–0.75 in
-    /// leased mode (medians on the last five sessions' machines), against 0.35–0.50
+    /// ran at 0.62–0.69 of the unordered pace in transactional mode and 0.68–0.75 in
+    /// leased mode (medians on the last six sessions' machines), against 0.35–0.50
     /// through the gate (docs/PERFORMANCE.md), within one process's capacity. Order of
     /// arrival (`Ordered::by` without a sequence) still goes through the gate.
     ///
