@@ -449,14 +449,7 @@ async fn a_turn_deletes_its_own_waiting_row_not_another_under_its_key(pool: PgPo
     assert!(held);
     assert_eq!(rows(&pool, "w").await, vec![(2, false)], "after the hold");
 
-    sqlx::query(
-        "INSERT INTO processed_operations (scope, operation, idempotency_key,
-             payload_sha256, status, lease_token, completed_at)
-         VALUES ('s', 'accounts.apply', 'h-1', repeat('0', 64), 'completed', 1, now())",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    completed(&pool, "h-1").await;
     let entities = [("s".to_string(), "h".to_string())];
     crate::ordering::table::release(&pool, None, &entities, false)
         .await
@@ -502,14 +495,7 @@ async fn a_decided_delivery_deletes_its_own_row_behind_not_another_under_its_key
     assert_eq!(parked, vec![Parked::Kept]);
     // `w`'s position, past 2 (a skip, say).
     positions_at(&pool, &[("w", 5)]).await;
-    sqlx::query(
-        "INSERT INTO processed_operations (scope, operation, idempotency_key,
-             payload_sha256, status, lease_token, completed_at)
-         VALUES ('s', 'accounts.apply', 'h-1', repeat('0', 64), 'completed', 1, now())",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    completed(&pool, "h-1").await;
     let copy = entry("h", 1, properties);
     let decided = crate::ordering::held::decided(&pool, &copy).await.unwrap();
     assert!(decided, "h's 1 completed");
@@ -517,4 +503,17 @@ async fn a_decided_delivery_deletes_its_own_row_behind_not_another_under_its_key
     let decided = crate::ordering::held::decided(&pool, &other).await.unwrap();
     assert!(decided, "its key's record decides it too");
     assert_eq!(rows(&pool, "w").await, vec![], "after its own delivery");
+}
+
+/// A completed record of `idempotency_key` (scope `s`), of a payload no entry has.
+async fn completed(pool: &PgPool, idempotency_key: &str) {
+    sqlx::query(
+        "INSERT INTO processed_operations (scope, operation, idempotency_key,
+             payload_sha256, status, lease_token, completed_at)
+         VALUES ('s', 'accounts.apply', $1, repeat('0', 64), 'completed', 1, now())",
+    )
+    .bind(idempotency_key)
+    .execute(pool)
+    .await
+    .unwrap();
 }
