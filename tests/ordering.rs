@@ -842,9 +842,10 @@ async fn owned_order_a_turn_meeting_a_killed_owners_lease_keeps_its_row(
 async fn meets_a_live_lease(o: PgPoolOptions, c: PgConnectOptions, killed: bool) {
     let (pool, url, q) = prepared(o, &c, "ordering-live-lease", true).await;
     let lock = held_in_handler(&pool, "r-v3").await;
+    let long = LONG_RETRY_DELAY_MS.to_string();
     let later = match killed {
         true => &["--no-retry-delays", "--lease-secs", "3"][..],
-        false => &["--retry-delays-ms", "600000"][..],
+        false => &["--retry-delays-ms", &long][..],
     };
     let args = worker_args(
         "leased",
