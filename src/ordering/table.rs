@@ -490,12 +490,39 @@ pub(super) async fn skip(
     if running {
         return Ok(Skipped::Running);
     }
-    // The turn ran already: the row at its number, with no holder, belongs to a record
-    // completed with the row's payload (a leased run hands its turns on before it moves
-    // the position, and a move can be lost with its connection; a completed holder was
-    // moved past by the lock above). The entity moves past it as the sweep would, and
-    // deletes that row; nothing is skipped.
-    let ran: bool = sqlx::query_scalar(
+    // A turn that ran already is moved past, not skipped.
+    if moved_past_a_turn_that_ran(&mut tx, scope, ordering_key).await? {
+        tx.commit().await?;
+        return Ok(Skipped::Ran { seq: from });
+    }
+    sqlx::query(
+        "UPDATE ordering_positions
+            SET next_seq = next_seq + 1, last_seq = greatest(last_seq, next_seq),
+                holder_operation = NULL, holder_key = NULL, held_since = NULL,
+                moved_at = now(), skipped = skipped + 1, skip_note = $3, skipped_at = now()
+          WHERE scope = $1 AND ordering_key = $2",
+    )
+    .bind(scope)
+    .bind(ordering_key)
+    .bind(note)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Skipped::Skipped { seq: from })
+}
+
+/// Moves the locked position of `(scope, ordering_key)` past its turn if that turn ran
+/// already: the row at its number, with no holder, belongs to a record completed with
+/// the row's payload (a leased run hands its turns on before it moves the position, and
+/// a move can be lost with its connection; a completed holder is moved past by the
+/// skip's lock). As the sweep would move it: that row deleted, no skip counted. Whether
+/// it moved.
+async fn moved_past_a_turn_that_ran(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    scope: &str,
+    ordering_key: &str,
+) -> Result<bool, StoreError> {
+    let moved = sqlx::query_scalar(
         "WITH t AS (
              SELECT w.scope, w.ordering_key, w.seq FROM ordering_positions p
                JOIN ordering_waiting w ON w.scope = p.scope
@@ -518,26 +545,9 @@ pub(super) async fn skip(
     )
     .bind(scope)
     .bind(ordering_key)
-    .fetch_one(&mut *tx)
+    .fetch_one(&mut **tx)
     .await?;
-    if ran {
-        tx.commit().await?;
-        return Ok(Skipped::Ran { seq: from });
-    }
-    sqlx::query(
-        "UPDATE ordering_positions
-            SET next_seq = next_seq + 1, last_seq = greatest(last_seq, next_seq),
-                holder_operation = NULL, holder_key = NULL, held_since = NULL,
-                moved_at = now(), skipped = skipped + 1, skip_note = $3, skipped_at = now()
-          WHERE scope = $1 AND ordering_key = $2",
-    )
-    .bind(scope)
-    .bind(ordering_key)
-    .bind(note)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(Skipped::Skipped { seq: from })
+    Ok(moved)
 }
 
 #[cfg(test)]

@@ -258,16 +258,17 @@ impl Owner {
                 Ok(Marked::Moved) => turn.stands_at_own(),
                 Ok(Marked::Locked) if out.is_none() => continue,
                 Ok(_) => {}
-                // Once a turn: an outage fails every mark until it ends.
-                Err(error) if !warned => {
-                    warned = true;
-                    warn!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded yet; tried again while it runs");
-                    if out.is_none() {
-                        continue;
-                    }
-                }
                 Err(error) => {
-                    debug!(error = %crate::text::error_line(&error), "owned order: a long turn's holder not recorded yet");
+                    let error = crate::text::error_line(&error);
+                    // Once a turn: an outage fails every mark until it ends.
+                    match std::mem::replace(&mut warned, true) {
+                        false => {
+                            warn!(%error, "owned order: a long turn's holder not recorded yet; tried again while it runs")
+                        }
+                        true => {
+                            debug!(%error, "owned order: a long turn's holder not recorded yet")
+                        }
+                    }
                     if out.is_none() {
                         continue;
                     }
