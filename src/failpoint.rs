@@ -1,8 +1,8 @@
 //! Failpoints: abort the process (or fail a step) at a named point, to prove crash
 //! safety in tests.
 //!
-//! Compiled in only with the `failpoints` cargo feature; without it [`hit`], [`fails`]
-//! and [`stretched`] are empty and cost nothing. With it, `IDEM_FAILPOINT=<name>` makes
+//! Compiled in only with the `failpoints` cargo feature; without it [`hit`], [`fails`],
+//! [`stalls`] and [`stretched`] are empty and cost nothing. With it, `IDEM_FAILPOINT=<name>` makes
 //! the process abort (no unwinding, no cleanup, like a `SIGKILL`) the first time it
 //! passes that point:
 //!
@@ -15,6 +15,7 @@
 //! | `before-dispatch` | the completion committed with staged follow-ups, none published |
 //! | `before-dispatch-mark` | follow-ups published and confirmed, not marked dispatched |
 //! | `after-hand-on` | a leased run's turn completed and handed on to the row after it, the position not moved |
+//! | `before-turn-run` | a turn was released, in this process, to the delivery waiting for it (its row released), which has not run |
 //! | `after-publish` | a retry or dead letter published and confirmed, the original not acked |
 //! | `discard-acked` | `idem dlq discard` acked a dead letter, its record not yet unpinned |
 //! | `http-single-after-claim` | a single-commit HTTP request holds its key in its transaction (the key's lock, or a claimed record), the route has not run |
@@ -28,6 +29,13 @@
 //! |---|---|
 //! | `owned-move-error` | an owned turn's move is made (in its commit: a transactional batch's, with the turns it chained, or a leased handler's; or on its own after it) and its end in memory too, nothing was handed to run next: where fetching a row parked meanwhile may fail |
 //! | `owned-mark-error` | a long owned turn's first mark (which writes it down as its entity's holder) is due: that mark fails, the next is tried a second later |
+//!
+//! And one waits for good, once per process, as for a connection an outage holds back
+//! ([`stalls`]):
+//!
+//! | name | where |
+//! |---|---|
+//! | `owned-mark-stall` | a long owned turn's first mark waits for its connection |
 //!
 //! The same builds let tests stretch a timing the behaviour they prove depends on
 //! ([`stretched`]).
@@ -77,6 +85,21 @@ pub(crate) fn fails(name: &str) -> bool {
 pub(crate) fn fails(_name: &str) -> bool {
     false
 }
+
+/// Never returns if `IDEM_FAILPOINT` names this point, the first time in this process
+/// (feature `failpoints` only): the caller waits as for a connection an outage holds
+/// back (until the pool's acquire timeout, 30 s by default).
+#[cfg(feature = "failpoints")]
+pub(crate) async fn stalls(name: &str) {
+    if fails(name) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Returns at once: built without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub(crate) async fn stalls(_name: &str) {}
 
 /// Aborts the process if `IDEM_FAILPOINT` names this point (feature `failpoints` only).
 #[cfg(feature = "failpoints")]

@@ -1618,6 +1618,36 @@ async fn owned_order_a_long_turn_whose_mark_fails_is_listed_running_all_the_same
     long_owned_turn(o, c, "leased", true).await;
 }
 
+/// A long turn whose mark waits for a connection (an outage holds the pool's back: its
+/// acquire timeout is 30 s; failpoint `owned-mark-stall` waits for good) ends when its
+/// run ends: account `h`'s 1, held in its handler past the mark's second, is let go,
+/// and 1 and 2 apply. (The mark was let finish before the turn ended, so the turn waited
+/// for the pool's timeout: here for ever.)
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn owned_order_a_long_turn_ends_while_its_mark_waits_for_a_connection(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let (pool, url, q) = prepared(o, &c, "ordering-mark-stall", true).await;
+    let stall = [("IDEM_FAILPOINT", "owned-mark-stall")];
+    let args = worker_args("leased", true, &[]);
+    let worker = spawn_accounts_worker_with_env(&url, &q.name, &args, &stall);
+    let lock = lock_entries(&pool).await;
+    q.publish(&entry("h", 1)).await;
+    q.publish(&entry("h", 2)).await;
+    wait_until(SETTLE, "1's mark waits for its connection", || async {
+        worker.log_contains("failpoint owned-mark-stall: failing once")
+    })
+    .await;
+    lock.rollback().await.unwrap();
+    wait_until(SETTLE, "1 and 2 applied", || async {
+        applied(&pool).await.get("h").is_some_and(|v| v.len() == 2) && all_settled(&q).await
+    })
+    .await;
+    assert_eq!(applied(&pool).await["h"], vec![1, 2]);
+    assert_eq!(holder(&pool, "h").await, None, "no holder left");
+}
+
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn owned_order_a_long_turn_is_listed_running_and_not_skipped_transactional(
     o: PgPoolOptions,
@@ -1887,6 +1917,81 @@ async fn owned_order_a_message_parked_under_a_used_key_is_dead_lettered_not_lost
     c: PgConnectOptions,
 ) {
     parked_under_a_used_key(o, c, "transactional", true).await;
+}
+
+/// A message parked under the key of a message that completed is not lost when the
+/// process its turn is handed to dies before running it. `w`'s 2, sent as event `u-v1`,
+/// parks while `u`'s 1 runs; when `w`'s 1 completes, its process releases the turn to
+/// that row, with its key as the entity's holder, and aborts (failpoint
+/// `before-turn-run`). The holder's record completed (it is `u`'s 1), so the next lock
+/// of the position (the next process's sweep, or the redelivery of `w`'s 1) moves past
+/// it; the row, of another payload than the record's, stays, and the sweep publishes it:
+/// dead-lettered `fingerprint_conflict`. (The move deleted it: gone without a trace.)
+async fn handed_under_a_used_key_across_a_crash(o: PgPoolOptions, c: PgConnectOptions, mode: &str) {
+    let (pool, url, q) = prepared(o, &c, &format!("ordering-used-key-crash-{mode}"), false).await;
+    let mut other = serde_json::from_slice::<serde_json::Value>(&entry("w", 2)).unwrap();
+    other["event_id"] = "u-v1".into();
+    let args = worker_args(mode, false, &[]);
+    let crash = [("IDEM_FAILPOINT", "before-turn-run")];
+    let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
+    // As in `parked_under_a_used_key`: `u`'s 1 held in its handler while `w`'s 2 parks.
+    let lock = lock_entries(&pool).await;
+    q.publish(&entry("u", 1)).await;
+    wait_until(SETTLE, "u's 1 held in its handler", || async {
+        entry_held_for(&pool, Duration::ZERO).await
+    })
+    .await;
+    q.publish(other.to_string().as_bytes()).await;
+    wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
+        waiting(&pool).await == 1 && q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    lock.rollback().await.unwrap();
+    wait_until(SETTLE, "u's 1 applied", || async {
+        applied_count(&pool).await == 1 && all_settled(&q).await
+    })
+    .await;
+    q.publish(&entry("w", 1)).await;
+    let status = tokio::time::timeout(SETTLE, crashing.child.wait())
+        .await
+        .expect("the worker reaches the failpoint")
+        .unwrap();
+    assert!(!status.success(), "aborted before the turn ran: {status:?}");
+    assert_eq!(applied(&pool).await.get("w"), Some(&vec![1]));
+    assert_eq!(waiting(&pool).await, 1, "w's 2 released, not run");
+    let _next = spawn_accounts_worker(&url, &q.name, &args);
+    wait_until(SETTLE, "w's 2 dead-lettered", || async {
+        all_settled(&q).await && waiting(&pool).await == 0 && q.counts(&q.dlq()).await.0 >= 1
+    })
+    .await;
+    let applied = applied(&pool).await;
+    assert_eq!((&applied["u"], &applied["w"]), (&vec![1], &vec![1]));
+    let letters = q.drain(&q.dlq()).await;
+    assert_eq!(letters.len(), 1, "w's 2, once");
+    assert_eq!(letters[0].reason.as_deref(), Some("fingerprint_conflict"));
+    let body: serde_json::Value = serde_json::from_str(&letters[0].body_text()).unwrap();
+    assert_eq!(
+        (&body["account"], &body["version"]),
+        (&"w".into(), &2.into()),
+        "{}",
+        letters[0].body_text()
+    );
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_message_handed_under_a_used_key_is_not_lost_when_its_process_dies_leased(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    handed_under_a_used_key_across_a_crash(o, c, "leased").await;
+}
+
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_message_handed_under_a_used_key_is_not_lost_when_its_process_dies_transactional(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    handed_under_a_used_key_across_a_crash(o, c, "transactional").await;
 }
 
 /// Without a sequence, one account's entries run one at a time (each starts after the

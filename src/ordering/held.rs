@@ -195,7 +195,10 @@ pub(crate) enum Marked {
 /// handed on alone would show: a released turn running under its lease. (The move from
 /// a run's first number, deleting the rows between, is also in [`hold`] and in
 /// `owner::move_on`: their fences change together.)
-pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<Marked, StoreError> {
+pub(crate) async fn running<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    done: &Done,
+) -> Result<Marked, StoreError> {
     let (scope, ordering_key, seq) = &done.place;
     let (looked, moved): (bool, bool) = sqlx::query_as(
         "WITH p AS (SELECT scope, ordering_key FROM ordering_positions
@@ -228,7 +231,7 @@ pub(crate) async fn running(pool: &PgPool, done: &Done) -> Result<Marked, StoreE
     .bind(&done.operation)
     .bind(&done.idempotency_key)
     .bind(done.from)
-    .fetch_one(pool)
+    .fetch_one(executor)
     .await?;
     Ok(match (looked, moved) {
         (false, _) => Marked::Locked,

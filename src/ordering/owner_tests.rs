@@ -517,3 +517,101 @@ async fn completed(pool: &PgPool, idempotency_key: &str) {
     .await
     .unwrap();
 }
+
+/// A move past a holder whose record completed deletes the holder's row at its turn only
+/// when the row carries the record's payload. `w`'s 2, parked under the key of a message
+/// that completed (`h-1`, `g-1`) and handed its turn with that key as its holder, stays
+/// through the gate's lock (an entering delivery's, a skip's) and the sweep's move, behind
+/// the position, and the sweep publishes it once its release is stale: it is
+/// dead-lettered `fingerprint_conflict` when it comes back. (Deleted, a crash of the
+/// releasing process before its run lost it without a trace.) A row of the record's
+/// payload, what the turn ran, goes.
+#[sqlx::test(migrator = "crate::db::MIGRATOR")]
+async fn a_move_past_a_completed_holder_keeps_its_row_of_another_payload(pool: PgPool) {
+    let record_fp = "0".repeat(64);
+    for (entity, key, fp) in [
+        ("lock", "h-1", "fp-other"),
+        ("sweep", "g-1", "fp-other"),
+        ("own", "o-1", record_fp.as_str()),
+    ] {
+        completed(&pool, key).await;
+        sqlx::query(
+            "WITH p AS (
+                 INSERT INTO ordering_positions (scope, ordering_key, next_seq, last_seq,
+                     holder_operation, holder_key, held_since)
+                 VALUES ('s', $1, 2, 2, 'accounts.apply', $2, now()))
+             INSERT INTO ordering_waiting (scope, ordering_key, seq, operation,
+                 idempotency_key, payload_sha256, queue, body, properties, released_at,
+                 releases)
+             VALUES ('s', $1, 2, 'accounts.apply', $2, $3, 'q', '\\x7b7d', '\\x7b7d', now(), 1)",
+        )
+        .bind(entity)
+        .bind(key)
+        .bind(fp)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let lock = |entity: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT (idem_ordering_lock('s', $1, 1)).next_seq")
+                .bind(entity)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(lock("lock").await, 3, "moved past its completed holder");
+    assert_eq!(
+        rows(&pool, "lock").await,
+        vec![(2, true)],
+        "another payload"
+    );
+    let sweep = [("s".to_string(), "sweep".to_string())];
+    let released = crate::ordering::table::release(&pool, None, &sweep, false)
+        .await
+        .unwrap();
+    assert!(released.is_empty(), "nothing at 3: {released:?}");
+    assert_eq!(position(&pool, "sweep").await, (3, None));
+    assert_eq!(
+        rows(&pool, "sweep").await,
+        vec![(2, true)],
+        "another payload"
+    );
+    assert_eq!(lock("own").await, 3);
+    assert_eq!(rows(&pool, "own").await, vec![], "the record's payload");
+
+    // Its release a second and more old: the sweep finds both and publishes them.
+    sqlx::query("UPDATE ordering_waiting SET released_at = now() - interval '2 seconds'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut unmoved = crate::ordering::table::unmoved(&pool, 10, Duration::ZERO)
+        .await
+        .unwrap();
+    unmoved.sort();
+    assert_eq!(
+        unmoved,
+        [("s".into(), "lock".into()), ("s".into(), "sweep".into())]
+    );
+    let released = crate::ordering::table::release(&pool, None, &unmoved, false)
+        .await
+        .unwrap();
+    let mut published: Vec<_> = released
+        .iter()
+        .map(|r| {
+            (
+                r.ordering_key.as_str(),
+                r.seq,
+                r.idempotency_key.as_str(),
+                r.turn,
+            )
+        })
+        .collect();
+    published.sort();
+    assert_eq!(
+        published,
+        [("lock", 2, "h-1", false), ("sweep", 2, "g-1", false)]
+    );
+}

@@ -74,6 +74,7 @@ pub(super) async fn hand_on<H: Handler>(
             publish(&links.publish, other).await;
         }
         let Some(turn) = turn else { return };
+        crate::failpoint::hit("before-turn-run");
         handed_on += 1;
         let queue = &runtime.config.queue;
         let link = run.link(&turn, H::OPERATION, queue, handed_on < MAX_HANDED_ON);

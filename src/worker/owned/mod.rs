@@ -28,6 +28,8 @@ mod run;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::Postgres;
+use sqlx::pool::PoolConnection;
 use tracing::{debug, warn};
 
 use super::batch::Batcher;
@@ -37,7 +39,7 @@ use crate::key::Key;
 use crate::ordering::held::{self, Marked};
 use crate::ordering::owner::{self, Done, Moved, Parked, Place, Then};
 use crate::ordering::{Entry, Released};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 use positions::Look;
 pub(crate) use positions::{Positions, Reserved, Turn};
@@ -221,9 +223,10 @@ impl Owner {
     /// recorded as its entity's holder meanwhile (fenced: only while the position is at
     /// its number and has no holder). Its completion's move clears the holder. A mark
     /// that finds the position locked (a move in flight), or fails (an outage), looks
-    /// again after another [`MARK_AFTER`], while the run lasts. A turn of a leased run past its first is
-    /// marked after half that, and its mark moves the position to its number first
-    /// ([`held::running`]): its move then goes from there.
+    /// again after another [`MARK_AFTER`], while the run lasts; a run that ends while its
+    /// mark waits for a connection does not wait for it. A turn of a leased run past its
+    /// first is marked after half that, and its mark moves the position to its number
+    /// first ([`held::running`]): its move then goes from there.
     pub(super) async fn marked_if_long<F: Future>(&self, turn: &mut Turn, run: F) -> F::Output {
         let mut run = std::pin::pin!(run);
         let mark_after = crate::failpoint::stretched("IDEM_MARK_AFTER_MS", MARK_AFTER);
@@ -239,13 +242,16 @@ impl Owner {
                 () = tokio::time::sleep(after) => {}
             }
             let done = turn.done();
+            // Its connection first: a run that ends while the mark waits for one (an
+            // outage, a pool all taken) ends at once, nothing sent.
+            let connection = tokio::select! {
+                biased;
+                out = &mut run => return out,
+                connection = self.mark_connection() => connection,
+            };
             let mut mark = std::pin::pin!(async {
-                if crate::failpoint::fails("owned-mark-error") {
-                    return Err(crate::store::StoreError::Database(
-                        sqlx::Error::PoolTimedOut,
-                    ));
-                }
-                held::running(self.store.pool(), &done).await
+                let mut connection = connection?;
+                held::running(&mut *connection, &done).await
             });
             let (marked, out) = tokio::select! {
                 biased;
@@ -280,6 +286,15 @@ impl Owner {
             break;
         }
         run.await
+    }
+
+    /// A connection for a long turn's mark ([`Owner::marked_if_long`]).
+    async fn mark_connection(&self) -> Result<PoolConnection<Postgres>, StoreError> {
+        crate::failpoint::stalls("owned-mark-stall").await;
+        if crate::failpoint::fails("owned-mark-error") {
+            return Err(StoreError::Database(sqlx::Error::PoolTimedOut));
+        }
+        Ok(self.store.pool().acquire().await?)
     }
 
     /// Reads `entity`'s position from the database into `positions` (created at
