@@ -69,7 +69,7 @@ pub struct WorkerConfig {
     /// its entities in memory, so a numbered turn takes no lock and no write before it
     /// runs: on the shuffled bench (one worker SIGKILLed, two cores), ordered deliveries
     /// ran at 0.62–0.69 of the unordered pace in transactional mode and 0.68–0.75 in
-    /// leased mode (medians on the last six sessions' machines), against 0.35–0.50
+    /// leased mode (medians on the last seven sessions' machines), against 0.35–0.50
     /// through the gate (docs/PERFORMANCE.md), within one process's capacity. Order of
     /// arrival (`Ordered::by` without a sequence) still goes through the gate.
     ///
