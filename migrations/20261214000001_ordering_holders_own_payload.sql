@@ -1,15 +1,18 @@
 -- A completed holder's row of its own payload only (docs/DESIGN.md, "Owned order"):
 -- moving an entity on past a holder whose record completed deleted the holder's waiting
--- row at its turn, whatever its payload. A message of another payload parked under the
--- holder's key (one whose key a message of the entity's earlier turn used since) is
+-- row at its turn, whatever its payload. A message of another payload parked under a
+-- key that another message completed (a producer's bug, refused when it runs) is
 -- handed its turn with that key as the holder, whose record completed already: the
 -- next lock of the position (an entering delivery, the sweep, a skip) moved past it and
--- deleted its row before its run, in the releasing process, dead-lettered it
--- `fingerprint_conflict`. A crash in between lost it without a trace. The row now goes
+-- deleted its row before it ran (in the releasing process, where its run dead-letters
+-- it `fingerprint_conflict`); a crash in between lost it without a trace. The row now goes
 -- only when it carries the record's payload; a row of another payload stays, behind the
 -- position, and the sweep publishes it once its release is stale (its own run, when it
--- happens, deletes it first). Otherwise the functions of
--- 20261212000001_ordering_own_rows.sql, unchanged.
+-- happens, deletes it first). A turn handed over in process deletes its own row by its
+-- place when it is acked (worker/settle.rs), whatever its fingerprint: a row parked
+-- before a deploy that changed the fingerprint's canonical form (the handler's volatile
+-- fields) carries another one than the record its run wrote, and would stay. Otherwise
+-- the functions of 20261212000001_ordering_own_rows.sql, unchanged.
 
 -- Deletes the waiting row of `pos`'s holder at its turn when it carries the payload of
 -- the holder's record: what the turn ran. One of another payload under the key stays.
@@ -86,8 +89,9 @@ BEGIN
             -- by its number as a value, not through `moved` (a join on the entity's
             -- rows read all of them: each turn of a hot entity with 10,000 waiting took
             -- longer than one handler's). Rows behind the position (only a skip leaves
-            -- them, and a row of another payload kept above, which is not stale yet)
-            -- are looked for only where a skip was made.
+            -- them, and a row of another payload kept above, which a later round
+            -- publishes once its release is stale) are looked for only where a skip
+            -- was made.
             PERFORM idem_ordering_holders_row_done(pos);
             RETURN QUERY
                 WITH next_row AS (

@@ -88,7 +88,7 @@ pub(crate) fn fails(_name: &str) -> bool {
 
 /// Never returns if `IDEM_FAILPOINT` names this point, the first time in this process
 /// (feature `failpoints` only): the caller waits as for a connection an outage holds
-/// back (until the pool's acquire timeout, 30 s by default).
+/// back (until the pool's acquire timeout, 10 s for idem's pools).
 #[cfg(feature = "failpoints")]
 pub(crate) async fn stalls(name: &str) {
     if fails(name) {

@@ -1619,7 +1619,7 @@ async fn owned_order_a_long_turn_whose_mark_fails_is_listed_running_all_the_same
 }
 
 /// A long turn whose mark waits for a connection (an outage holds the pool's back: its
-/// acquire timeout is 30 s; failpoint `owned-mark-stall` waits for good) ends when its
+/// acquire timeout is 10 s; failpoint `owned-mark-stall` waits for good) ends when its
 /// run ends: account `h`'s 1, held in its handler past the mark's second, is let go,
 /// and 1 and 2 apply. (The mark was let finish before the turn ended, so the turn waited
 /// for the pool's timeout: here for ever.)
@@ -1992,6 +1992,39 @@ async fn a_message_handed_under_a_used_key_is_not_lost_when_its_process_dies_tra
     c: PgConnectOptions,
 ) {
     handed_under_a_used_key_across_a_crash(o, c, "transactional").await;
+}
+
+/// A turn handed over in process deletes its own row once it is settled, whatever the
+/// fingerprint the row was parked with: `w`'s 2 parks, and its row's fingerprint is then
+/// made another (as a deploy that changed the handler's volatile fields makes it for
+/// rows parked before it). `w`'s 1 completes and hands 2 its turn; 2 runs and completes
+/// under the fingerprint of today, so the release's move past it keeps the row (it
+/// deletes a row of the record's payload only); the row goes with 2's ack. (Kept, it
+/// was published by the sweep for ever, each copy a duplicate.)
+#[sqlx::test(migrator = "idem::db::MIGRATOR")]
+async fn a_handed_turn_deletes_its_row_parked_under_an_older_fingerprint(
+    o: PgPoolOptions,
+    c: PgConnectOptions,
+) {
+    let (pool, url, q) = prepared(o, &c, "ordering-older-fingerprint", false).await;
+    let _worker = spawn_accounts_worker(&url, &q.name, &worker_args("transactional", false, &[]));
+    q.publish(&entry("w", 2)).await;
+    wait_until(SETTLE, "w's 2 parked", || async {
+        waiting(&pool).await == 1 && all_settled(&q).await
+    })
+    .await;
+    let changed = sqlx::query("UPDATE ordering_waiting SET payload_sha256 = repeat('1', 64)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(changed.rows_affected(), 1);
+    q.publish(&entry("w", 1)).await;
+    wait_until(SETTLE, "w's 1 and 2 applied, 2's row gone", || async {
+        applied_count(&pool).await == 2 && all_settled(&q).await && waiting(&pool).await == 0
+    })
+    .await;
+    assert_eq!(applied(&pool).await["w"], vec![1, 2]);
+    assert_eq!(q.counts(&q.dlq()).await.0, 0, "nothing dead-lettered");
 }
 
 /// Without a sequence, one account's entries run one at a time (each starts after the

@@ -568,6 +568,31 @@ async fn a_move_past_a_completed_holder_keeps_its_row_of_another_payload(pool: P
         vec![(2, true)],
         "another payload"
     );
+    // The row behind the position is not the first waiting: with 3 released, the
+    // listing says so (not `gap`).
+    sqlx::query(
+        "INSERT INTO ordering_waiting (scope, ordering_key, seq, operation, idempotency_key,
+             payload_sha256, queue, body, properties, released_at, releases)
+         VALUES ('s', 'lock', 3, 'accounts.apply', 'lock-3', 'fp', 'q', '\\x7b7d',
+                 '\\x7b7d', now(), 1)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let listed = crate::ordering::list(&pool, None, 10).await.unwrap();
+    let lock_listed = listed.iter().find(|p| p.ordering_key == "lock").unwrap();
+    assert_eq!(
+        (
+            lock_listed.waiting,
+            lock_listed.first_waiting,
+            lock_listed.blocked_by()
+        ),
+        (2, Some(3), "released")
+    );
+    sqlx::query("DELETE FROM ordering_waiting WHERE idempotency_key = 'lock-3'")
+        .execute(&pool)
+        .await
+        .unwrap();
     let sweep = [("s".to_string(), "sweep".to_string())];
     let released = crate::ordering::table::release(&pool, None, &sweep, false)
         .await

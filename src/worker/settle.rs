@@ -150,10 +150,18 @@ impl Settler<'_> {
     pub(super) async fn apply(&self, action: Settle, key: Option<&Key>) -> Result<(), Failure> {
         match action {
             // A handed-over delivery acked here completed, or its record decides without
-            // a turn: the release's move past it deletes its row, or the next copy's
-            // entry does; no round trip of its own at every turn of a hot entity.
+            // a turn. Under owned order its move deleted its row. Under the gate the
+            // release's move past it deletes it only when the row carries its record's
+            // payload (a row of another message under a used key stays there), which a
+            // row parked before a deploy that changed the fingerprint's canonical form
+            // does not: its row goes by its place now, not waited for (a hot entity's
+            // next turn does not wait for it; lost, the sweep publishes the row again).
             Settle::Ack => match self.from {
                 Source::Broker(tag) => self.links.acks.ack(tag),
+                Source::Waiting(released) if self.incoming.positions.is_none() => {
+                    let (pool, released) = (self.store.pool().clone(), released.clone());
+                    tokio::spawn(async move { forget(&pool, &released).await });
+                }
                 Source::Waiting(_) => {}
             },
             Settle::AckWaiting => match self.from {
@@ -181,11 +189,7 @@ impl Settler<'_> {
     async fn ack(&self) {
         match self.from {
             Source::Broker(tag) => self.links.acks.ack(tag),
-            Source::Waiting(released) => {
-                if let Err(error) = table::finish(self.store.pool(), released).await {
-                    debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
-                }
-            }
+            Source::Waiting(released) => forget(self.store.pool(), released).await,
         }
     }
 
@@ -313,5 +317,13 @@ pub(super) fn count(
     }
     if replayed {
         metrics::replayed_delivery(operation, outcome);
+    }
+}
+
+/// Deletes the waiting row of a handed-over delivery that was settled; one that stays
+/// is published by the sweep, and its copy is decided again.
+async fn forget(pool: &sqlx::PgPool, released: &Released) {
+    if let Err(error) = table::finish(pool, released).await {
+        debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
     }
 }
