@@ -8,11 +8,10 @@
 -- it `fingerprint_conflict`); a crash in between lost it without a trace. The row now goes
 -- only when it carries the record's payload; a row of another payload stays, behind the
 -- position, and the sweep publishes it once its release is stale (its own run, when it
--- happens, deletes it first). A turn handed over in process deletes its own row by its
--- place when it is acked (worker/settle.rs), whatever its fingerprint: a row parked
--- before a deploy that changed the fingerprint's canonical form (the handler's volatile
--- fields) carries another one than the record its run wrote, and would stay. Otherwise
--- the functions of 20261212000001_ordering_own_rows.sql, unchanged.
+-- happens, deletes it first). A row parked before a deploy that changed the
+-- fingerprint's canonical form (the handler's volatile fields) carries another
+-- fingerprint than the record its own run wrote, and stays too (docs/DESIGN.md).
+-- Otherwise the functions of 20261212000001_ordering_own_rows.sql, unchanged.
 
 -- Deletes the waiting row of `pos`'s holder at its turn when it carries the payload of
 -- the holder's record: what the turn ran. One of another payload under the key stays.

@@ -111,9 +111,9 @@ pub(super) fn envelope_of(released: &Released) -> Envelope {
 }
 
 /// Runs the delivery whose turn this process released, from its waiting row, as if the
-/// broker had brought it: its row goes once it is settled (acked, or its retry copy or
-/// dead letter published: `settle.rs`); a requeue gives it back to the sweep. What its
-/// own completion released.
+/// broker had brought it: its row goes with the release's move past it once it
+/// completed, or once its retry copy or dead letter is published; a requeue gives it
+/// back to the sweep. What its own completion released.
 async fn run_turn<H: Handler>(
     runtime: &Runtime<H>,
     links: &Links,
