@@ -1819,6 +1819,40 @@ async fn owned_order_early_entries_arriving_together_wait_once_and_one_holds_its
     early_entries_together(o, c, "transactional", true).await;
 }
 
+/// `u`'s 1 held in its handler (the test locks `account_entries` against its insert)
+/// while `other` (`w`'s 2 sent under `u`'s key) parks, then let go.
+async fn park_while_the_key_runs(pool: &PgPool, q: &TestQueue, other: &serde_json::Value) {
+    let lock = lock_entries(pool).await;
+    q.publish(&entry("u", 1)).await;
+    wait_until(SETTLE, "u's 1 held in its handler", || async {
+        entry_held_for(pool, Duration::ZERO).await
+    })
+    .await;
+    q.publish(other.to_string().as_bytes()).await;
+    wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
+        waiting(pool).await == 1 && q.counts(&q.name).await.0 == 0
+    })
+    .await;
+    lock.rollback().await.unwrap();
+}
+
+/// `u`'s 1 and `w`'s 1 applied, once each, and one dead letter: `w`'s 2 (sent under
+/// `u`'s key), `fingerprint_conflict`.
+async fn ws_2_alone_dead_lettered(pool: &PgPool, q: &TestQueue) {
+    let applied = applied(pool).await;
+    assert_eq!((&applied["u"], &applied["w"]), (&vec![1], &vec![1]));
+    let letters = q.drain(&q.dlq()).await;
+    assert_eq!(letters.len(), 1, "w's 2 alone, once");
+    assert_eq!(letters[0].reason.as_deref(), Some("fingerprint_conflict"));
+    let body: serde_json::Value = serde_json::from_str(&letters[0].body_text()).unwrap();
+    assert_eq!(
+        (&body["account"], &body["version"]),
+        (&"w".into(), &2.into()),
+        "{}",
+        letters[0].body_text()
+    );
+}
+
 /// A message parked early under the key of another, with another payload (`w`'s 2 sent
 /// as event `u-v1`), is not lost when the message that owns the key, `u`'s 1, runs
 /// first, nor when a copy of that message arrives after it completed: the turn's move
@@ -1839,20 +1873,8 @@ async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &s
         q.publish(&entry("u", 1)).await;
     } else {
         // The gate: the first to enter under a key holds it (a message of another
-        // payload parked under it makes `u`'s 1 a conflict), so `u`'s 1 runs first, held
-        // in its handler while `w`'s 2 parks.
-        let lock = lock_entries(&pool).await;
-        q.publish(&entry("u", 1)).await;
-        wait_until(SETTLE, "u's 1 held in its handler", || async {
-            entry_held_for(&pool, Duration::ZERO).await
-        })
-        .await;
-        q.publish(other.to_string().as_bytes()).await;
-        wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
-            waiting(&pool).await == 1 && q.counts(&q.name).await.0 == 0
-        })
-        .await;
-        lock.rollback().await.unwrap();
+        // payload parked under it makes `u`'s 1 a conflict), so `u`'s 1 runs first.
+        park_while_the_key_runs(&pool, &q, &other).await;
     }
     wait_until(SETTLE, "u's 1 applied", || async {
         applied_count(&pool).await == 1 && all_settled(&q).await
@@ -1873,18 +1895,7 @@ async fn parked_under_a_used_key(o: PgPoolOptions, c: PgConnectOptions, mode: &s
             && q.counts(&q.dlq()).await.0 >= 1
     })
     .await;
-    let applied = applied(&pool).await;
-    assert_eq!((&applied["u"], &applied["w"]), (&vec![1], &vec![1]));
-    let letters = q.drain(&q.dlq()).await;
-    assert_eq!(letters.len(), 1, "only w's 2, not the copy");
-    assert_eq!(letters[0].reason.as_deref(), Some("fingerprint_conflict"));
-    let body: serde_json::Value = serde_json::from_str(&letters[0].body_text()).unwrap();
-    assert_eq!(
-        (&body["account"], &body["version"]),
-        (&"w".into(), &2.into()),
-        "{}",
-        letters[0].body_text()
-    );
+    ws_2_alone_dead_lettered(&pool, &q).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
@@ -1934,19 +1945,7 @@ async fn handed_under_a_used_key_across_a_crash(o: PgPoolOptions, c: PgConnectOp
     let args = worker_args(mode, false, &[]);
     let crash = [("IDEM_FAILPOINT", "before-turn-run")];
     let mut crashing = spawn_accounts_worker_with_env(&url, &q.name, &args, &crash);
-    // As in `parked_under_a_used_key`: `u`'s 1 held in its handler while `w`'s 2 parks.
-    let lock = lock_entries(&pool).await;
-    q.publish(&entry("u", 1)).await;
-    wait_until(SETTLE, "u's 1 held in its handler", || async {
-        entry_held_for(&pool, Duration::ZERO).await
-    })
-    .await;
-    q.publish(other.to_string().as_bytes()).await;
-    wait_until(SETTLE, "w's 2 (under u-v1) parked", || async {
-        waiting(&pool).await == 1 && q.counts(&q.name).await.0 == 0
-    })
-    .await;
-    lock.rollback().await.unwrap();
+    park_while_the_key_runs(&pool, &q, &other).await;
     wait_until(SETTLE, "u's 1 applied", || async {
         applied_count(&pool).await == 1 && all_settled(&q).await
     })
@@ -1964,18 +1963,7 @@ async fn handed_under_a_used_key_across_a_crash(o: PgPoolOptions, c: PgConnectOp
         all_settled(&q).await && waiting(&pool).await == 0 && q.counts(&q.dlq()).await.0 >= 1
     })
     .await;
-    let applied = applied(&pool).await;
-    assert_eq!((&applied["u"], &applied["w"]), (&vec![1], &vec![1]));
-    let letters = q.drain(&q.dlq()).await;
-    assert_eq!(letters.len(), 1, "w's 2, once");
-    assert_eq!(letters[0].reason.as_deref(), Some("fingerprint_conflict"));
-    let body: serde_json::Value = serde_json::from_str(&letters[0].body_text()).unwrap();
-    assert_eq!(
-        (&body["account"], &body["version"]),
-        (&"w".into(), &2.into()),
-        "{}",
-        letters[0].body_text()
-    );
+    ws_2_alone_dead_lettered(&pool, &q).await;
 }
 
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
