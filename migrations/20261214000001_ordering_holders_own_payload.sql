@@ -7,11 +7,12 @@
 -- deleted its row before it ran (in the releasing process, where its run dead-letters
 -- it `fingerprint_conflict`); a crash in between lost it without a trace. The row now goes
 -- only when it carries the record's payload; a row of another payload stays, behind the
--- position, and the sweep publishes it once its release is stale (its own run, when it
--- happens, deletes it first). A row parked before a deploy that changed the
--- fingerprint's canonical form (the handler's volatile fields) carries another
--- fingerprint than the record its own run wrote, and stays too (docs/DESIGN.md).
--- Otherwise the functions of 20261212000001_ordering_own_rows.sql, unchanged.
+-- position, and the sweep publishes it once its release is stale, then deletes it
+-- (its own run, when it happens first, deletes it). A row parked before a deploy that
+-- changed the fingerprint's canonical form (the handler's volatile fields) carries
+-- another fingerprint than the record its own run wrote, and goes the same way, its
+-- copy a duplicate. Otherwise the functions of 20261212000001_ordering_own_rows.sql,
+-- unchanged.
 
 -- Deletes the waiting row of `pos`'s holder at its turn when it carries the payload of
 -- the holder's record: what the turn ran. One of another payload under the key stays.
@@ -144,12 +145,15 @@ BEGIN
                 RETURNING * INTO pos;
             END IF;
         END IF;
-        -- The row whose turn it is (again, when it did not complete: 5 s, doubling up to
-        -- 320 s, never while its run holds a live lease), flagged `turn`, and rows whose
-        -- turn passed while they waited (an operator skipped it; or a row of another
-        -- payload under a completed holder's key, kept by a move past it): their copies
-        -- come back and are dead-lettered (`sequence_passed`; that one meets the record:
-        -- `fingerprint_conflict`), so none is lost in the table.
+        -- The row whose turn it is (again, when it did not complete: after p_stale_ms,
+        -- doubling up to 64 times that, never while its run holds a live lease), flagged
+        -- `turn`, and rows behind the position: whose turn passed while they waited (an
+        -- operator skipped it), or kept by a move past a completed holder (another
+        -- payload's under its key, or one parked under an older fingerprint). The worker
+        -- publishes them; their copies are decided when they come back
+        -- (`sequence_passed`, `fingerprint_conflict`, a duplicate), so none is lost in
+        -- the table. A kept one, whose key's record decides it, goes once its copy is
+        -- confirmed (worker/hand_on.rs), so that none is published for ever.
         RETURN QUERY
             UPDATE ordering_waiting w SET released_at = clock_timestamp(), releases = w.releases + 1
              WHERE w.scope = pos.scope AND w.ordering_key = pos.ordering_key

@@ -1989,8 +1989,9 @@ async fn a_message_handed_under_a_used_key_is_not_lost_when_its_process_dies_tra
 /// runs and completes under today's fingerprint, so the release's move past it keeps
 /// the row (it deletes a row of the record's payload only: one of another message
 /// under a used key must not go before it ran). The sweep publishes the row behind the
-/// position, and its copy is acked as a duplicate: nothing applied twice, nothing
-/// dead-lettered. (The row stays, published about once a minute: docs/DESIGN.md.)
+/// position and deletes it once its copy is confirmed, and the copy is acked as a
+/// duplicate: nothing applied twice, nothing dead-lettered, nothing left. (Kept until
+/// its copy came back, which does not match it, the row was published for ever.)
 #[sqlx::test(migrator = "idem::db::MIGRATOR")]
 async fn a_handed_turn_parked_under_an_older_fingerprint_runs_once(
     o: PgPoolOptions,
@@ -2016,9 +2017,15 @@ async fn a_handed_turn_parked_under_an_older_fingerprint_runs_once(
             applied_count(&pool).await == 2
                 && worker.log_contains("outcome=\"duplicate_completed\"")
                 && all_settled(&q).await
+                && waiting(&pool).await == 0
         },
     )
     .await;
+    assert_eq!(
+        worker.log_count("outcome=\"duplicate_completed\""),
+        1,
+        "published once"
+    );
     assert_eq!(applied(&pool).await["w"], vec![1, 2], "each once");
     assert_eq!(next_seq(&pool, "account-w").await, 3);
     assert_eq!(q.counts(&q.dlq()).await.0, 0, "the copy is a duplicate");

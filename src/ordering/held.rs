@@ -245,8 +245,9 @@ pub(crate) async fn running<'e>(
 /// on to its claim, or `sequence_passed`): its waiting row, if one is behind the
 /// position too, goes (the sweep would publish it for ever). Its own row only, of its
 /// payload: a row of another message under its key is that message's, which the sweep
-/// publishes and whose own delivery deletes it on its way to its dead letter
-/// (`fingerprint_conflict`); deleted here, it would be lost without a trace.
+/// publishes (and then deletes, its copy confirmed), and which is dead-lettered
+/// `fingerprint_conflict` when it comes back; deleted here, it would be lost without a
+/// trace.
 pub(crate) async fn decided(pool: &PgPool, entry: &Entry) -> Result<bool, StoreError> {
     let decided = sqlx::query_scalar(
         "WITH gone AS (

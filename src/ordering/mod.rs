@@ -147,9 +147,9 @@ pub struct Position {
     pub holder_dead_lettered: bool,
     /// Deliveries waiting for their turn.
     pub waiting: i64,
-    /// The lowest waiting sequence number at or past `next_seq` (rows behind it, whose
-    /// turn passed, are on their way to their dead letter): above it with no holder, a
-    /// gap.
+    /// The lowest waiting sequence number at or past `next_seq` (a row behind it, whose
+    /// turn passed, is published to its queue within a second or so, and dead-lettered
+    /// when it comes back): above it with no holder, a gap.
     pub first_waiting: Option<i64>,
     /// Since when the position has not moved.
     pub moved_at: DateTime<Utc>,

@@ -278,6 +278,33 @@ pub(crate) async fn finish(pool: &PgPool, released: &Released) -> Result<(), Sto
     Ok(())
 }
 
+/// A row behind its position that the sweep published (confirmed) goes when its key's
+/// record decides it (completed, or failed for good): a row kept by a move past a
+/// completed holder, of another payload or parked under an older fingerprint than the
+/// record's. Its copy is the message now, decided when it comes back (a duplicate, or
+/// `fingerprint_conflict`); kept, a row its copy does not match was published again and
+/// again. A row whose turn was skipped while it waited stays for its copy, which is
+/// dead-lettered `sequence_passed` (its key has no such record).
+pub(crate) async fn published_behind(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
+    sqlx::query(
+        "DELETE FROM ordering_waiting w
+          WHERE w.scope = $1 AND w.operation = $2 AND w.idempotency_key = $3
+            AND w.ordering_key = $4 AND w.seq = $5
+            AND EXISTS (SELECT 1 FROM processed_operations o
+                         WHERE o.scope = w.scope AND o.operation = w.operation
+                           AND o.idempotency_key = w.idempotency_key
+                           AND (o.status = 'completed' OR (o.status = 'failed' AND NOT o.retryable)))",
+    )
+    .bind(&released.scope)
+    .bind(&released.operation)
+    .bind(&released.idempotency_key)
+    .bind(&released.ordering_key)
+    .bind(released.seq)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// A released delivery run in its releasing process went back unsettled (an outage, an
 /// open circuit): the sweep publishes it to its queue within a second or so.
 pub(crate) async fn give_back(pool: &PgPool, released: &Released) -> Result<(), StoreError> {
@@ -388,9 +415,8 @@ pub(super) async fn list(
                 r.status AS holder_status,
                 (r.dead_lettered_at IS NOT NULL OR r.discarded_at IS NOT NULL) AS holder_dead_lettered,
                 w.waiting,
-                -- At or past the turn: a row behind it (its turn passed, or another
-                -- payload's under a completed holder's key) is on its way to its dead
-                -- letter.
+                -- At or past the turn: a row behind it (its turn passed, or kept by a
+                -- move past a completed holder) is published within a second or so.
                 (SELECT min(x.seq) FROM ordering_waiting x
                   WHERE x.scope = p.scope AND x.ordering_key = p.ordering_key
                     AND x.seq >= p.next_seq) AS first_waiting,

@@ -4,7 +4,8 @@
 //! published to its queue.
 
 use lapin::{BasicProperties, Channel};
-use tracing::warn;
+use sqlx::PgPool;
+use tracing::{debug, warn};
 
 use super::Runtime;
 use super::decision::Outcome;
@@ -14,7 +15,7 @@ use super::owned::{Ahead, Link, Run};
 use super::settle::{Incoming, Links, Source};
 use crate::handler::{Envelope, Handler};
 use crate::metrics;
-use crate::ordering::Released;
+use crate::ordering::{Released, table};
 use crate::{topology, trace};
 
 /// What a delivery that ended with `outcome` released of its `entity`'s order: what the
@@ -71,7 +72,7 @@ pub(super) async fn hand_on<H: Handler>(
             None => None,
         };
         for other in &released {
-            publish(&links.publish, other).await;
+            publish(&links.publish, runtime.store.pool(), other).await;
         }
         let Some(turn) = turn else { return };
         crate::failpoint::hit("before-turn-run");
@@ -136,11 +137,23 @@ async fn run_turn<H: Handler>(
 }
 
 /// Publishes a delivery whose turn came to its queue (confirmed). Not published, it is
-/// released again by a sweep after [`crate::ordering::table::RELEASE_STALE`].
-pub(super) async fn publish(channel: &Channel, released: &Released) {
+/// released again by a sweep after [`crate::ordering::table::RELEASE_STALE`]. A row
+/// behind its position ([`Released::turn`] false) whose key's record decides it goes
+/// once its copy is confirmed ([`table::published_behind`]).
+pub(super) async fn publish(channel: &Channel, pool: &PgPool, released: &Released) {
     let properties: BasicProperties = released.properties.clone();
     match topology::publish_confirmed(channel, &released.queue, &released.body, properties).await {
-        Ok(()) => metrics::ordering_released(1),
+        Ok(()) => {
+            metrics::ordering_released(1);
+            if !released.turn
+                && let Err(error) = table::published_behind(pool, released).await
+            {
+                debug!(
+                    error = %crate::text::error_line(&error),
+                    "a published row behind its position stays; the sweep publishes it again"
+                );
+            }
+        }
         Err(error) => warn!(
             error = %crate::text::error_line(&error),
             queue = %released.queue,

@@ -151,10 +151,10 @@ impl Settler<'_> {
         match action {
             // A handed-over delivery acked here completed, or its record decides without
             // a turn: the release's move past it deletes its row (under the gate, a row
-            // of its record's payload: docs/DESIGN.md says when that is not so), or the
-            // next copy's entry does; no round trip of its own at every turn of a hot
-            // entity (a delete of its own cost the gate's shuffled bench a quarter to
-            // 40 % of its pace).
+            // of its record's payload; another stays behind the position, and the sweep
+            // publishes and deletes it), or the next copy's entry does; no round trip of
+            // its own at every turn of a hot entity (a delete of its own cost the gate's
+            // shuffled bench a quarter to 40 % of its pace).
             Settle::Ack => match self.from {
                 Source::Broker(tag) => self.links.acks.ack(tag),
                 Source::Waiting(_) => {}

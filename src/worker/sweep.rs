@@ -74,7 +74,7 @@ impl Takeover {
                 Some(route) if r.turn => {
                     self.tasks.spawn(route.run_released(self.links.clone(), r));
                 }
-                _ => publish(&self.links.publish, &r).await,
+                _ => publish(&self.links.publish, self.store.pool(), &r).await,
             }
         }
     }
@@ -163,7 +163,7 @@ pub(super) async fn sweep_every(
                     );
                 }
                 for r in &released {
-                    publish(channel, r).await;
+                    publish(channel, store.pool(), r).await;
                 }
             }
             Err(error) => warn!(error = %crate::text::error_line(&error), "ordering sweep"),
