@@ -2,9 +2,9 @@
 //! safety in tests.
 //!
 //! Compiled in only with the `failpoints` cargo feature; without it [`hit`], [`fails`],
-//! [`stalls`] and [`stretched`] are empty and cost nothing. With it, `IDEM_FAILPOINT=<name>` makes
-//! the process abort (no unwinding, no cleanup, like a `SIGKILL`) the first time it
-//! passes that point:
+//! [`stalls`] and [`stretched`] are empty and cost nothing. With it,
+//! `IDEM_FAILPOINT=<name>` makes the process abort (no unwinding, no cleanup, like a
+//! `SIGKILL`) the first time it passes that point:
 //!
 //! | name | where |
 //! |---|---|

@@ -1984,7 +1984,7 @@ async fn a_message_handed_under_a_used_key_is_not_lost_when_its_process_dies_tra
 
 /// A turn handed over in process whose row was parked under another fingerprint than
 /// the one its run completed under (a deploy changed the handler's volatile fields in
-/// between) runs once, and its row's copies are duplicates: `w`'s 2 parks, and its
+/// between) runs once, and its row's one copy is a duplicate: `w`'s 2 parks, and its
 /// row's fingerprint is then made another. `w`'s 1 completes and hands 2 its turn; 2
 /// runs and completes under today's fingerprint, so the release's move past it keeps
 /// the row (it deletes a row of the record's payload only: one of another message

@@ -148,8 +148,8 @@ pub struct Position {
     /// Deliveries waiting for their turn.
     pub waiting: i64,
     /// The lowest waiting sequence number at or past `next_seq` (a row behind it, whose
-    /// turn passed, is published to its queue within a second or so, and dead-lettered
-    /// when it comes back): above it with no holder, a gap.
+    /// turn passed, is published to its queue within a second or so, and decided when it
+    /// comes back): above it with no holder, a gap.
     pub first_waiting: Option<i64>,
     /// Since when the position has not moved.
     pub moved_at: DateTime<Utc>,

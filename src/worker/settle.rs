@@ -184,7 +184,11 @@ impl Settler<'_> {
     async fn ack(&self) {
         match self.from {
             Source::Broker(tag) => self.links.acks.ack(tag),
-            Source::Waiting(released) => forget(self.store.pool(), released).await,
+            Source::Waiting(released) => {
+                if let Err(error) = table::finish(self.store.pool(), released).await {
+                    debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
+                }
+            }
         }
     }
 
@@ -312,13 +316,5 @@ pub(super) fn count(
     }
     if replayed {
         metrics::replayed_delivery(operation, outcome);
-    }
-}
-
-/// Deletes the waiting row of a handed-over delivery that was settled; one that stays
-/// is published by the sweep, and its copy is decided again.
-async fn forget(pool: &sqlx::PgPool, released: &Released) {
-    if let Err(error) = table::finish(pool, released).await {
-        debug!(error = %crate::text::error_line(&error), "a handed-over turn's row stays for the sweep");
     }
 }
